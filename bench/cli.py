@@ -1,0 +1,57 @@
+"""`splitserve bench <scenario>`: every scenario prints one JSON object as its last line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+Scenario = Callable[[argparse.Namespace], dict[str, Any]]
+
+
+def _scenarios() -> dict[str, Scenario]:
+    from bench import batching, peer_hf, roofline, scheduler_cost, sweep
+
+    return {
+        "batching": batching.run,
+        "peer-hf": peer_hf.run,
+        "scheduler": scheduler_cost.run,
+        "roofline": roofline.run,
+        "sweep": sweep.run,
+    }
+
+
+def _run(args: argparse.Namespace) -> int:
+    scenarios = _scenarios()
+    names = list(scenarios) if args.scenario == "all" else [args.scenario]
+    if args.scenario != "all" and args.scenario not in scenarios:
+        print(f"error: unknown scenario {args.scenario!r}; choose from: all, {', '.join(scenarios)}", file=sys.stderr)
+        return 2
+    results: dict[str, Any] = {}
+    for name in names:
+        print(f"== bench {name}", file=sys.stderr)
+        results[name] = scenarios[name](args)
+        if not args.json:
+            for k, v in results[name].items():
+                print(f"{name:>10}  {k:<32} {v}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.scenario}.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    final = results[names[0]] if len(names) == 1 else results
+    print(json.dumps(final))
+    return 0
+
+
+def add_bench_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="run a benchmark scenario (or 'all')")
+    b.add_argument("scenario", help="batching | peer-hf | scheduler | roofline | sweep | all")
+    b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
+    b.add_argument("--requests", type=int, default=64)
+    b.add_argument("--max-batch", type=int, default=16)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--model", default=None)
+    b.add_argument("--out", default="bench/out", help="folder for result JSON and plots")
+    b.set_defaults(func=_run)

@@ -1,0 +1,62 @@
+"""Decode throughput against batch size, and a plot of it: where the knee is."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.sampling_params import SamplingParams
+from common.model.loader import load_model
+
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def decode_tok_s(engine: LLMEngine, batch: int, steps: int = 12, prompt_len: int = 64) -> float:
+    for i in range(batch):
+        ids = [(100 + 7 * i + j) % 40000 + 10 for j in range(prompt_len)]
+        engine.add_request(ids, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+    while any(s.is_prefilling or s.num_computed_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    t0 = time.perf_counter()
+    n = 0
+    while engine.has_unfinished():
+        n += len(engine.step())
+    return n / (time.perf_counter() - t0)
+
+
+def plot(points: dict[int, float], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    xs, ys = list(points), list(points.values())
+    ax.plot(xs, ys, marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("decode batch size (sequences per step)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("SmolLM2-135M decode throughput vs batch size (CPU, fp32)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model, tok = load_model(args.model)
+    points = {}
+    for b in tqdm(BATCHES, desc="batch sizes", leave=False):
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=b, max_num_batched_tokens=max(512, 64 * b)))
+        points[b] = decode_tok_s(engine, b)
+    path = os.path.join("docs", "img", "throughput_vs_batch.png")
+    plot(points, path)
+    return {f"tok_s_b{b}": round(v, 1) for b, v in points.items()} | {"plot": path}

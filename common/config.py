@@ -1,0 +1,28 @@
+"""Typed, frozen settings. Flags and SPLITSERVE_* environment variables fill them at start-up;
+values discovered at start-up (the KV block count) are computed once and passed explicitly."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class EngineConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPLITSERVE_", frozen=True, extra="forbid")
+
+    model: str | None = Field(None, description="GGUF file or safetensors folder; default SmolLM2-135M")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    block_size: int = Field(16, ge=1)
+    kv_cache_memory_mb: int = Field(512, ge=1, description="memory for the paged KV cache")
+    num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory_mb")
+    swap_space_mb: int = Field(256, ge=0, description="host memory for swapped-out sequences")
+    max_num_seqs: int = Field(16, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1, description="per-step token budget")
+    max_model_len: int | None = Field(None, ge=1, description="default: the model's context length")
+    policy: Literal["fcfs", "priority", "static"] = "fcfs"
+    preemption_mode: Literal["auto", "swap", "recompute"] = "auto"
+    aging_s: float = Field(1.0, gt=0)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")

@@ -1,0 +1,291 @@
+"""Iteration-level (continuous-batching) scheduler. Plain Python: no torch, no I/O.
+
+Every step re-decides the batch (Orca). Order of work within one step's token budget (Sarathi):
+  1. running sequences that decode (one token each), then running prefills, chunked to the budget;
+     a sequence that needs a new KV block and finds none preempts the least urgent running one
+  2. sequences swapped out to host memory come back before anything new is admitted
+  3. waiting sequences are admitted while KV blocks, `max_num_seqs` and the budget allow
+Policies: `fcfs` (arrival order), `priority` (lower value first, aged so nothing starves), and
+`static`, the baseline: a fixed batch runs until its last member finishes, finished members keeping
+their slot as padding that is still computed, as in static-batching servers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from common.engine.sequence import Sequence, SequenceStatus
+from common.kv.block_manager import BlockManager
+
+Policy = Literal["fcfs", "priority", "static"]
+PreemptionMode = Literal["auto", "swap", "recompute"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunks)
+    policy: Policy = "fcfs"
+    preemption_mode: PreemptionMode = "auto"
+    num_swap_blocks: int = 0  # host-memory blocks available to swapped-out sequences
+    aging_s: float = 1.0  # priority policy: waiting this long gains one priority level
+    # Cost model for choosing swap or recompute (seconds). Defaults are CPU-ish; the engine
+    # passes measured figures.
+    swap_s_per_block: float = 2e-5  # copy one block out (and again back in)
+    recompute_s_per_token: float = 2e-4  # prefill one token again
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens) in step order
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy these blocks out first
+    swap_in: list[Sequence] = field(default_factory=list)  # then copy saved KV into seq.block_table
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: tuple[int, ...] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.swap_blocks_used = 0
+        self.stats: Counter[str] = Counter()
+        self._arrivals = 0  # tie-break for equal arrival times: order of add()
+
+    # --- queue ------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        if seq.arrival_time is None:
+            seq.arrival_time = self.clock()
+        self._arrivals += 1
+        seq.arrival_order = self._arrivals
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def _effective_priority(self, seq: Sequence, now: float) -> tuple[float, float, int]:
+        """Sort key, most urgent first. Aging: each `aging_s` of waiting is worth one priority level."""
+        arrival = seq.arrival_time or 0.0
+        prio = seq.priority - (now - arrival) / self.config.aging_s if self.config.policy == "priority" else 0.0
+        return (prio, arrival, seq.arrival_order)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self.config.policy == "static":
+            return self._schedule_static()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bs = self.bm.block_size
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            while len(seq.token_ids) > len(seq.block_table) * bs and not self.bm.can_append(seq):
+                budget += self._preempt(self._pick_victim(), out)
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.bm.append_slots(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+        if out.preempted:
+            return out  # memory is short: admit nothing new this step
+        budget = self._swap_in(out, budget)
+        self._admit(out, budget)
+        return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if self.bm.blocks_needed(seq.num_tokens) > self.bm.num_free_blocks:
+                break
+            self.swapped.popleft()
+            n_saved = len(seq.block_table)
+            seq.block_table = []
+            self.bm.allocate(seq, use_prefix_cache=False)
+            self.swap_blocks_used -= n_saved
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.swap_in.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        if self.swapped or not self.waiting:
+            return  # swapped sequences come back first
+        queue: list[Sequence] | deque[Sequence] = self.waiting
+        if self.config.policy == "priority":
+            now = self.clock()
+            queue = sorted(self.waiting, key=lambda s: self._effective_priority(s, now))
+        admitted: list[Sequence] = []
+        for seq in queue:
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if not self.bm.can_allocate(seq):
+                break  # head-of-line blocking on purpose: skipping ahead would starve long prompts
+            self.bm.allocate(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+        if self.config.policy == "priority":
+            taken = {id(s) for s in admitted}
+            self.waiting = deque(s for s in self.waiting if id(s) not in taken)
+        else:
+            for _ in admitted:
+                self.waiting.popleft()
+
+    def _schedule_static(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self.running:
+            # Reserve every member's whole lifetime up front, as static batching does.
+            while self.waiting and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                lifetime = seq.num_tokens + seq.params.max_tokens
+                if not self.bm.can_allocate(seq, num_tokens=lifetime):
+                    break
+                self.waiting.popleft()
+                self.bm.allocate(seq, num_tokens=lifetime)
+                seq.num_computed_tokens = seq.num_cached_tokens
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+        budget = self.config.max_num_batched_tokens
+        for seq in self.running:
+            n = 1 if seq.padding else min(seq.num_uncomputed_tokens, budget)
+            if n == 0:
+                break
+            out.scheduled.append((seq, n))
+            budget -= n if not seq.padding else 0
+        return out
+
+    # --- preemption -------------------------------------------------------------------------------
+    def _pick_victim(self) -> Sequence:
+        now = self.clock()
+        return max(self.running, key=lambda s: self._effective_priority(s, now))
+
+    def _preemption_kind(self, seq: Sequence) -> str:
+        cfg, n_blocks = self.config, len(seq.block_table)
+        fits = self.swap_blocks_used + n_blocks <= cfg.num_swap_blocks
+        if cfg.preemption_mode == "recompute":
+            return "recompute"
+        if cfg.preemption_mode == "swap":
+            if not fits:
+                self.stats["swap_refused_no_host_space"] += 1
+            return "swap" if fits else "recompute"
+        swap_cost = 2 * n_blocks * cfg.swap_s_per_block
+        recompute_cost = seq.num_computed_tokens * cfg.recompute_s_per_token
+        return "swap" if fits and swap_cost < recompute_cost else "recompute"
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Take seq off the running batch; returns budget given back if it was already scheduled."""
+        refund = 0
+        for i, (s, n) in enumerate(out.scheduled):
+            if s is seq:
+                del out.scheduled[i]
+                refund = n
+                break
+        kind = self._preemption_kind(seq)
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.stats[f"preempt_{kind}"] += 1
+        out.preempted.append(seq)
+        if kind == "swap":
+            out.swap_out.append((seq, list(seq.block_table)))
+            self.swap_blocks_used += len(seq.block_table)
+            blocks = list(seq.block_table)
+            self.bm.free(seq)
+            seq.block_table = blocks  # remembered only for the count; reallocated on swap-in
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)  # first in line to come back
+        return refund
+
+    # --- after the model ran ----------------------------------------------------------------------
+    def postprocess(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Sequence]:
+        """Advance computed counts, append sampled tokens, finish sequences; returns those finished."""
+        finished: list[Sequence] = []
+        for (seq, n), tok in zip(out.scheduled, sampled, strict=True):
+            if seq.padding:
+                continue
+            seq.num_computed_tokens += n
+            self.bm.commit(seq, seq.num_computed_tokens)
+            if tok is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            seq.append_token(tok)
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                self.finish(seq, reason)
+                finished.append(seq)
+        if self.config.policy == "static" and self.running and all(s.padding for s in self.running):
+            for seq in self.running:
+                self.bm.free(seq)
+            self.running.clear()
+        self.stats["steps"] += 1
+        return finished
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_output_tokens <= p.min_tokens:
+            return None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq (stop, length, abort) and release what it holds."""
+        seq.finish_reason = reason
+        if self.config.policy == "static" and seq.status is SequenceStatus.RUNNING:
+            seq.padding = True  # keeps its slot until the whole batch is done
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.bm.free(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_blocks_used -= len(seq.block_table)
+            seq.block_table = []
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,79 @@
+"""A request inside an engine: its tokens, its KV blocks, and how far its KV has been computed."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+
+from common.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"  # queued, or preempted by recompute (holds no blocks)
+    RUNNING = "running"  # holds blocks, scheduled every step
+    SWAPPED = "swapped"  # preempted by swap: its KV sits in host memory
+    FINISHED = "finished"
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        seq_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        assert token_ids, "a sequence needs at least one prompt token"
+        self.seq_id = seq_id if seq_id is not None else str(next(Sequence._ids))
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.priority = priority  # lower runs first
+        self.arrival_time = arrival_time
+        self.arrival_order = 0  # set by the scheduler: breaks ties between equal arrival times
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
+        self.num_hashed_blocks = 0
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.padding = False  # static batching: finished but still occupying its slot
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model before the next token can be sampled."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,196 @@
+"""Block manager: integer bookkeeping of KV blocks. No torch, no I/O.
+
+A block is in exactly one of three pools:
+  free      ref_count == 0, no hash          -> handed out first
+  used      ref_count  > 0                   -> in some sequence's block table
+  cached    ref_count == 0, content hashed   -> evictable (LRU) but still reusable by a prefix hit
+free + used + cached == total is checked by check_integrity().
+
+Prefix caching: a full block whose KV has been computed gets a hash chained on its parent block's
+hash, so equal hashes mean equal token prefixes. Hashes are stable across processes (blake2b), so a
+router can match them against hashes another service published.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+def block_hash(parent: int, tokens: Seq[int]) -> int:
+    """Hash of one full block's tokens chained on the parent block's hash (-1 for the first)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(parent.to_bytes(8, "little", signed=True))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+class BlockOwner(Protocol):
+    """What the block manager needs from a sequence."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_cached_tokens: int
+    num_hashed_blocks: int
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    tokens: tuple[int, ...] = field(default=())  # kept to rule out hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0, "need at least one block of at least one token"
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.cached_ids: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        self.hash_to_block: dict[int, int] = {}
+        self.num_used = 0
+        self.prefix_queries = 0  # blocks looked up / found, for the prefix-cache hit rate
+        self.prefix_hits = 0
+
+    # --- capacity ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free + evictable cached)."""
+        return len(self.free_ids) + len(self.cached_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_hits(self, token_ids: Seq[int], num_tokens: int) -> list[int]:
+        """Block ids holding the longest cached prefix of token_ids (full blocks only)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent, bs = -1, self.block_size
+        for i in range(num_tokens // bs):
+            toks = token_ids[i * bs : (i + 1) * bs]
+            h = block_hash(parent, toks)
+            bid = self.hash_to_block.get(h)
+            if bid is None or self.blocks[bid].tokens != tuple(toks):
+                break
+            hits.append(bid)
+            parent = h
+        return hits
+
+    def can_allocate(self, seq: BlockOwner, num_tokens: int | None = None, reserve: int = 0) -> bool:
+        """Room for `num_tokens` (default: all of seq's tokens) plus `reserve` spare blocks?"""
+        n = len(seq.token_ids) if num_tokens is None else num_tokens
+        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids)))
+        evictable_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        need = self.blocks_needed(n) - len(hits) + reserve
+        return need <= self.num_free_blocks - evictable_hits
+
+    # --- allocation -------------------------------------------------------------------------------
+    def _take(self) -> int:
+        if self.free_ids:
+            bid = self.free_ids.popleft()
+        else:
+            assert self.cached_ids, "out of KV blocks: callers must check can_allocate/can_append first"
+            bid, _ = self.cached_ids.popitem(last=False)  # evict the least recently used
+            blk = self.blocks[bid]
+            del self.hash_to_block[blk.hash]  # type: ignore[arg-type]
+            blk.hash, blk.tokens = None, ()
+        self.blocks[bid].ref_count = 1
+        self.num_used += 1
+        return bid
+
+    def _ref(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        if blk.ref_count == 0:
+            del self.cached_ids[bid]
+            self.num_used += 1
+        blk.ref_count += 1
+
+    def allocate(self, seq: BlockOwner, num_tokens: int | None = None, use_prefix_cache: bool = True) -> None:
+        """Give seq blocks for its first `num_tokens` tokens, reusing cached prefix blocks.
+
+        Sets seq.num_cached_tokens: tokens whose KV is already in the reused blocks. At least one
+        token is always left to compute, because the step that computes it samples the next token.
+        """
+        assert not seq.block_table, "sequence already holds blocks"
+        n = len(seq.token_ids) if num_tokens is None else num_tokens
+        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids))) if use_prefix_cache else []
+        self.prefix_queries += len(seq.token_ids) // self.block_size
+        self.prefix_hits += len(hits)
+        for bid in hits:
+            self._ref(bid)
+        seq.block_table = hits + [self._take() for _ in range(self.blocks_needed(n) - len(hits))]
+        seq.num_hashed_blocks = len(hits)
+        seq.num_cached_tokens = min(len(hits) * self.block_size, len(seq.token_ids) - 1)
+
+    def can_append(self, seq: BlockOwner, num_new_tokens: int = 1) -> bool:
+        need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)
+        return need <= self.num_free_blocks
+
+    def append_slots(self, seq: BlockOwner, num_new_tokens: int = 1) -> None:
+        """Make room for seq's tokens up to len(token_ids) + num_new_tokens - 1."""
+        need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)
+        for _ in range(need):
+            seq.block_table.append(self._take())
+
+    def free(self, seq: BlockOwner) -> None:
+        """Release seq's blocks. Hashed blocks stay reusable (cached) until evicted."""
+        for bid in reversed(seq.block_table):  # tail first: evicted before the shared prefix
+            blk = self.blocks[bid]
+            assert blk.ref_count > 0, f"double free of block {bid}"
+            blk.ref_count -= 1
+            if blk.ref_count == 0:
+                self.num_used -= 1
+                if blk.hash is not None:
+                    self.cached_ids[bid] = None
+                else:
+                    self.free_ids.append(bid)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def commit(self, seq: BlockOwner, num_computed_tokens: int) -> list[int]:
+        """Hash the full blocks whose KV is now computed; returns the new hashes (for KV events)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, new = self.block_size, []
+        for i in range(seq.num_hashed_blocks, num_computed_tokens // bs):
+            parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            if parent is None:  # parent's content is owned elsewhere under that hash: stop the chain
+                break
+            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, toks)
+            blk = self.blocks[seq.block_table[i]]
+            if h not in self.hash_to_block and blk.hash is None:
+                blk.hash, blk.tokens = h, toks
+                self.hash_to_block[h] = blk.block_id
+                new.append(h)
+            elif blk.hash != h:
+                break  # same content computed twice concurrently; keep this copy private
+            seq.num_hashed_blocks = i + 1
+        return new
+
+    # --- invariants -------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        free, cached = len(self.free_ids), len(self.cached_ids)
+        used = sum(1 for b in self.blocks if b.ref_count > 0)
+        assert used == self.num_used, f"used count drifted: counted {used}, tracked {self.num_used}"
+        assert free + used + cached == self.num_blocks, (
+            f"block accounting broken: free {free} + used {used} + cached {cached} != {self.num_blocks}"
+        )
+        assert len(set(self.free_ids)) == free, "a block is twice in the free list"
+        for bid in self.free_ids:
+            b = self.blocks[bid]
+            assert b.ref_count == 0 and b.hash is None, f"free block {bid} is referenced or hashed"
+        for bid in self.cached_ids:
+            b = self.blocks[bid]
+            assert b.ref_count == 0 and b.hash is not None, f"cached block {bid} is referenced or unhashed"
+        for h, bid in self.hash_to_block.items():
+            assert self.blocks[bid].hash == h, f"hash index points at block {bid} with another hash"

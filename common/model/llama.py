@@ -1,0 +1,214 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain torch.
+
+Selective batching: `forward` takes the flattened tokens of every sequence in the step, (T,), and runs
+every op except attention on the (T, hidden) matrix; attention alone goes per sequence over the paged
+KV cache (`paged_attention`). `dense_forward` is an independent one-sequence reference with no cache.
+
+Weights are loaded from HF-named tensors (both loaders produce those names); q/k/v and gate/up are
+fused into one matmul each at load time, which saves two GEMM launches per layer on small batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.kv.kv_cache import PagedKVCache
+from common.model.attention import AttentionMetadata, paged_attention
+from common.model.config import ModelConfig, rope_inv_freq
+
+# attn_fn(q (T, nh, hd), k (T, nkv, hd), v (T, nkv, hd), layer) -> (T, nh, hd)
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, dim)
+        # Reduce in at least fp32 even for bf16 weights: the mean of squares loses precision otherwise.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # HF convention: the head dim is two halves [x1, x2] -> [-x2, x1] (not interleaved pairs).
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, hd); cos, sin: (T, hd)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=False, dtype=dtype)
+        self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn_fn: AttnFn
+    ) -> torch.Tensor:  # x: (T, hidden)
+        cfg = self.cfg
+        T = x.shape[0]
+        qkv = self.qkv_proj(self.input_norm(x))  # (T, q_size + 2 kv_size)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)  # (T, nh, hd)
+        k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # (T, nkv, hd)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)  # (T, nkv, hd)
+        attn = attn_fn(q, k, v, layer)  # (T, nh, hd)
+        x = x + self.o_proj(attn.reshape(T, cfg.q_size))
+        gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)  # (T, inter) each
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.scale = config.head_dim**-0.5
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # Tied models reuse the embedding matrix as the output projection (no second copy).
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (hd/2,) fp32
+        self.requires_grad_(False)
+
+    # --- forward paths -----------------------------------------------------------------------------
+    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, sin each (T, hd) in the model dtype; computed once, shared by layers."""
+        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,) long, all sequences of the step back to back
+        positions: torch.Tensor,  # (T,) long, each token's position within its own sequence
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:  # (T, hidden), final-normed
+        def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            return paged_attention(q, k, v, layer, kv_cache, meta, self.scale)
+
+        cos, sin = self.rope_cos_sin(positions)
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, attn_fn)
+            # Layer i's KV is in the cache now: a caller may start shipping it while i+1 computes.
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab) fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, vocab) fp32
+        """Reference forward of ONE sequence, no KV cache: plain causal attention. Used by tests."""
+        cfg = self.config
+        rep = cfg.num_heads // cfg.num_kv_heads
+
+        def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, T, hd)
+            k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)  # (nh, T, hd)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return out.transpose(0, 1)  # (T, nh, hd)
+
+        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
+        cos, sin = self.rope_cos_sin(positions)
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, i, attn_fn)
+        return self.compute_logits(self.norm(x))
+
+    # --- weights -----------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_weights(
+        cls, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    ) -> LlamaForCausalLM:
+        """Build without random init (parameters start on the meta device) and load the weights."""
+        with torch.device("meta"):
+            model = cls(config, dtype)
+        model.to_empty(device="cpu")
+        model.inv_freq = rope_inv_freq(config)  # buffers are not weights: recompute after to_empty
+        model.load_hf_weights(tensors)
+        return model.eval()
+
+    @torch.no_grad()
+    def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors ("model.layers.0.self_attn.q_proj.weight", ...) in, fusing q/k/v and
+        gate/up. Every parameter must be covered exactly once; missing or unknown names raise."""
+        todo = dict(tensors)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in todo:
+                raise KeyError(f"weight {name!r} missing from checkpoint")
+            return todo.pop(name)
+
+        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        self.norm.weight.copy_(take("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(take("lm_head.weight"))
+        else:
+            todo.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
+            layer.post_attn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            layer.qkv_proj.weight.copy_(torch.cat(qkv, dim=0))
+            if layer.qkv_proj.bias is not None:
+                layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
+            layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+            gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+            layer.gate_up_proj.weight.copy_(torch.cat([gate, up], dim=0))
+            layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+        # Rotary inv_freq buffers from old HF checkpoints are derived, not weights.
+        unknown = [n for n in todo if not n.endswith("rotary_emb.inv_freq")]
+        if unknown:
+            raise KeyError(f"unexpected weights in checkpoint: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The inverse of load_hf_weights: HF-named, un-fused tensors (for export and comparisons)."""
+        cfg = self.config
+        out = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight}
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.weight
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            out[p + "input_layernorm.weight"] = layer.input_norm.weight
+            out[p + "post_attention_layernorm.weight"] = layer.post_attn_norm.weight
+            split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+            for n, w in zip("qkv", layer.qkv_proj.weight.split(split), strict=True):
+                out[p + f"self_attn.{n}_proj.weight"] = w
+            if layer.qkv_proj.bias is not None:
+                for n, b in zip("qkv", layer.qkv_proj.bias.split(split), strict=True):
+                    out[p + f"self_attn.{n}_proj.bias"] = b
+            out[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
+            gate, up = layer.gate_up_proj.weight.chunk(2)
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+            out[p + "mlp.down_proj.weight"] = layer.down_proj.weight
+        return {k: v.detach().contiguous() for k, v in out.items()}

