@@ -62,8 +62,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload = make_workload(tok, n=args.requests, seed=args.seed)
     res = {}
     for policy in ("continuous", "static"):
-        cfg = EngineConfig(max_num_seqs=args.max_batch, policy="static" if policy == "static" else "fcfs",
-                           max_num_batched_tokens=1024)
+        cfg = EngineConfig(
+            max_num_seqs=args.max_batch,
+            policy="static" if policy == "static" else "fcfs",
+            max_num_batched_tokens=1024,
+        )
         engine = LLMEngine(model, tok, cfg)
         run_engine(engine, workload[:2], f"warmup {policy}")
         res[policy] = run_engine(engine, workload, policy)

@@ -28,7 +28,10 @@ def _run(args: argparse.Namespace) -> int:
     scenarios = _scenarios()
     names = list(scenarios) if args.scenario == "all" else [args.scenario]
     if args.scenario != "all" and args.scenario not in scenarios:
-        print(f"error: unknown scenario {args.scenario!r}; choose from: all, {', '.join(scenarios)}", file=sys.stderr)
+        print(
+            f"error: unknown scenario {args.scenario!r}; choose from: all, {', '.join(scenarios)}",
+            file=sys.stderr,
+        )
         return 2
     results: dict[str, Any] = {}
     for name in names:

@@ -44,7 +44,9 @@ def real_step_overhead(model_path: str | None, batch: int = 16, steps: int = 30)
     model, tok = load_model(model_path)
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=batch))
     for i in range(batch):
-        engine.add_request(list(range(100 + i, 164 + i)), SamplingParams(max_tokens=steps + 10, ignore_eos=True))
+        engine.add_request(
+            list(range(100 + i, 164 + i)), SamplingParams(max_tokens=steps + 10, ignore_eos=True)
+        )
     engine.step()  # prefill all
     engine.step()
     t_sched = t_run = t_post = 0.0

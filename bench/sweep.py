@@ -21,7 +21,10 @@ def decode_tok_s(engine: LLMEngine, batch: int, steps: int = 12, prompt_len: int
     for i in range(batch):
         ids = [(100 + 7 * i + j) % 40000 + 10 for j in range(prompt_len)]
         engine.add_request(ids, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
-    while any(s.is_prefilling or s.num_computed_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(s.is_prefilling or s.num_computed_tokens == 0 for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
     engine.step()
     t0 = time.perf_counter()

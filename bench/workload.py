@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from common.model.tokenizer import Tokenizer
+
 QUESTIONS = [
     "What is the capital of France?",
     "Explain how a refrigerator works.",
@@ -35,8 +37,14 @@ def lognormal_lengths(n: int, median: float, sigma: float, cap: int, rng: random
     return [max(1, min(cap, round(rng.lognormvariate(0.0, sigma) * median))) for _ in range(n)]
 
 
-def make_workload(tokenizer, n: int = 64, seed: int = 0, median: float = 32, sigma: float = 1.0,  # type: ignore[no-untyped-def]
-                  cap: int = 256) -> list[Request]:
+def make_workload(
+    tokenizer: Tokenizer,
+    n: int = 64,
+    seed: int = 0,
+    median: float = 32,
+    sigma: float = 1.0,
+    cap: int = 256,
+) -> list[Request]:
     rng = random.Random(seed)
     lengths = lognormal_lengths(n, median, sigma, cap, rng)
     prompts = [

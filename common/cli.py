@@ -12,8 +12,13 @@ def _generate(args: argparse.Namespace) -> int:
     from common.engine.sampling_params import SamplingParams
 
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
         engine = LLMEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -16,7 +16,9 @@ from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.sequence import Sequence, SequenceStatus
 from common.kv.block_manager import BlockManager
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
+from common.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -42,14 +44,16 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model, self.tokenizer, self.config = model, tokenizer, config
         mc = model.config
         dtype = DTYPES[config.dtype]
         probe = KVCacheSpec(mc.num_layers, 1, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_memory_mb * 2**20 // probe.bytes_per_block)
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory_mb * 2**20 // probe.bytes_per_block
+        )
         spec = KVCacheSpec(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         self.kv_cache = PagedKVCache(spec)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -130,7 +134,9 @@ class LLMEngine:
             saved = self._swapped_kv.pop(seq.seq_id)
             self.kv_cache.copy_in(seq.block_table[: saved[0].shape[1]], saved)
 
-    def _outputs(self, out: SchedulerOutput, sampled: list[int | None], finished: set[int]) -> list[RequestOutput]:
+    def _outputs(
+        self, out: SchedulerOutput, sampled: list[int | None], finished: set[int]
+    ) -> list[RequestOutput]:
         results = []
         for (seq, _), tok in zip(out.scheduled, sampled, strict=True):
             if tok is None or (seq.padding and id(seq) not in finished):
@@ -142,8 +148,15 @@ class LLMEngine:
             if seq.is_finished:
                 self._release(seq)
             results.append(
-                RequestOutput(seq.seq_id, [tok], new_text, seq.is_finished, seq.finish_reason,
-                              seq.num_prompt_tokens, seq.num_output_tokens)
+                RequestOutput(
+                    seq.seq_id,
+                    [tok],
+                    new_text,
+                    seq.is_finished,
+                    seq.finish_reason,
+                    seq.num_prompt_tokens,
+                    seq.num_output_tokens,
+                )
             )
         return results
 
@@ -158,12 +171,19 @@ class LLMEngine:
         seq = self._seqs.pop(request_id)
         assert seq.status is SequenceStatus.FINISHED, f"{request_id} has not finished"
         detok = self._detok.pop(request_id)
-        return Completion(request_id, seq.token_ids[: seq.num_prompt_tokens], seq.output_token_ids,
-                          detok.text, seq.finish_reason or "")
+        return Completion(
+            request_id,
+            seq.token_ids[: seq.num_prompt_tokens],
+            seq.output_token_ids,
+            detok.text,
+            seq.finish_reason or "",
+        )
 
     # --- offline convenience ----------------------------------------------------------------------
     def generate(
-        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams],
+        self,
+        prompts: Iterable[str | list[int]],
+        params: SamplingParams | list[SamplingParams],
         progress: bool = False,
     ) -> list[Completion]:
         prompts = list(prompts)

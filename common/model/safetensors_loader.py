@@ -47,7 +47,9 @@ def config_from_hf(folder: str, files: list[str]) -> ModelConfig:
         raise ValueError(f"{folder}: config.json missing")
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{folder}: model_type {model_type!r} not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ValueError(
+            f"{folder}: model_type {model_type!r} not supported ({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     gen = _read_json(os.path.join(folder, "generation_config.json"))
     # generation_config's eos list is what generation should stop on (Llama 3 adds <|eot_id|> there).
     eos = list(dict.fromkeys(_as_ids(gen.get("eos_token_id")) + _as_ids(cfg.get("eos_token_id"))))

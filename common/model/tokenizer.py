@@ -155,7 +155,11 @@ class Tokenizer:
             )
         eos_ids = [
             meta[k]
-            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            for k in (
+                "tokenizer.ggml.eos_token_id",
+                "tokenizer.ggml.eot_token_id",
+                "tokenizer.ggml.eom_token_id",
+            )
             if meta.get(k) is not None
         ]
         eos_ids = list(dict.fromkeys(int(i) for i in eos_ids))  # dedupe, keep order

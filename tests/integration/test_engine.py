@@ -39,8 +39,13 @@ def test_batch_invariance_with_chunking_and_preemption(smollm, alone, mode) -> N
     model, tok = smollm
     prompts = _prompts(tok)
     # 12 blocks of 16 tokens hold ~3 of these sequences: the rest wait, and running ones get preempted.
-    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=24, num_kv_blocks=12, preemption_mode=mode,
-                       enable_prefix_caching=False)
+    cfg = EngineConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=24,
+        num_kv_blocks=12,
+        preemption_mode=mode,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine(model, tok, cfg)
     together = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert engine.scheduler.stats[f"preempt_{mode}"] > 0, "the small KV budget must force preemption"
@@ -77,7 +82,9 @@ def test_sampling_seed_is_reproducible_and_batch_independent(smollm) -> None:  #
     solo = engine.generate([prompts[0]], params)[0].token_ids
     crowd = engine.generate(prompts[:4], params)[0].token_ids
     assert solo == crowd
-    other = engine.generate([prompts[0]], SamplingParams(max_tokens=10, temperature=0.9, seed=99, ignore_eos=True))
+    other = engine.generate(
+        [prompts[0]], SamplingParams(max_tokens=10, temperature=0.9, seed=99, ignore_eos=True)
+    )
     greedy = engine.generate([prompts[0]], SamplingParams(max_tokens=10, ignore_eos=True))
     assert other[0].token_ids != solo or greedy[0].token_ids != solo
 

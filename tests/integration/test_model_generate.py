@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.model.attention import AttentionMetadata
 from common.model.loader import default_model_path, load_model
 
 pytestmark = pytest.mark.slow
@@ -37,7 +39,12 @@ def test_config_from_gguf(smollm) -> None:
 
 def test_tokenizer_round_trip(smollm) -> None:
     _, tok = smollm
-    for text in ("Hello, world!", "Ünïcödé naïve café — 日本語 🙂🚀", "0123456789 3.14 1,000,000", " a\n\tb  "):
+    for text in (
+        "Hello, world!",
+        "Ünïcödé naïve café — 日本語 🙂🚀",
+        "0123456789 3.14 1,000,000",
+        " a\n\tb  ",
+    ):
         assert tok.decode(tok.encode(text)) == text
     # smollm pre-tokenizer: every digit is its own token
     digits = tok.encode("2024")
@@ -59,7 +66,9 @@ def test_chat_template_renders_chatml(smollm) -> None:
     _, tok = smollm
     text = tok.apply_chat_template(QUESTION)
     assert text.startswith("<|im_start|>system\n")  # SmolLM2's template adds a default system turn
-    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
     no_prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=False)
     assert no_prompt.endswith("<|im_end|>\n") and "<|im_start|>assistant" not in no_prompt
     own_system = tok.apply_chat_template([{"role": "system", "content": "S"}, *QUESTION])
@@ -81,4 +90,15 @@ def test_bf16_first_token_matches_fp32(smollm) -> None:
     prompt = torch.tensor(tok.encode(tok.apply_chat_template(QUESTION)))
     logits16 = bf16.dense_forward(prompt)
     assert logits16.dtype == torch.float32 and torch.isfinite(logits16).all()
-    assert int(logits16[-1].argmax()) == int(model.dense_forward(prompt)[-1].argmax())
+    first = int(model.dense_forward(prompt)[-1].argmax())
+    assert int(logits16[-1].argmax()) == first
+    # the paged path in bf16 too: one prefill step over a bf16 cache, contiguous blocks
+    c, T = bf16.config, len(prompt)
+    cache = PagedKVCache(
+        KVCacheSpec(c.num_layers, -(-T // 16), 16, c.num_kv_heads, c.head_dim, torch.bfloat16)
+    )
+    table = torch.arange(cache.spec.num_blocks)
+    meta = AttentionMetadata([0, T], [T], [table], torch.arange(T))
+    hidden = bf16(prompt, torch.arange(T), cache, meta)
+    assert hidden.dtype == torch.bfloat16
+    assert int(bf16.compute_logits(hidden[-1:]).argmax()) == first

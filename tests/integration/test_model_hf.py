@@ -7,60 +7,17 @@ safetensors loader must read the folder back to the same model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from common.model.llama import LlamaForCausalLM
+from common.model.hf_export import export_hf_folder
 from common.model.loader import load_model
-from common.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
 TEXT = "The capital of France is Paris. 1234567 + 89 = ?\n  Ünïcödé 日本語 🙂 <|im_end|>"
-
-
-def export_hf_folder(model: LlamaForCausalLM, tokenizer: Tokenizer, out: Path) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json for `model`."""
-    c = model.config
-    out.mkdir(parents=True, exist_ok=True)
-    weights = model.hf_state_dict()
-    save_file({k: v.float() for k, v in weights.items()}, str(out / "model.safetensors"))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_scaling": c.rope_scaling,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": c.tie_word_embeddings,
-        "attention_bias": c.attention_bias,
-        "hidden_act": "silu",
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": list(c.eos_token_ids),
-        "torch_dtype": "float32",
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    tokenizer.tok.save(str(out / "tokenizer.json"))
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": tokenizer.chat_template,
-        "bos_token": tokenizer.id_to_token(c.bos_token_id),
-        "eos_token": tokenizer.id_to_token(c.eos_token_ids[0]),
-        "add_bos_token": False,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +31,7 @@ def test_matches_transformers(smollm, hf_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model, tokenizer = smollm
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir)).float().eval()  # config says float32
     ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": TEXT}]))
     ref = hf(torch.tensor([ids])).logits[0].float()  # (T, vocab)
     ours = model.dense_forward(torch.tensor(ids))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -76,17 +77,21 @@ def test_llama3_scaling_matches_transformers() -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    # legacy kwargs (rope_theta, rope_scaling) are accepted by transformers 4.x and 5.x alike
+    legacy: dict[str, Any] = dict(rope_theta=500000.0, rope_scaling=dict(LLAMA3))
     hf_cfg = LlamaConfig(
-        hidden_size=4096,
-        num_attention_heads=32,
-        head_dim=128,
-        rope_theta=500000.0,
-        rope_scaling=dict(LLAMA3),
-        max_position_embeddings=131072,
+        hidden_size=4096, num_attention_heads=32, head_dim=128, max_position_embeddings=131072, **legacy
     )
     hf_inv, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg)
     ours = rope_inv_freq(
-        make_config(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=LLAMA3)
+        make_config(
+            hidden_size=4096,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            rope_theta=500000.0,
+            rope_scaling=LLAMA3,
+        )
     )
     torch.testing.assert_close(ours, hf_inv.float(), rtol=1e-6, atol=0)
 

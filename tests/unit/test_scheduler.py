@@ -26,7 +26,9 @@ def make(num_blocks=64, block_size=4, clock=None, **cfg) -> Scheduler:
 
 
 def seq(n_prompt: int, max_tokens: int = 4, start: int = 10, **kw) -> Sequence:
-    return Sequence(list(range(start, start + n_prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw)
+    return Sequence(
+        list(range(start, start + n_prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw
+    )
 
 
 def drain(s: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
@@ -99,7 +101,9 @@ def test_chunked_prefill_budget_puts_decodes_first() -> None:
 
 
 def _fill_until_preempt(mode: str, num_swap_blocks: int) -> tuple[Scheduler, Sequence]:
-    s = make(num_blocks=6, block_size=2, max_num_seqs=4, preemption_mode=mode, num_swap_blocks=num_swap_blocks)
+    s = make(
+        num_blocks=6, block_size=2, max_num_seqs=4, preemption_mode=mode, num_swap_blocks=num_swap_blocks
+    )
     first, second = seq(4, max_tokens=6, start=10), seq(4, max_tokens=6, start=50)
     s.add(first)
     s.add(second)
@@ -163,7 +167,10 @@ def test_priority_with_aging_does_not_starve() -> None:
 
 def test_priority_orders_admission() -> None:
     s = make(policy="priority", max_num_seqs=1)
-    a, b = seq(2, max_tokens=1, priority=3, arrival_time=0.0), seq(2, max_tokens=1, priority=1, arrival_time=0.0)
+    a, b = (
+        seq(2, max_tokens=1, priority=3, arrival_time=0.0),
+        seq(2, max_tokens=1, priority=1, arrival_time=0.0),
+    )
     s.add(a)
     s.add(b)
     out = s.schedule()
