@@ -54,16 +54,15 @@ def paged_attention(
         kc, vc = kv_cache.gather(layer, meta.block_tables[i], ctx)  # (ctx, n_kv, hd)
         qi = q[start:end].transpose(0, 1)  # (n_heads, n_new, hd)
         ki, vi = kc.transpose(0, 1), vc.transpose(0, 1)  # (n_kv, ctx, hd)
-        if n_heads != n_kv:
-            rep = n_heads // n_kv
-            ki = ki.repeat_interleave(rep, dim=0)
-            vi = vi.repeat_interleave(rep, dim=0)
         mask = None
         if n_new > 1:
             # query j (absolute position ctx - n_new + j) sees keys 0 .. ctx - n_new + j
             qpos = torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1)
             kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
             mask = kpos <= qpos  # (n_new, ctx)
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        # enable_gqa: each group of n_heads // n_kv query heads shares one KV head, without copying KV
+        oi = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=n_heads != n_kv
+        )
         out[start:end] = oi.transpose(0, 1)
     return out
