@@ -17,7 +17,7 @@ from common.model.loader import load_model
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
 
-def decode_tok_s(engine: LLMEngine, batch: int, steps: int = 12, prompt_len: int = 64) -> float:
+def decode_tok_s(engine: LLMEngine, batch: int, steps: int = 16, prompt_len: int = 64) -> float:
     for i in range(batch):
         ids = [(100 + 7 * i + j) % 40000 + 10 for j in range(prompt_len)]
         engine.add_request(ids, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
@@ -57,6 +57,7 @@ def plot(points: dict[int, float], path: str) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tok = load_model(args.model)
     points = {}
+    decode_tok_s(LLMEngine(model, tok, EngineConfig(max_num_seqs=4)), 4, steps=4)  # warm up kernels, allocator
     for b in tqdm(BATCHES, desc="batch sizes", leave=False):
         engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=b, max_num_batched_tokens=max(512, 64 * b)))
         points[b] = decode_tok_s(engine, b)

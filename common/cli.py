@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=_generate)
 
     from bench.cli import add_bench_parser
+    from common.launch import add_parsers
 
     add_bench_parser(sub)
+    add_parsers(sub)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -26,3 +26,27 @@ class EngineConfig(BaseSettings):
     aging_s: float = Field(1.0, gt=0)
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
+
+
+class ServiceConfig(BaseSettings):
+    """A prefill or decode service process: where it listens and whom it tells."""
+
+    model_config = SettingsConfigDict(env_prefix="SPLITSERVE_", frozen=True, extra="ignore")
+
+    role: Literal["prefill", "decode"]
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=0, le=65535)
+    worker_id: str | None = Field(None, description="default: <role>-<host>-<port>")
+    redis_url: str | None = Field(None, description="worker registry and request records; none: standalone")
+    kv_backend: Literal["tcp"] = "tcp"
+    kv_port: int = Field(0, ge=0, le=65535, description="decode: KV receiver port (0: any free port)")
+    max_queue: int = Field(256, ge=1, description="requests waiting for KV blocks before new ones get 503")
+    heartbeat_s: float = Field(1.0, gt=0)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def worker_name(self) -> str:
+        return self.worker_id or f"{self.role}-{self.host}-{self.port}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +85,13 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        *,
+        remote_prefill: bool = False,
+        hold_blocks: bool = False,
     ) -> Sequence:
+        """Queue a request. remote_prefill (decode service): reserve blocks and wait for a prefill
+        service to write the prompt's KV (`kv_arrived`). hold_blocks (prefill service): keep the
+        blocks after the request finishes until `release`, so its KV can still be sent."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -104,8 +110,22 @@ class LLMEngine:
             raise ValueError(f"request id {seq.seq_id} is already in use")
         self._seqs[seq.seq_id] = seq
         self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.scheduler.add(seq)
+        seq.hold_blocks = hold_blocks
+        if remote_prefill:
+            self.scheduler.add_remote(seq)
+        else:
+            self.scheduler.add(seq)
         return seq
+
+    def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput:
+        """A prefill service wrote the prompt's KV into this request's reserved blocks."""
+        seq = self._seqs[request_id]
+        self.scheduler.kv_arrived(seq, first_token)
+        return self._output(seq, first_token)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a hold_blocks request kept, now that its KV has been sent."""
+        self.scheduler.release(self._seqs[request_id])
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
@@ -117,13 +137,13 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # --- one iteration ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.last_step = out
         self._move_swapped(out)
         if out.is_empty:
             return []
-        sampled = self.runner.run(out)
+        sampled = self.runner.run(out, on_layer_done)
         finished = set(map(id, self.scheduler.postprocess(out, sampled)))
         return self._outputs(out, sampled, finished)
 
@@ -137,31 +157,30 @@ class LLMEngine:
     def _outputs(
         self, out: SchedulerOutput, sampled: list[int | None], finished: set[int]
     ) -> list[RequestOutput]:
-        results = []
-        for (seq, _), tok in zip(out.scheduled, sampled, strict=True):
-            if tok is None or (seq.padding and id(seq) not in finished):
-                continue
-            detok = self._detok[seq.seq_id]
-            new_text = detok.add(tok)
-            if detok.stopped and not seq.is_finished:
-                self.scheduler.finish(seq, "stop")
-            if seq.is_finished:
-                self._release(seq)
-            results.append(
-                RequestOutput(
-                    seq.seq_id,
-                    [tok],
-                    new_text,
-                    seq.is_finished,
-                    seq.finish_reason,
-                    seq.num_prompt_tokens,
-                    seq.num_output_tokens,
-                )
-            )
-        return results
+        return [
+            self._output(seq, tok)
+            for (seq, _), tok in zip(out.scheduled, sampled, strict=True)
+            if tok is not None and (not seq.padding or id(seq) in finished)
+        ]
+
+    def _output(self, seq: Sequence, tok: int) -> RequestOutput:
+        detok = self._detok[seq.seq_id]
+        new_text = detok.add(tok)
+        if detok.stopped and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")
+        if seq.is_finished:
+            self._release(seq)
+        return RequestOutput(
+            seq.seq_id,
+            [tok],
+            new_text,
+            seq.is_finished,
+            seq.finish_reason,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
+        )
 
     def _release(self, seq: Sequence) -> None:
-        self.runner.sampler.release(seq.seq_id)
         self._swapped_kv.pop(seq.seq_id, None)
 
     def text(self, request_id: str) -> str:

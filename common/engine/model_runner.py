@@ -68,7 +68,9 @@ class ModelRunner:
         sampling = [
             (i, seq) for i, (seq, n) in enumerate(out.scheduled) if meta.context_lens[i] == seq.num_tokens
         ]
-        tokens = self.sampler(logits, [s.params for _, s in sampling], [s.seq_id for _, s in sampling])
+        tokens = self.sampler(
+            logits, [s.params for _, s in sampling], [s.num_output_tokens for _, s in sampling]
+        )
         for (i, _), tok in zip(sampling, tokens, strict=True):
             result[i] = tok
         return result

@@ -1,7 +1,8 @@
 """Token sampling: greedy for the whole batch at once, stochastic rows one by one.
 
-Each request with a seed owns a torch.Generator, so its samples do not depend on which other
-requests share its step.
+A seeded request draws each token from a generator seeded by (seed, output index). Its samples then
+depend neither on which requests share its step nor on which service draws them: the prefill
+service samples token 0 and the decode service the rest, and a migrated request continues exactly.
 """
 
 from __future__ import annotations
@@ -10,31 +11,28 @@ import torch
 
 from common.engine.sampling_params import SamplingParams
 
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs over the seed space
+
+
+def draw_seed(seed: int, index: int) -> int:
+    return (seed * _MIX + index) % (2**63)
+
 
 class Sampler:
-    def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
-
-    def release(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
-            return None
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator().manual_seed(seed)
-            self._generators[request_id] = gen
-        return gen
-
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str]
+        self, logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]
     ) -> list[int]:
-        """logits: (N, vocab) float32, one row per request that samples this step."""
+        """logits: (N, vocab) float32, one row per request that samples this step; output_index:
+        the position in its output of the token each row draws."""
         tokens = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             if not p.greedy:
-                tokens[i] = self._sample_row(logits[i], p, self._generator(request_ids[i], p.seed))
+                gen = (
+                    None
+                    if p.seed is None
+                    else torch.Generator().manual_seed(draw_seed(p.seed, output_index[i]))
+                )
+                tokens[i] = self._sample_row(logits[i], p, gen)
         return tokens
 
     @staticmethod

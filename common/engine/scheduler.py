@@ -49,6 +49,7 @@ class SchedulerOutput:
     swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # copy these blocks out first
     swap_in: list[Sequence] = field(default_factory=list)  # then copy saved KV into seq.block_table
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # got blocks this step (incl. reservations)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -74,21 +75,38 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.reserving: deque[Sequence] = deque()  # remote prefill: waiting for a block reservation
+        self.reserved: dict[str, Sequence] = {}  # remote prefill: blocks held, KV being written
+        self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
         self.swap_blocks_used = 0
         self.stats: Counter[str] = Counter()
         self._arrivals = 0  # tie-break for equal arrival times: order of add()
 
     # --- queue ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        self._stamp(seq)
+        self.waiting.append(seq)
+
+    def _stamp(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         if seq.arrival_time is None:
             seq.arrival_time = self.clock()
         self._arrivals += 1
         seq.arrival_order = self._arrivals
-        self.waiting.append(seq)
+
+    def add_remote(self, seq: Sequence) -> None:
+        """Queue a sequence whose prompt KV a prefill service will write: it needs a reservation."""
+        seq.remote_prefill = True
+        self._stamp(seq)
+        self.reserving.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        """Anything a step would do (sequences in `reserved` wait for KV, not for a step)."""
+        return bool(self.waiting or self.running or self.swapped or self.reserving)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running) + len(self.reserved)
 
     def _effective_priority(self, seq: Sequence, now: float) -> tuple[float, float, int]:
         """Sort key, most urgent first. Aging: each `aging_s` of waiting is worth one priority level."""
@@ -124,12 +142,45 @@ class Scheduler:
             budget -= n
         if out.preempted:
             return out  # memory is short: admit nothing new this step
+        self._reserve(out)
         budget = self._swap_in(out, budget)
         self._admit(out, budget)
         return out
 
+    def _reserve(self, out: SchedulerOutput) -> None:
+        """Admission control for remote prefill: reserve the prompt's blocks, in arrival order."""
+        while self.reserving and self.num_active < self.config.max_num_seqs:
+            seq = self.reserving[0]
+            if not self.bm.can_allocate(seq):
+                break
+            self.reserving.popleft()
+            self.bm.allocate(seq)
+            seq.status = SequenceStatus.RESERVED
+            self.reserved[seq.seq_id] = seq
+            out.admitted.append(seq)
+
+    def kv_arrived(self, seq: Sequence, first_token: int) -> str | None:
+        """The prefill service wrote every layer of the prompt and sampled the first token: the
+        sequence joins the running batch at the next step. Returns a finish reason if that token
+        already ends it."""
+        assert self.reserved.pop(seq.seq_id) is seq, f"{seq.seq_id} holds no reservation"
+        seq.num_computed_tokens = seq.num_tokens
+        self.bm.commit(seq, seq.num_computed_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        seq.append_token(first_token)
+        reason = self._stop_reason(seq, first_token)
+        if reason:
+            self.finish(seq, reason)
+        return reason
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks a finished sequence kept (hold_blocks) once its KV has been sent."""
+        assert self.held.pop(seq.seq_id) is seq, f"{seq.seq_id} holds no blocks"
+        self.bm.free(seq)
+
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and self.num_active < self.config.max_num_seqs:
             seq = self.swapped[0]
             if self.bm.blocks_needed(seq.num_tokens) > self.bm.num_free_blocks:
                 break
@@ -155,7 +206,7 @@ class Scheduler:
             queue = sorted(self.waiting, key=lambda s: self._effective_priority(s, now))
         admitted: list[Sequence] = []
         for seq in queue:
-            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget == 0 or self.num_active >= self.config.max_num_seqs:
                 break
             if not self.bm.can_allocate(seq):
                 break  # head-of-line blocking on purpose: skipping ahead would starve long prompts
@@ -164,6 +215,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
+            out.admitted.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append((seq, n))
             budget -= n
@@ -283,11 +335,17 @@ class Scheduler:
             seq.padding = True  # keeps its slot until the whole batch is done
         elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            if seq.hold_blocks:
+                self.held[seq.seq_id] = seq
+            else:
+                self.bm.free(seq)
+        elif seq.status is SequenceStatus.RESERVED:
+            del self.reserved[seq.seq_id]
             self.bm.free(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.swap_blocks_used -= len(seq.block_table)
             seq.block_table = []
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            (self.reserving if seq in self.reserving else self.waiting).remove(seq)
         seq.status = SequenceStatus.FINISHED

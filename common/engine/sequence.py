@@ -12,6 +12,7 @@ class SequenceStatus(Enum):
     WAITING = "waiting"  # queued, or preempted by recompute (holds no blocks)
     RUNNING = "running"  # holds blocks, scheduled every step
     SWAPPED = "swapped"  # preempted by swap: its KV sits in host memory
+    RESERVED = "reserved"  # holds blocks; a prefill service is writing its prompt's KV
     FINISHED = "finished"
 
 
@@ -43,6 +44,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.padding = False  # static batching: finished but still occupying its slot
+        self.remote_prefill = False  # decode side: the prompt's KV comes from a prefill service
+        self.hold_blocks = False  # prefill side: keep blocks after finishing until the KV is sent
 
     def __repr__(self) -> str:
         return (

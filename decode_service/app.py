@@ -1,0 +1,212 @@
+"""Decode service: reserves KV blocks, receives a prompt's KV from a prefill service (or prefills
+locally in chunks), runs continuous batching and streams tokens back on the open response.
+
+POST /internal/generate (msgpack GenerateRequest) answers with length-prefixed msgpack frames:
+  Reserved   once the request holds its blocks (remote mode: where the prefill service must write)
+  TokenFrame per generated token, the last with finished=True
+  ErrorFrame if the request fails
+Closing the response aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
+
+from common.config import EngineConfig, ServiceConfig
+from common.engine.async_engine import Admitted, AsyncEngine
+from common.engine.llm_engine import LLMEngine, RequestOutput
+from common.protocol import AbortRequest, ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
+from common.service import (
+    Service,
+    error_response,
+    install_error_handlers,
+    read_message,
+    sampling_from_wire,
+)
+from kv_transfer import make_receiver
+from kv_transfer.compat import compat_for
+
+log = logging.getLogger(__name__)
+FRAMES = "application/x-splitserve-frames"
+
+
+class DecodeService(Service):
+    def __init__(self, cfg: ServiceConfig, engine: LLMEngine) -> None:
+        super().__init__(cfg, engine)
+        self.fences: dict[str, int] = {}  # request id -> the fence its KV writes must carry
+        self._fence_counter = itertools.count(1)
+        self.receiver = make_receiver(
+            cfg.kv_backend,
+            engine.kv_cache,
+            compat_for(engine.model.config, engine.kv_cache.spec),
+            self._accept,
+            self._on_done,
+            host=cfg.host,
+            port=cfg.kv_port,
+        )
+        self.kv_endpoint = ""
+
+    async def start(self, kv_endpoint: str = "") -> None:
+        self.aengine = AsyncEngine(self.engine)
+        self.aengine.start()
+        self.kv_endpoint = await self.receiver.start()
+        await super().start(self.kv_endpoint)
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self.receiver.close()
+
+    # --- KV receiver callbacks (event loop thread) ------------------------------------------------
+    def _accept(self, request_id: str, fence: int) -> bool:
+        return self.fences.get(request_id) == fence
+
+    def _on_done(self, done: KVDone) -> None:
+        if self.fences.get(done.request_id) != done.fence:
+            log.warning("dropping kv_done for %s with stale fence %d", done.request_id, done.fence)
+            return
+        del self.fences[done.request_id]  # any later write with this fence is stale
+        asyncio.get_running_loop().create_task(self._kv_arrived(done))
+
+    async def _kv_arrived(self, done: KVDone) -> None:
+        aengine = self.aengine
+        assert aengine is not None
+
+        def arrived(e: LLMEngine) -> None:
+            # emitted from the engine thread, so token 0 reaches the stream before any later token
+            aengine.emit(done.request_id, e.kv_arrived(done.request_id, done.first_token))
+
+        try:
+            await aengine.call(arrived)
+        except KeyError:
+            return  # aborted meanwhile
+        await self.record(done.request_id, "DECODING", decode_id=self.cfg.worker_name)
+
+    # --- requests ---------------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> Response:
+        if req.mode not in ("remote", "local"):
+            return error_response(400, f"mode must be 'remote' or 'local', got {req.mode!r}")
+        params = sampling_from_wire(req.sampling)
+        if self.queue_full():
+            self.metrics.requests.labels(role="decode", outcome="rejected_queue_full").inc()
+            return error_response(503, "decode queue is full", headers={"Retry-After": "1"})
+        assert self.aengine is not None
+        events = self.aengine.listen(req.request_id)
+        remote = req.mode == "remote"
+        try:
+            await self.aengine.call(
+                lambda e: e.add_request(req.token_ids, params, req.request_id, remote_prefill=remote)
+            )
+        except ValueError:
+            self.aengine.unlisten(req.request_id)
+            raise
+        return StreamingResponse(self._stream(req, events, remote), media_type=FRAMES)
+
+    async def _stream(
+        self, req: GenerateRequest, events: asyncio.Queue, remote: bool
+    ) -> AsyncIterator[bytes]:
+        rid, finished = req.request_id, False
+        try:
+            while not finished:
+                timeout = None if req.deadline is None else max(0.0, req.deadline - time.time())
+                try:
+                    ev = await asyncio.wait_for(events.get(), timeout)
+                except TimeoutError:
+                    yield frame(ErrorFrame(rid, "deadline exceeded on the decode service", 504))
+                    return
+                if isinstance(ev, Admitted):
+                    yield frame(await self._admitted(req, ev, remote))
+                elif isinstance(ev, RequestOutput):
+                    finished = ev.finished
+                    yield frame(
+                        TokenFrame(
+                            rid,
+                            ev.new_token_ids,
+                            ev.num_output_tokens - len(ev.new_token_ids),
+                            ev.finished,
+                            ev.finish_reason,
+                            ev.num_prompt_tokens,
+                        )
+                    )
+        finally:
+            # the reader may have gone away (cancellation): clean-up must still run to the end
+            with anyio.CancelScope(shield=True):
+                await self._end(rid, finished)
+
+    async def _admitted(self, req: GenerateRequest, ev: Admitted, remote: bool) -> Reserved:
+        rid = req.request_id
+        await self.record(rid, "RESERVED", decode_id=self.cfg.worker_name)
+        if not remote:
+            await self.record(rid, "DECODING", route="local")
+            return Reserved(rid, [], 0, ev.num_cached_tokens, "", self.cfg.worker_name)
+        fence = next(self._fence_counter)
+        self.fences[rid] = fence
+        return Reserved(
+            rid, ev.block_ids, fence, ev.num_cached_tokens, self.kv_endpoint, self.cfg.worker_name
+        )
+
+    async def _end(self, request_id: str, finished: bool) -> None:
+        """The stream is over (finished, failed, or the reader went away): free what is held."""
+        assert self.aengine is not None
+        self.aengine.unlisten(request_id)
+        if self.fences.pop(request_id, None) is not None:
+            # a layer accepted just before may still be landing in the blocks: let it finish first
+            with contextlib.suppress(Exception):
+                await self.receiver.wait_idle(request_id)
+        outcome = "finished" if finished else "aborted"
+        self.metrics.requests.labels(role="decode", outcome=outcome).inc()
+
+        def cleanup(e: LLMEngine) -> None:
+            if not finished:
+                e.abort(request_id)
+            e.pop_finished(request_id)
+
+        with contextlib.suppress(KeyError):
+            await self.aengine.call(cleanup)
+
+    async def abort(self, request_id: str) -> None:
+        assert self.aengine is not None
+        self.fences.pop(request_id, None)
+        with contextlib.suppress(KeyError):
+            await self.aengine.call(lambda e: e.abort(request_id))
+
+
+def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig, engine: LLMEngine | None = None) -> FastAPI:
+    svc = DecodeService(cfg, engine or Service.build_engine(engine_cfg))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await svc.start()
+        yield
+        await svc.stop()
+
+    app = FastAPI(title="splitserve decode", lifespan=lifespan)
+    app.state.service = svc
+    install_error_handlers(app)
+    svc.add_common_routes(app)
+
+    @app.post("/internal/generate")
+    async def generate(request: Request) -> Response:
+        return await svc.generate(await read_message(request, GenerateRequest))
+
+    @app.post("/internal/abort")
+    async def abort(request: Request) -> dict[str, Any]:
+        msg = await read_message(request, AbortRequest)
+        await svc.abort(msg.request_id)
+        return {"aborted": msg.request_id}
+
+    @app.get("/internal/kv")
+    async def kv_info() -> dict[str, Any]:
+        return {"kv_endpoint": svc.kv_endpoint, "backend": cfg.kv_backend}
+
+    return app

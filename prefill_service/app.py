@@ -1,0 +1,218 @@
+"""Prefill service: batches prompts from many requests under a token budget (chunked), reuses cached
+prefixes, samples each prompt's first token, and writes the prompt's KV into the decode service's
+reserved blocks layer by layer, as soon as each layer is computed.
+
+POST /internal/prefill (msgpack PrefillRequest) -> msgpack PrefillResult, answered once every layer
+was sent and kv_done (with the first token and the fence) was delivered to the decode service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request, Response
+
+from common.config import EngineConfig, ServiceConfig
+from common.engine.async_engine import AsyncEngine
+from common.engine.llm_engine import LLMEngine, RequestOutput
+from common.protocol import AbortRequest, KVDone, PrefillRequest, PrefillResult
+from common.service import (
+    Service,
+    error_response,
+    install_error_handlers,
+    msgpack_response,
+    read_message,
+    sampling_from_wire,
+)
+from kv_transfer import TransferError, make_sender
+from kv_transfer.compat import compat_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferJob:
+    """Where one request's KV goes, and the layer writes posted so far."""
+
+    req: PrefillRequest
+    first_chunk: bool = True
+    writes: list[Future[Any]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class PrefillService(Service):
+    def __init__(self, cfg: ServiceConfig, engine: LLMEngine) -> None:
+        super().__init__(cfg, engine)
+        self.jobs: dict[str, TransferJob] = {}
+        self.sender = make_sender(
+            cfg.kv_backend,
+            engine.kv_cache,
+            compat_for(engine.model.config, engine.kv_cache.spec),
+            sender_id=cfg.worker_name,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        kv = engine.kv_cache.spec
+        self._block_bytes = (
+            2 * kv.block_size * kv.num_kv_heads * kv.head_dim * engine.kv_cache.k.element_size()
+        )
+
+    async def start(self, kv_endpoint: str = "") -> None:
+        self._loop = asyncio.get_running_loop()
+        self.aengine = AsyncEngine(self.engine, on_layer_done=self._on_layer_done)
+        self.aengine.start()
+        await super().start()
+
+    async def stop(self) -> None:
+        await super().stop()
+        await self.sender.close()
+
+    def _on_layer_done(self, engine: LLMEngine, layer: int) -> None:
+        """Engine thread, inside the forward pass: layer `layer` of this step's tokens is in the
+        cache. Post its write for every request with a transfer job; the next layer computes while
+        the bytes move. A chunk resends the block it started in (partly filled by the last chunk)."""
+        step = engine.last_step
+        assert step is not None and self._loop is not None
+        bs = engine.block_manager.block_size
+        last_layer = layer == engine.model.config.num_layers - 1
+        for seq, n in step.scheduled:
+            job = self.jobs.get(seq.seq_id)
+            if job is None:
+                continue
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            first = 0 if job.first_chunk else start // bs  # the first chunk also ships cached prefix blocks
+            first = max(first, job.req.num_cached_tokens // bs)  # the decode side already holds these
+            last = -(-end // bs)
+            if first < last:
+                r = job.req
+                coro = self.sender.send_layer(
+                    r.kv_endpoint,
+                    r.request_id,
+                    r.fence,
+                    layer,
+                    seq.block_table[first:last],
+                    r.block_ids[first:last],
+                    traceparent=r.traceparent,
+                )
+                job.writes.append(asyncio.run_coroutine_threadsafe(coro, self._loop))
+                job.nbytes += (last - first) * self._block_bytes
+            if last_layer:
+                job.first_chunk = False
+
+    async def prefill(self, req: PrefillRequest) -> Response:
+        bs = self.engine.block_manager.block_size
+        if len(req.block_ids) != -(-len(req.token_ids) // bs):
+            return error_response(
+                400,
+                f"{len(req.token_ids)} prompt tokens need {-(-len(req.token_ids) // bs)} "
+                f"blocks of {bs}, got {len(req.block_ids)} destination blocks",
+            )
+        params = sampling_from_wire(req.sampling, max_tokens=1, min_tokens=0)
+        if self.queue_full():
+            return error_response(503, "prefill queue is full", headers={"Retry-After": "1"})
+        assert self.aengine is not None
+        rid, t0 = req.request_id, time.perf_counter()
+        job = self.jobs[rid] = TransferJob(req)
+        events = self.aengine.listen(rid)
+        added = done = False
+        try:
+            seq = await self.aengine.call(
+                lambda e: e.add_request(req.token_ids, params, rid, hold_blocks=True)
+            )
+            added = True
+            await self.record(rid, "PREFILLING", prefill_id=self.cfg.worker_name)
+            out = await self._first_token(events, req.deadline)
+            await self.record(rid, "TRANSFERRING")
+            for w in job.writes:  # every layer write posted for this request has gone out
+                await asyncio.wrap_future(w)
+            await self.sender.send_done(
+                req.kv_endpoint,
+                KVDone(rid, req.fence, out.new_token_ids[0], len(req.token_ids), req.traceparent),
+            )
+            done = True
+            self.metrics.requests.labels(role="prefill", outcome="finished").inc()
+            return msgpack_response(
+                PrefillResult(
+                    rid,
+                    out.new_token_ids[0],
+                    len(req.token_ids),
+                    seq.num_cached_tokens,
+                    (time.perf_counter() - t0) * 1e3,
+                    job.nbytes,
+                )
+            )
+        except TransferError as e:
+            self.metrics.requests.labels(role="prefill", outcome="transfer_failed").inc()
+            return error_response(502, f"KV transfer to {req.kv_endpoint} failed: {e}")
+        except TimeoutError:
+            return error_response(504, "deadline exceeded on the prefill service")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._end(rid, job, added, done)
+
+    async def _first_token(self, events: asyncio.Queue, deadline: float | None) -> RequestOutput:
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.time())
+            ev = await asyncio.wait_for(events.get(), timeout)
+            if isinstance(ev, RequestOutput) and ev.finished:
+                return ev
+
+    async def _end(self, rid: str, job: TransferJob, added: bool, done: bool) -> None:
+        """Wait until no write still reads the blocks, then free them (the P-side hold ends)."""
+        assert self.aengine is not None
+        self.aengine.unlisten(rid)
+        for w in job.writes:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(w)
+        self.jobs.pop(rid, None)
+        if not added:
+            return
+
+        def cleanup(e: LLMEngine) -> None:
+            e.abort(rid)  # no-op when it finished
+            if rid in e.scheduler.held:
+                e.release(rid)
+            e.pop_finished(rid)
+
+        with contextlib.suppress(KeyError):
+            await self.aengine.call(cleanup)
+
+    async def abort(self, request_id: str) -> None:
+        assert self.aengine is not None
+        with contextlib.suppress(KeyError):
+            await self.aengine.call(lambda e: e.abort(request_id))
+
+
+def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig, engine: LLMEngine | None = None) -> FastAPI:
+    svc = PrefillService(cfg, engine or Service.build_engine(engine_cfg))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await svc.start()
+        yield
+        await svc.stop()
+
+    app = FastAPI(title="splitserve prefill", lifespan=lifespan)
+    app.state.service = svc
+    install_error_handlers(app)
+    svc.add_common_routes(app)
+
+    @app.post("/internal/prefill")
+    async def prefill(request: Request) -> Response:
+        return await svc.prefill(await read_message(request, PrefillRequest))
+
+    @app.post("/internal/abort")
+    async def abort(request: Request) -> dict[str, Any]:
+        msg = await read_message(request, AbortRequest)
+        await svc.abort(msg.request_id)
+        return {"aborted": msg.request_id}
+
+    return app
