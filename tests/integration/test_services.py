@@ -1,0 +1,143 @@
+"""Prefill and decode services as real processes, spoken to at the protocol level: the split path
+(reserve on D, prefill on P, layer-wise KV push over TCP, decode on D) and the local path must give
+the tokens the in-process engine gives, and every block must be free afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import pytest
+
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.sampling_params import SamplingParams
+from common.protocol import (
+    FrameReader,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResult,
+    Reserved,
+    TokenFrame,
+    decode,
+    encode,
+)
+from tests.integration.cluster import Cluster
+
+pytestmark = pytest.mark.slow
+SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write a haiku about the sea.",
+    "How many legs does a spider have?",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
+    cluster = Cluster(redis_url, str(tmp_path_factory.mktemp("logs")))
+    try:
+        prefill = cluster.start("prefill", *SERVICE_FLAGS)
+        decode_ = cluster.start("decode", *SERVICE_FLAGS)
+        yield cluster, prefill, decode_
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    _, tok = smollm
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    model, tok = smollm
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
+    return [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids for p in prompts]
+
+
+async def run_request(
+    client: httpx.AsyncClient,
+    decode_url: str,
+    prefill_url: str,
+    ids: list[int],
+    mode: str,
+    max_tokens: int = MAX_TOKENS,
+    stop_after: int | None = None,
+) -> tuple[list[int], str | None]:
+    rid = uuid.uuid4().hex
+    sampling = {"max_tokens": max_tokens}
+    req = GenerateRequest(rid, ids, sampling, mode=mode)
+    tokens: list[int] = []
+    async with client.stream("POST", decode_url + "/internal/generate", content=encode(req)) as r:
+        assert r.status_code == 200, await r.aread()
+        reader = FrameReader()
+        async for chunk in r.aiter_bytes():
+            for m in reader.feed(chunk):
+                if isinstance(m, Reserved) and mode == "remote":
+                    assert m.fence > 0 and len(m.block_ids) == -(-len(ids) // 16)
+                    pr = PrefillRequest(
+                        rid, ids, sampling, m.kv_endpoint, m.block_ids, m.fence, m.num_cached_tokens
+                    )
+                    resp = await client.post(prefill_url + "/internal/prefill", content=encode(pr))
+                    assert resp.status_code == 200, resp.text
+                    result = decode(resp.content, PrefillResult)
+                    assert result.transfer_bytes > 0
+                elif isinstance(m, TokenFrame):
+                    assert m.index == len(tokens), "token frames arrive in order, none lost or repeated"
+                    tokens += m.token_ids
+                    if m.finished:
+                        return tokens, m.finish_reason
+                    if stop_after is not None and len(tokens) >= stop_after:
+                        return tokens, None  # leaving the block closes the stream: a disconnect
+    raise AssertionError("stream ended without a finished frame")
+
+
+@pytest.mark.parametrize("mode", ["remote", "local"])
+def test_paths_match_the_engine_token_for_token(services, prompts, reference, mode) -> None:  # type: ignore[no-untyped-def]
+    cluster, prefill, decode_ = services
+
+    async def main() -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            outs = await asyncio.gather(*(run_request(c, decode_.url, prefill.url, p, mode) for p in prompts))
+        return [t for t, _ in outs]
+
+    got = asyncio.run(main())
+    for g, want, q in zip(got, reference, QUESTIONS, strict=True):
+        assert g == want, f"{mode} path differs for {q!r}"
+    for proc in (prefill, decode_):
+        h = cluster.wait_blocks_free(proc)
+        assert h["free_blocks"] == h["total_blocks"], f"{proc.role} leaked blocks: {h}"
+
+
+def test_disconnect_frees_blocks(services, prompts) -> None:  # type: ignore[no-untyped-def]
+    cluster, prefill, decode_ = services
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=120) as c:
+            for mode in ("remote", "local"):
+                toks, reason = await run_request(
+                    c, decode_.url, prefill.url, prompts[0], mode, max_tokens=200, stop_after=3
+                )
+                assert reason is None and len(toks) >= 3
+
+    asyncio.run(main())
+    for proc in (prefill, decode_):
+        h = cluster.wait_blocks_free(proc)
+        assert h["free_blocks"] == h["total_blocks"], f"{proc.role} leaked blocks after a disconnect: {h}"
+
+
+def test_bad_internal_requests_are_refused(services) -> None:  # type: ignore[no-untyped-def]
+    _, prefill, decode_ = services
+    r = httpx.post(decode_.url + "/internal/generate", content=b"\x93not msgpack map")
+    assert r.status_code == 400 and "message" in r.json()["error"]
+    bad = GenerateRequest("x", [1, 2, 3], {"max_tokens": 0})
+    r = httpx.post(decode_.url + "/internal/generate", content=encode(bad))
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    pr = PrefillRequest("y", list(range(40)), {"max_tokens": 4}, "tcp://127.0.0.1:1", [1], 1)
+    r = httpx.post(prefill.url + "/internal/prefill", content=encode(pr))
+    assert r.status_code == 400 and "blocks" in r.json()["error"]["message"]
