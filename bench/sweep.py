@@ -42,11 +42,17 @@ def plot(points: dict[int, float], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     xs, ys = list(points), list(points.values())
-    ax.plot(xs, ys, marker="o")
+    ax.plot(xs, ys, marker="o", label="throughput (tokens/s)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("decode batch size (sequences per step)")
     ax.set_ylabel("output tokens / s")
+    # step latency on a second axis: the knee is where latency starts to grow as fast as the batch
+    ax2 = ax.twinx()
+    ax2.plot(xs, [1e3 * b / t for b, t in zip(xs, ys, strict=True)], marker="s", color="tab:orange",
+             label="step latency (ms)")
+    ax2.set_ylabel("ms per decode step")
+    fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
     ax.set_title("SmolLM2-135M decode throughput vs batch size (CPU, fp32)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -57,7 +63,7 @@ def plot(points: dict[int, float], path: str) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tok = load_model(args.model)
     points = {}
-    decode_tok_s(LLMEngine(model, tok, EngineConfig(max_num_seqs=4)), 4, steps=4)  # warm up kernels, allocator
+    decode_tok_s(LLMEngine(model, tok, EngineConfig(max_num_seqs=4)), 4, steps=4)  # warm-up
     for b in tqdm(BATCHES, desc="batch sizes", leave=False):
         engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=b, max_num_batched_tokens=max(512, 64 * b)))
         points[b] = decode_tok_s(engine, b)
