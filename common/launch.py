@@ -163,7 +163,37 @@ def up(args: argparse.Namespace) -> int:
         stop()
 
 
+def run_router(args: argparse.Namespace) -> int:
+    """`splitserve router`: the OpenAI-compatible front door (flags override SPLITSERVE_ROUTER_* env)."""
+    from router.app import serve
+    from router.config import RouterConfig
+
+    given = {
+        k: v
+        for k, v in vars(args).items()
+        if v is not None
+        and k
+        in {"host", "port", "redis_url", "model", "local_prefill_threshold", "decode_urls", "prefill_urls"}
+    }
+    serve(RouterConfig(**given))
+    return 0
+
+
 def add_parsers(sub: Any) -> None:
+    r = sub.add_parser("router", help="run the router (OpenAI API)")
+    r.add_argument("--host", default=None)
+    r.add_argument("--port", type=int, default=None)
+    r.add_argument("--redis-url", default=None, help="worker registry and request records")
+    r.add_argument("--model", default=None, help="the model the services serve (for its tokenizer)")
+    r.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=None,
+        help="prompts shorter than this many tokens are prefilled on the decode service",
+    )
+    r.add_argument("--decode-urls", default=None, help="comma-separated; instead of the registry")
+    r.add_argument("--prefill-urls", default=None, help="comma-separated; instead of the registry")
+    r.set_defaults(func=run_router)
     for role, port in (("prefill", 8101), ("decode", 8201)):
         p = sub.add_parser(role, help=f"run one {role} service")
         add_service_flags(p, port)

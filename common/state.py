@@ -50,7 +50,8 @@ TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.QUEUED: frozenset({S.RESERVED}) | ABORT,
     S.RESERVED: frozenset({S.PREFILLING, S.DECODING}) | ABORT,
     S.PREFILLING: frozenset({S.TRANSFERRING}) | ABORT,
-    S.TRANSFERRING: frozenset({S.DECODING}) | ABORT,
+    # FINISHED straight from TRANSFERRING: the first token (sampled by prefill) already ended it
+    S.TRANSFERRING: frozenset({S.DECODING, S.FINISHED}) | ABORT,
     S.DECODING: TERMINAL,
     S.FINISHED: frozenset(),
     S.FAILED: frozenset(),

@@ -26,6 +26,7 @@ from fastapi.responses import StreamingResponse
 from common.config import EngineConfig, ServiceConfig
 from common.engine.async_engine import Admitted, AsyncEngine
 from common.engine.llm_engine import LLMEngine, RequestOutput
+from common.engine.sequence import Sequence
 from common.protocol import AbortRequest, ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
 from common.service import (
     Service,
@@ -104,18 +105,18 @@ class DecodeService(Service):
         events = self.aengine.listen(req.request_id)
         remote = req.mode == "remote"
         try:
-            await self.aengine.call(
+            seq = await self.aengine.call(
                 lambda e: e.add_request(req.token_ids, params, req.request_id, remote_prefill=remote)
             )
         except ValueError:
-            self.aengine.unlisten(req.request_id)
+            self.aengine.unlisten(req.request_id, events)
             raise
-        return StreamingResponse(self._stream(req, events, remote), media_type=FRAMES)
+        return StreamingResponse(self._stream(req, seq, events, remote), media_type=FRAMES)
 
     async def _stream(
-        self, req: GenerateRequest, events: asyncio.Queue, remote: bool
+        self, req: GenerateRequest, seq: Sequence, events: asyncio.Queue, remote: bool
     ) -> AsyncIterator[bytes]:
-        rid, finished = req.request_id, False
+        rid, finished, fence = req.request_id, False, 0
         try:
             while not finished:
                 timeout = None if req.deadline is None else max(0.0, req.deadline - time.time())
@@ -125,7 +126,9 @@ class DecodeService(Service):
                     yield frame(ErrorFrame(rid, "deadline exceeded on the decode service", 504))
                     return
                 if isinstance(ev, Admitted):
-                    yield frame(await self._admitted(req, ev, remote))
+                    reserved = await self._admitted(req, ev, remote)
+                    fence = reserved.fence
+                    yield frame(reserved)
                 elif isinstance(ev, RequestOutput):
                     finished = ev.finished
                     yield frame(
@@ -141,13 +144,13 @@ class DecodeService(Service):
         finally:
             # the reader may have gone away (cancellation): clean-up must still run to the end
             with anyio.CancelScope(shield=True):
-                await self._end(rid, finished)
+                await self._end(seq, events, fence, finished)
 
     async def _admitted(self, req: GenerateRequest, ev: Admitted, remote: bool) -> Reserved:
         rid = req.request_id
         await self.record(rid, "RESERVED", decode_id=self.cfg.worker_name)
         if not remote:
-            await self.record(rid, "DECODING", route="local")
+            await self.record(rid, "DECODING")
             return Reserved(rid, [], 0, ev.num_cached_tokens, "", self.cfg.worker_name)
         fence = next(self._fence_counter)
         self.fences[rid] = fence
@@ -155,30 +158,35 @@ class DecodeService(Service):
             rid, ev.block_ids, fence, ev.num_cached_tokens, self.kv_endpoint, self.cfg.worker_name
         )
 
-    async def _end(self, request_id: str, finished: bool) -> None:
-        """The stream is over (finished, failed, or the reader went away): free what is held."""
+    async def _end(self, seq: Sequence, events: asyncio.Queue, fence: int, finished: bool) -> None:
+        """The stream is over (finished, failed, or the reader went away): free what it holds.
+        Everything is checked against this stream's own objects: a retry may reuse the request id."""
         assert self.aengine is not None
-        self.aengine.unlisten(request_id)
-        if self.fences.pop(request_id, None) is not None:
+        rid = seq.seq_id
+        self.aengine.unlisten(rid, events)
+        if fence and self.fences.get(rid) == fence:
+            del self.fences[rid]
+        if fence:
             # a layer accepted just before may still be landing in the blocks: let it finish first
             with contextlib.suppress(Exception):
-                await self.receiver.wait_idle(request_id)
+                await self.receiver.wait_idle(rid)
         outcome = "finished" if finished else "aborted"
         self.metrics.requests.labels(role="decode", outcome=outcome).inc()
-
-        def cleanup(e: LLMEngine) -> None:
-            if not finished:
-                e.abort(request_id)
-            e.pop_finished(request_id)
-
-        with contextlib.suppress(KeyError):
-            await self.aengine.call(cleanup)
+        await self.aengine.call(lambda e: e.forget(seq))
 
     async def abort(self, request_id: str) -> None:
+        """Abort and forget the id at once (a retry may reuse it before this stream notices)."""
         assert self.aengine is not None
         self.fences.pop(request_id, None)
-        with contextlib.suppress(KeyError):
-            await self.aengine.call(lambda e: e.abort(request_id))
+        with contextlib.suppress(Exception):
+            await self.receiver.wait_idle(request_id)
+
+        def abort(e: LLMEngine) -> None:
+            seq = e.get(request_id)
+            if seq is not None:
+                e.forget(seq)
+
+        await self.aengine.call(abort)
 
 
 def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig, engine: LLMEngine | None = None) -> FastAPI:

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request, Response
 from common.config import EngineConfig, ServiceConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine, RequestOutput
+from common.engine.sequence import Sequence
 from common.protocol import AbortRequest, KVDone, PrefillRequest, PrefillResult
 from common.service import (
     Service,
@@ -122,12 +123,11 @@ class PrefillService(Service):
         rid, t0 = req.request_id, time.perf_counter()
         job = self.jobs[rid] = TransferJob(req)
         events = self.aengine.listen(rid)
-        added = done = False
+        seq: Sequence | None = None
         try:
             seq = await self.aengine.call(
                 lambda e: e.add_request(req.token_ids, params, rid, hold_blocks=True)
             )
-            added = True
             await self.record(rid, "PREFILLING", prefill_id=self.cfg.worker_name)
             out = await self._first_token(events, req.deadline)
             await self.record(rid, "TRANSFERRING")
@@ -137,7 +137,6 @@ class PrefillService(Service):
                 req.kv_endpoint,
                 KVDone(rid, req.fence, out.new_token_ids[0], len(req.token_ids), req.traceparent),
             )
-            done = True
             self.metrics.requests.labels(role="prefill", outcome="finished").inc()
             return msgpack_response(
                 PrefillResult(
@@ -156,7 +155,7 @@ class PrefillService(Service):
             return error_response(504, "deadline exceeded on the prefill service")
         finally:
             with anyio.CancelScope(shield=True):
-                await self._end(rid, job, added, done)
+                await self._end(rid, job, seq)
 
     async def _first_token(self, events: asyncio.Queue, deadline: float | None) -> RequestOutput:
         while True:
@@ -165,7 +164,7 @@ class PrefillService(Service):
             if isinstance(ev, RequestOutput) and ev.finished:
                 return ev
 
-    async def _end(self, rid: str, job: TransferJob, added: bool, done: bool) -> None:
+    async def _end(self, rid: str, job: TransferJob, seq: Sequence | None) -> None:
         """Wait until no write still reads the blocks, then free them (the P-side hold ends)."""
         assert self.aengine is not None
         self.aengine.unlisten(rid)
@@ -173,17 +172,8 @@ class PrefillService(Service):
             with contextlib.suppress(Exception):
                 await asyncio.wrap_future(w)
         self.jobs.pop(rid, None)
-        if not added:
-            return
-
-        def cleanup(e: LLMEngine) -> None:
-            e.abort(rid)  # no-op when it finished
-            if rid in e.scheduler.held:
-                e.release(rid)
-            e.pop_finished(rid)
-
-        with contextlib.suppress(KeyError):
-            await self.aengine.call(cleanup)
+        if seq is not None:
+            await self.aengine.call(lambda e: e.forget(seq))
 
     async def abort(self, request_id: str) -> None:
         assert self.aengine is not None

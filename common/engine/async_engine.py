@@ -86,8 +86,10 @@ class AsyncEngine:
         self._listeners[request_id] = q
         return q
 
-    def unlisten(self, request_id: str) -> None:
-        self._listeners.pop(request_id, None)
+    def unlisten(self, request_id: str, q: asyncio.Queue[Event] | None = None) -> None:
+        """Stop listening; with q, only if q is still the listener (a retry may reuse the id)."""
+        if q is None or self._listeners.get(request_id) is q:
+            self._listeners.pop(request_id, None)
 
     def emit(self, request_id: str, event: Event) -> None:
         """Deliver an event to the request's listener (callable from the engine thread)."""

@@ -133,6 +133,21 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
             self._release(seq)
 
+    def get(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    def forget(self, seq: Sequence) -> None:
+        """Abort seq if it still runs and drop it; a no-op if the id now names another sequence."""
+        if self._seqs.get(seq.seq_id) is not seq:
+            return
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            self._release(seq)
+        if seq.seq_id in self.scheduler.held:
+            self.scheduler.release(seq)
+        del self._seqs[seq.seq_id]
+        self._detok.pop(seq.seq_id, None)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -169,6 +184,7 @@ class LLMEngine:
         if detok.stopped and not seq.is_finished:
             self.scheduler.finish(seq, "stop")
         if seq.is_finished:
+            new_text += detok.flush()  # text held back in case a stop string was starting
             self._release(seq)
         return RequestOutput(
             seq.seq_id,

@@ -1,0 +1,166 @@
+"""The router's FastAPI app: the OpenAI-compatible front door of splitserve.
+
+Run it:  `router.app.serve(RouterConfig())`  (loads the tokenizer, connects Redis, runs uvicorn), or
+build it yourself with `create_app(config, state, model_info)` and hand it to any ASGI server.
+The router never imports torch: everything it needs about the model comes from `load_model_info`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from common.model.model_info import ModelInfo, load_model_info
+from common.state import StateStore
+from router.config import RouterConfig
+from router.errors import APIError, install_handlers
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator
+from router.serving import Server
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    config: RouterConfig,
+    state: StateStore | None,
+    model_info: ModelInfo,
+    *,
+    http_client: httpx.AsyncClient | None = None,
+    close_state: bool = False,
+) -> FastAPI:
+    """The router app. `state=None` runs without Redis (no request records; workers must come from
+    config.decode_urls/prefill_urls). `http_client` is for tests (fake services behind a transport);
+    by default the app makes one shared client and closes it at shutdown. With `close_state` the app
+    also closes `state` at shutdown."""
+    owns_client = http_client is None
+    client = http_client or httpx.AsyncClient(
+        # Connecting must be quick; reading must not time out (a decode stream lasts as long as the
+        # generation): the request's own deadline bounds every wait instead.
+        timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owns_client:
+            await client.aclose()
+        if close_state and state is not None:
+            await state.close()
+
+    app = FastAPI(title="splitserve router", lifespan=lifespan)
+    metrics = RouterMetrics()
+    router_id = f"router-{socket.gethostname()}-{os.getpid()}"
+    orch = Orchestrator(config, state, client, metrics, router_id)
+    server = Server(config, model_info, orch, metrics)
+    started = int(time.time())
+    install_handlers(app)
+    app.add_middleware(RequestIdMiddleware)
+    app.state.server, app.state.metrics = server, metrics
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": server.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "splitserve",
+            "max_model_len": model_info.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            decode = len(await orch.pool.candidates("decode"))
+            prefill = len(await orch.pool.candidates("prefill"))
+        except Exception as e:  # Redis down: the router cannot route anything
+            return JSONResponse({"status": "error", "error": repr(e)}, status_code=503)
+        return JSONResponse({"status": "ok", "decode_workers": decode, "prefill_workers": prefill})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/requests/{request_id}")
+    async def request_record(request_id: str) -> dict[str, Any]:
+        record = await state.get(request_id) if state is not None else None
+        if record is None:
+            kept = "" if state is not None else " (this router keeps no records: no Redis configured)"
+            raise APIError(404, f"no request `{request_id}`{kept}", "request_id", "request_not_found")
+        if "history" in record:
+            record["history"] = [[str(s), t] for s, t in record["history"]]
+        return {k: str(v) if k == "state" else v for k, v in record.items()}
+
+    return app
+
+
+class RequestIdMiddleware:
+    """Every response carries x-request-id: the generation id when there is one, else a fresh id.
+    An unhandled error becomes an OpenAI-style 500 here, so it gets the header too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state.setdefault("request_id", f"req-{uuid.uuid4().hex}")
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"x-request-id" for k, _ in headers):
+                    headers.append((b"x-request-id", state["request_id"].encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await APIError(500, "internal error").response()(scope, receive, send_with_id)
+
+
+def build_app(config: RouterConfig | None = None) -> FastAPI:
+    """An app from settings alone (SPLITSERVE_ROUTER_* env): tokenizer from config.model, Redis from
+    config.redis_url. Usable as a uvicorn factory: `uvicorn router.app:build_app --factory`."""
+    config = config or RouterConfig()
+    info = load_model_info(config.model)
+    state = StateStore.from_url(config.redis_url, config.redis_prefix) if config.redis_url else None
+    return create_app(config, state, info, close_state=True)
+
+
+def serve(config: RouterConfig | None = None) -> None:
+    """Run the router in the foreground (what `splitserve router` calls)."""
+    import uvicorn
+
+    config = config or RouterConfig()
+    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level="info")

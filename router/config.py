@@ -1,0 +1,50 @@
+"""Router settings: typed, frozen, filled from flags and SPLITSERVE_ROUTER_* environment variables."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class RouterConfig(BaseSettings):
+    """One router process. Worker lists, when given, replace the Redis registry (tests, fixed setups)."""
+
+    model_config = SettingsConfigDict(env_prefix="SPLITSERVE_ROUTER_", frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    redis_url: str | None = Field(None, description="request records and the worker registry")
+    redis_prefix: str = "splitserve:"
+    model: str | None = Field(None, description="GGUF file or HF folder for the tokenizer; default SmolLM2")
+    served_model_name: str | None = Field(None, description="the OpenAI model name; default: the model id")
+    local_prefill_threshold: int = Field(
+        32, ge=0, description="prompts shorter than this (tokens) are prefilled on the decode service"
+    )
+    request_timeout_s: float = Field(600.0, gt=0, description="deadline for one request, end to end")
+    # Comma-separated in the environment ("http://a:8001,http://b:8001") as well as a JSON list.
+    decode_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    prefill_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    slo_ttft_ms: float | None = Field(None, gt=0, description="TTFT objective; misses are counted")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="time-per-output-token objective")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After on 503 answers")
+    connect_timeout_s: float = Field(2.0, gt=0, description="connecting to a prefill/decode service")
+
+    @field_validator("decode_urls", "prefill_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.strip()
+            if v.startswith("["):
+                import json
+
+                return json.loads(v)
+            return [u.strip() for u in v.split(",") if u.strip()]
+        return v
+
+    @field_validator("decode_urls", "prefill_urls")
+    @classmethod
+    def _strip_slash(cls, v: list[str]) -> list[str]:
+        return [u.rstrip("/") for u in v]

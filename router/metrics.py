@@ -1,0 +1,60 @@
+"""Router metrics on a registry of its own (not the process default), so one process can hold
+several apps (tests) without duplicate-metric errors."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Seconds; TTFT spans a queued prefill, ITL a single decode step.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class RouterMetrics:
+    """Every router metric; `render()` gives the Prometheus text exposition."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "splitserve_router_"
+        self.requests = Counter(
+            p + "requests", "Requests by endpoint and outcome", ["endpoint", "status"], registry=r
+        )
+        self.routes = Counter(p + "route_decisions", "Routing decisions", ["route", "reason"], registry=r)
+        self.ttft = Histogram(
+            p + "ttft_seconds", "Time to first token", ["route"], registry=r, buckets=_TTFT_BUCKETS
+        )
+        self.itl = Histogram(
+            p + "itl_seconds",
+            "Gap between streamed token batches",
+            ["route"],
+            registry=r,
+            buckets=_ITL_BUCKETS,
+        )
+        self.tpot = Histogram(
+            p + "tpot_seconds",
+            "Per-request mean time per output token after the first",
+            ["route"],
+            registry=r,
+            buckets=_ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            p + "e2e_seconds",
+            "Request latency, arrival to last token",
+            ["route"],
+            registry=r,
+            buckets=_E2E_BUCKETS,
+        )
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.output_tokens = Counter(p + "output_tokens", "Tokens generated and delivered", registry=r)
+        self.slo_misses = Counter(p + "slo_misses", "Requests over an SLO", ["slo"], registry=r)
+        self.prefill_retries = Counter(
+            p + "prefill_retries", "Prefill calls retried on another worker", registry=r
+        )
+        self.state_errors = Counter(p + "state_errors", "Redis record writes that failed", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

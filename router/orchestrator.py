@@ -1,0 +1,280 @@
+"""One request's trip through a decode service, and a prefill service on the split path.
+
+    split:  D /internal/generate (mode=remote) -> Reserved -> P /internal/prefill -> first token
+            -> TokenFrames from D (index 0 is the prefill's token again: skipped)
+    local:  D /internal/generate (mode=local)  -> Reserved (no blocks to fill) -> TokenFrames
+
+`start()` returns once the first token is known, so every failure before it (no worker, all busy,
+prefill failed, deadline) is still an HTTP status, even for a streaming request. Closing the
+generate stream is how the decode service learns to abort and free the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from common.protocol import GenerateRequest, PrefillRequest, Reserved, TokenFrame, encode
+from common.state import IllegalTransition, RequestState, StateStore
+from router.config import RouterConfig
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.upstream import (
+    Busy,
+    DecodeStream,
+    PrefillFailed,
+    Unreachable,
+    call_prefill,
+    post_abort,
+    unexpected,
+)
+from router.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+_background: set[asyncio.Task[Any]] = set()
+
+
+async def shielded(coro: Coroutine[Any, Any, None]) -> None:
+    """Run cleanup to the end even when the caller is being cancelled (the client went away)."""
+    task = asyncio.ensure_future(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+    await asyncio.shield(task)
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str  # "split" | "local"
+    reason: str  # "long_prompt" | "short_prompt" | "no_prefill_worker"
+
+    @property
+    def header(self) -> str:
+        return "split" if self.path == "split" else f"local; reason={self.reason}"
+
+    @property
+    def record(self) -> str:
+        return "split" if self.path == "split" else f"local:{self.reason}"
+
+
+class Orchestrator:
+    """Shared by all requests of one router: worker pool, HTTP client, state store, metrics."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        state: StateStore | None,
+        client: httpx.AsyncClient,
+        metrics: RouterMetrics,
+        router_id: str,
+    ) -> None:
+        self.config, self.state, self.client, self.metrics = config, state, client, metrics
+        self.router_id = router_id
+        self.pool = WorkerPool(state, config.decode_urls, config.prefill_urls)
+
+    def route(self, prompt_tokens: int, prefills: list[Worker]) -> Route:
+        if prompt_tokens < self.config.local_prefill_threshold:
+            return Route("local", "short_prompt")
+        if not prefills:
+            return Route("local", "no_prefill_worker")
+        return Route("split", "long_prompt")
+
+    def generation(
+        self, request_id: str, prompt_ids: list[int], sampling: dict[str, Any], model: str
+    ) -> Generation:
+        return Generation(self, request_id, prompt_ids, sampling, model)
+
+    def unavailable(self, message: str) -> APIError:
+        return APIError(503, message, headers={"Retry-After": str(self.config.retry_after_s)})
+
+
+class Generation:
+    """start() once, next() until it returns None, close() always (it is idempotent)."""
+
+    def __init__(
+        self, orch: Orchestrator, request_id: str, prompt_ids: list[int], sampling: dict[str, Any], model: str
+    ) -> None:
+        self.o, self.id, self.model = orch, request_id, model
+        self.prompt_ids, self.sampling = prompt_ids, sampling
+        self.deadline = time.time() + orch.config.request_timeout_s
+        self.route: Route | None = None
+        self.out_ids: list[int] = []  # every output token seen, from P or D, in order
+        self.finish_reason: str | None = None  # D's, once its stream says finished
+        self._pending: list[int] = []  # tokens start() got that next() has not handed out
+        self._stream: DecodeStream | None = None
+        self._prefill: Worker | None = None  # set while a prefill call is in flight
+        self._recorded = False
+        self._closed = False
+
+    # ---- the flow --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Pick workers, reserve on D, prefill (split) or wait for D's first tokens (local)."""
+        long_prompt = len(self.prompt_ids) >= self.o.config.local_prefill_threshold
+        try:
+            decodes = await self.o.pool.candidates("decode")
+            prefills = await self.o.pool.candidates("prefill") if long_prompt and decodes else []
+        except Exception as e:  # the registry (Redis) is down: nothing can be routed
+            log.exception("worker registry lookup failed")
+            raise self.o.unavailable(f"worker registry unavailable: {e!r}") from e
+        if not decodes:
+            raise self.o.unavailable("no decode service is available")
+        self.route = self.o.route(len(self.prompt_ids), prefills)
+        self.o.metrics.routes.labels(self.route.path, self.route.reason).inc()
+        await self._create_record()
+        if self.route.path == "local":
+            await self._open_decode(decodes, "local")
+            self._pending = await self._read_tokens() or []
+            return
+        tries = prefills[:2]  # one retry, on another prefill worker
+        for attempt, prefill in enumerate(tries):
+            reserved = await self._open_decode(decodes, "remote")
+            try:
+                first = await self._run_prefill(prefill, reserved)
+            except PrefillFailed as e:
+                await self._abort(prefill)
+                if attempt == len(tries) - 1:
+                    raise APIError(502, f"prefill failed: {e}", code="prefill_failed") from e
+                log.warning("request %s: prefill on %s failed (%s); retrying", self.id, prefill.id, e)
+                self.o.metrics.prefill_retries.inc()
+                # A new reservation (new fence) so a late write from the failed worker is ignored.
+                if self._stream is not None:
+                    await self._abort(self._stream.worker)
+                await self._close_decode()
+                continue
+            self._pending = self._accept(0, [first])
+            return
+
+    async def next(self) -> list[int] | None:
+        """New output tokens, or None once the decode service has finished the request."""
+        if self._pending:
+            out, self._pending = self._pending, []
+            return out
+        if self.finish_reason is not None:
+            return None
+        return await self._read_tokens()
+
+    async def close(
+        self, outcome: str, finish_reason: str | None = None, output_tokens: int = 0, error: str | None = None
+    ) -> None:
+        """End the request: stop upstream work, free workers, record the terminal state.
+
+        outcome is "finished", "failed" or "cancelled".
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._prefill is not None:
+                await self._abort(self._prefill)
+            await self._close_decode()
+        finally:
+            state = {"finished": RequestState.FINISHED, "failed": RequestState.FAILED}.get(
+                outcome, RequestState.CANCELLED
+            )
+            await self._record(state, finish_reason=finish_reason, output_tokens=output_tokens, error=error)
+
+    # ---- decode service --------------------------------------------------------------------------
+
+    async def _open_decode(self, decodes: list[Worker], mode: str) -> Reserved:
+        """Open a generate stream on the least loaded D that accepts it; returns its Reserved frame."""
+        body = encode(GenerateRequest(self.id, self.prompt_ids, self.sampling, mode, self.deadline))
+        try:
+            self._stream, reserved = await DecodeStream.open(self.o.client, decodes, body, self.deadline)
+        except Busy:
+            raise self.o.unavailable("every decode service is at capacity; retry later") from None
+        except Unreachable as e:
+            raise self.o.unavailable(f"no decode service could be reached ({e})") from None
+        self.o.pool.hold(self._stream.worker)
+        await self._record(RequestState.RESERVED, decode_id=reserved.decode_id or self._stream.worker.id)
+        return reserved
+
+    async def _read_tokens(self) -> list[int] | None:
+        """Tokens from the next TokenFrame(s) that bring anything new; None when D has finished."""
+        assert self._stream is not None, "no decode stream open"
+        while True:
+            frame = await self._stream.next_frame()
+            if not isinstance(frame, TokenFrame):
+                raise unexpected(frame, "tokens")
+            new = self._accept(frame.index, frame.token_ids)
+            if frame.finished:
+                if frame.finish_reason not in ("stop", "length"):
+                    raise APIError(502, f"decode service ended the request ({frame.finish_reason})")
+                self.finish_reason = frame.finish_reason
+            if new:
+                return new
+            if frame.finished:
+                return None
+
+    def _accept(self, index: int, token_ids: list[int]) -> list[int]:
+        """Keep only tokens past what we have: frames may repeat the prefill's first token."""
+        have = len(self.out_ids)
+        if index > have:
+            raise APIError(502, f"decode stream skipped tokens (frame index {index}, expected <= {have})")
+        new = list(token_ids[have - index :])
+        self.out_ids += new
+        return new
+
+    async def _close_decode(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                await stream.aclose()
+            finally:
+                self.o.pool.release(stream.worker)
+
+    # ---- prefill service -------------------------------------------------------------------------
+
+    async def _run_prefill(self, w: Worker, r: Reserved) -> int:
+        """Send the prompt to P, which writes its KV into r.block_ids on D; returns the first token."""
+        await self._record(RequestState.PREFILLING, prefill_id=w.id)  # before P can record TRANSFERRING
+        req = PrefillRequest(
+            self.id, self.prompt_ids, self.sampling, r.kv_endpoint, r.block_ids, r.fence,
+            r.num_cached_tokens, self.deadline,
+        )  # fmt: skip
+        self._prefill = w  # from here until it answers, a cancelled request must abort it on P
+        self.o.pool.hold(w)
+        try:
+            first = await call_prefill(self.o.client, w, req)
+        finally:
+            self.o.pool.release(w)
+        self._prefill = None
+        return first
+
+    async def _abort(self, w: Worker) -> None:
+        if w is self._prefill:
+            self._prefill = None
+        await post_abort(self.o.client, w, self.id)
+
+    # ---- records ---------------------------------------------------------------------------------
+
+    async def _create_record(self) -> None:
+        if self.o.state is None or self.route is None:
+            return
+        try:
+            await self.o.state.create(
+                self.id, model=self.model, prompt_tokens=len(self.prompt_ids), router_id=self.o.router_id,
+                route=self.route.record,
+            )  # fmt: skip
+            self._recorded = True
+        except Exception:
+            self.o.metrics.state_errors.inc()
+            log.exception("request %s: could not create its record", self.id)
+
+    async def _record(self, new: RequestState, **fields: Any) -> None:
+        if self.o.state is None or not self._recorded:
+            return
+        try:
+            await self.o.state.transition(self.id, new, **fields)
+        except IllegalTransition as e:
+            # A service moved the record on first (or the table forbids this end from its state):
+            # the request itself is unaffected.
+            log.debug("request %s: %s", self.id, e)
+        except Exception:
+            self.o.metrics.state_errors.inc()
+            log.exception("request %s: could not record %s", self.id, new.name)

@@ -1,0 +1,279 @@
+"""The two generation endpoints: validate and tokenize, run a Generation, turn tokens into text
+(incrementally, UTF-8 safe, stop strings applied here), answer as JSON or as an SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from common.engine.detokenizer import IncrementalDetokenizer
+from common.model.model_info import ModelInfo
+from router.config import RouterConfig
+from router.errors import APIError, invalid
+from router.metrics import RouterMetrics
+from router.openai_types import (
+    SSE_DONE,
+    Builder,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_event,
+    parse,
+)
+from router.orchestrator import Generation, Orchestrator, shielded
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before we answered."""
+
+
+@dataclass
+class _Run:
+    """What one request produced and when, for usage, the terminal record and the metrics."""
+
+    endpoint: str
+    t0: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+    t_last: float | None = None
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    outcome: str = "cancelled"  # until proven otherwise: a cancelled task never gets to say so
+    error: str | None = None
+    done: bool = False  # _finish ran (it may be reached twice: the stream's end and its safety net)
+
+
+class Server:
+    """Holds what the endpoints share; one per app."""
+
+    def __init__(
+        self, config: RouterConfig, model_info: ModelInfo, orch: Orchestrator, metrics: RouterMetrics
+    ) -> None:
+        self.config, self.info, self.orch, self.metrics = config, model_info, orch, metrics
+        self.model_name = config.served_model_name or model_info.model_id
+        self.model_aliases = {self.model_name, model_info.model_id, "default"}
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        """POST /v1/completions (chat=False) or /v1/chat/completions (chat=True)."""
+        run = _Run("chat" if chat else "completions")
+        try:
+            req = parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
+            if req.model not in self.model_aliases:
+                raise invalid(
+                    f"The model `{req.model}` does not exist; this server serves `{self.model_name}`",
+                    "model", "model_not_found",
+                )  # fmt: skip
+            prompt_ids = self._tokenize(req)
+            max_tokens = self._max_tokens(req, len(prompt_ids))
+        except APIError:
+            self.metrics.requests.labels(run.endpoint, "rejected").inc()
+            raise
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request.state.request_id = request_id  # for the x-request-id middleware
+        gen = self.orch.generation(request_id, prompt_ids, req.sampling(max_tokens), self.model_name)
+        headers = {"x-request-id": request_id}
+        try:
+            await _until_disconnected(request, gen.start())
+        except BaseException as e:
+            await self._finish(gen, run, e)
+            if gen.route is not None:
+                headers["x-splitserve-route"] = gen.route.header
+            return _answer_failure(e, headers)
+        headers["x-splitserve-route"] = gen.route.header if gen.route else ""
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        run.t_first = run.t_last = time.monotonic()
+        self._observe_ttft(gen, run)
+        builder = Builder(request_id, self.model_name, chat)
+        detok = IncrementalDetokenizer(self.info.tokenizer, req.stop_list)
+        if req.stream:
+            body = self._sse(gen, run, detok, builder, req.include_usage)
+            # Safety net: if the client leaves before the body starts, the generator never runs its
+            # finally; the background task (run after the response either way) closes the request.
+            net = BackgroundTask(self._finish, gen, run, ClientGone())
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers, background=net)
+        try:
+            text = await _until_disconnected(request, self._collect(gen, run, detok))
+        except BaseException as e:
+            await self._finish(gen, run, e)
+            return _answer_failure(e, headers)
+        await self._finish(gen, run, None)
+        result = builder.full(text, run.finish_reason or "stop", len(prompt_ids), run.output_tokens)
+        return JSONResponse(result, headers=headers)
+
+    # ---- request -> prompt tokens, max_tokens ----------------------------------------------------
+
+    def _tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+        tok = self.info.tokenizer
+        if isinstance(req, ChatCompletionRequest):
+            try:
+                text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+            except (jinja2.TemplateError, ValueError) as e:
+                raise invalid(f"messages cannot be formatted for this model: {e}", "messages") from e
+            return tok.encode(text, add_special_tokens=False)  # the template places special tokens
+        if isinstance(req.prompt, str):
+            return tok.encode(req.prompt)
+        ids = list(req.prompt)
+        if not all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids):
+            raise invalid(f"prompt token ids must be in [0, {tok.vocab_size})", "prompt")
+        return ids  # type: ignore[return-value]
+
+    def _max_tokens(self, req: CompletionRequest | ChatCompletionRequest, n_prompt: int) -> int:
+        ctx = self.info.context_length
+        prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        asked = req.max_tokens
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+            asked = req.max_completion_tokens
+        if n_prompt >= ctx:
+            raise invalid(
+                f"This model's maximum context length is {ctx} tokens, but the prompt has {n_prompt} tokens "
+                "and no room is left for the completion.", prompt_param, "context_length_exceeded",
+            )  # fmt: skip
+        if asked is None:
+            return min(self.config.default_max_tokens, ctx - n_prompt)
+        if n_prompt + asked > ctx:
+            raise invalid(
+                f"This model's maximum context length is {ctx} tokens, but {n_prompt + asked} were requested "
+                f"({n_prompt} in the prompt + {asked} max_tokens). Reduce the prompt or max_tokens.",
+                "max_tokens", "context_length_exceeded",
+            )  # fmt: skip
+        return asked
+
+    # ---- tokens -> text --------------------------------------------------------------------------
+
+    async def _texts(self, gen: Generation, run: _Run, detok: IncrementalDetokenizer) -> AsyncIterator[str]:
+        """Text deltas until the request ends; sets run.finish_reason and run.output_tokens."""
+        while run.finish_reason is None:
+            ids = await gen.next()
+            now = time.monotonic()
+            if ids is None:
+                run.finish_reason = gen.finish_reason or "stop"
+                text = detok.flush()  # text held back for a stop string that never came
+            else:
+                text, first_batch = "", run.output_tokens == 0
+                for t in ids:
+                    run.output_tokens += 1
+                    text += detok.add(t)
+                    if detok.stopped:
+                        run.finish_reason = "stop"
+                        break
+                if run.t_last is not None and not first_batch:
+                    self.metrics.itl.labels(_path(gen)).observe(now - run.t_last)
+                run.t_last = now
+            if text:
+                yield text
+
+    async def _collect(self, gen: Generation, run: _Run, detok: IncrementalDetokenizer) -> str:
+        return "".join([t async for t in self._texts(gen, run, detok)])
+
+    async def _sse(
+        self, gen: Generation, run: _Run, detok: IncrementalDetokenizer, b: Builder, include_usage: bool
+    ) -> AsyncIterator[str]:
+        error: BaseException | None = None
+        try:
+            if b.chat:
+                yield b.chunk(None, role=True)
+            async for text in self._texts(gen, run, detok):
+                yield b.chunk(text)
+            yield b.chunk(None, run.finish_reason)
+            if include_usage:
+                yield b.usage_chunk(len(gen.prompt_ids), run.output_tokens)
+            yield SSE_DONE
+        except APIError as e:  # after the first token the status line is sent: report in-stream
+            error = e
+            yield error_event(e)
+            yield SSE_DONE
+        except BaseException as e:  # cancelled: the client went away
+            error = e
+            raise
+        finally:
+            await self._finish(gen, run, error)
+
+    # ---- the end ---------------------------------------------------------------------------------
+
+    async def _finish(self, gen: Generation, run: _Run, error: BaseException | None) -> None:
+        """Close upstream work, record the outcome, count it. Runs to the end even if cancelled."""
+        if not run.done:
+            run.done = True
+            await shielded(self._close_and_count(gen, run, error))
+
+    async def _close_and_count(self, gen: Generation, run: _Run, error: BaseException | None) -> None:
+        if error is None:
+            run.outcome = "finished"
+        elif isinstance(error, APIError):
+            run.outcome, run.error = "failed", error.message
+        else:
+            run.outcome = "cancelled"
+        try:
+            await gen.close(run.outcome, run.finish_reason, run.output_tokens, run.error)
+        finally:
+            self._count(gen, run, error)
+
+    def _count(self, gen: Generation, run: _Run, error: BaseException | None) -> None:
+        status = run.outcome if not isinstance(error, APIError) or error.status >= 500 else "rejected"
+        self.metrics.requests.labels(run.endpoint, status).inc()
+        self.metrics.output_tokens.inc(run.output_tokens)
+        if run.outcome != "finished" or run.t_first is None or run.t_last is None:
+            return
+        path = _path(gen)
+        self.metrics.e2e.labels(path).observe(run.t_last - run.t0)
+        if run.output_tokens > 1:
+            tpot = (run.t_last - run.t_first) / (run.output_tokens - 1)
+            self.metrics.tpot.labels(path).observe(tpot)
+            if self.config.slo_tpot_ms is not None and tpot * 1000 > self.config.slo_tpot_ms:
+                self.metrics.slo_misses.labels("tpot").inc()
+
+    def _observe_ttft(self, gen: Generation, run: _Run) -> None:
+        assert run.t_first is not None
+        ttft = run.t_first - run.t0
+        self.metrics.ttft.labels(_path(gen)).observe(ttft)
+        if self.config.slo_ttft_ms is not None and ttft * 1000 > self.config.slo_ttft_ms:
+            self.metrics.slo_misses.labels("ttft").inc()
+
+
+def _answer_failure(e: BaseException, headers: dict[str, str]) -> Response:
+    """An APIError as its response; a vanished client gets a 499 nobody reads (it keeps the access
+    log honest); anything else propagates."""
+    if isinstance(e, APIError):
+        e.headers.update(headers)
+        return e.response()
+    if isinstance(e, ClientGone):
+        return JSONResponse(APIError(499, "client disconnected").body(), 499, headers)
+    raise e
+
+
+def _path(gen: Generation) -> str:
+    return gen.route.path if gen.route else "none"
+
+
+async def _until_disconnected(request: Request, coro: Coroutine[Any, Any, T]) -> T:
+    """Run coro; if the client disconnects first, cancel it and raise ClientGone.
+
+    Starlette notices a disconnect only for streaming bodies, so before the answer starts (and for
+    the whole of a non-streaming request) we listen for it ourselves.
+    """
+    task = asyncio.ensure_future(coro)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()

@@ -1,0 +1,177 @@
+"""The wire to the prefill and decode services: the generate stream, the prefill call, abort.
+
+Every wait is bounded by the request's deadline (unix time, the same value sent to the services);
+upstream failures become APIErrors the client can be shown (502, 503, 504).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import httpx
+
+from common.protocol import (
+    AbortRequest,
+    ErrorFrame,
+    FrameReader,
+    PrefillRequest,
+    PrefillResult,
+    ProtocolError,
+    Reserved,
+    decode,
+    encode,
+)
+from router.errors import APIError
+from router.workers import Worker
+
+log = logging.getLogger(__name__)
+MSGPACK = {"content-type": "application/msgpack"}
+T = TypeVar("T")
+
+
+class PrefillFailed(Exception):
+    """The prefill call failed in a way another prefill worker may not (connection, 5xx)."""
+
+
+class Busy(Exception):
+    """Every decode service tried answered 503 (queue full)."""
+
+
+class Unreachable(Exception):
+    """No decode service tried could be connected to."""
+
+
+async def until_deadline(aw: Awaitable[T], deadline: float | None) -> T:
+    try:
+        async with asyncio.timeout(None if deadline is None else deadline - time.time()):
+            return await aw
+    except TimeoutError:
+        raise APIError(504, "deadline exceeded", code="deadline_exceeded") from None
+
+
+class DecodeStream:
+    """An open POST /internal/generate response: length-prefixed frames, read one at a time."""
+
+    def __init__(self, worker: Worker, resp: httpx.Response, deadline: float) -> None:
+        self.worker, self.deadline = worker, deadline
+        self._resp, self._raw = resp, resp.aiter_raw()
+        self._reader, self._frames = FrameReader(), deque[Any]()
+
+    @classmethod
+    async def open(
+        cls, client: httpx.AsyncClient, decodes: list[Worker], body: bytes, deadline: float
+    ) -> tuple[DecodeStream, Reserved]:
+        """Open on the first of `decodes` (best first) that takes the request; its Reserved frame.
+
+        Raises Busy if every one answered 503 (or was unreachable), Unreachable if none could be reached.
+        """
+        busy, errors = False, []
+        for w in decodes:
+            req = client.build_request("POST", f"{w.url}/internal/generate", content=body, headers=MSGPACK)
+            try:
+                resp = await until_deadline(client.send(req, stream=True), deadline)
+            except httpx.TransportError as e:
+                errors.append(f"{w.id}: {e!r}")
+                continue
+            if resp.status_code != 200:
+                text = await error_text(resp)
+                await resp.aclose()
+                if resp.status_code == 503:  # D's queue is full: try the next one
+                    busy = True
+                    continue
+                raise APIError(_client_status(resp.status_code), f"decode service {w.id}: {text}")
+            stream = cls(w, resp, deadline)
+            try:
+                frame = await stream.next_frame()
+                if isinstance(frame, ErrorFrame) and frame.code == 503:
+                    busy = True
+                    await stream.aclose()
+                    continue
+                if not isinstance(frame, Reserved):
+                    raise unexpected(frame, "reserved")
+            except BaseException:
+                await stream.aclose()
+                raise
+            return stream, frame
+        if busy:
+            raise Busy()
+        raise Unreachable("; ".join(errors))
+
+    async def next_frame(self) -> Any:
+        while not self._frames:
+            try:
+                chunk = await until_deadline(anext(self._raw, b""), self.deadline)
+            except httpx.HTTPError as e:
+                raise APIError(502, f"decode stream broke: {e!r}") from e
+            if not chunk:
+                raise APIError(502, "decode service closed the stream before the request finished")
+            try:
+                self._frames.extend(self._reader.feed(chunk))
+            except ProtocolError as e:
+                raise APIError(502, f"decode stream: {e}") from e
+        return self._frames.popleft()
+
+    async def aclose(self) -> None:
+        """Closing the stream early is how the decode service learns to abort and free the blocks."""
+        await self._resp.aclose()
+
+
+async def call_prefill(client: httpx.AsyncClient, w: Worker, req: PrefillRequest) -> int:
+    """POST /internal/prefill; P writes the prompt's KV into D's blocks. Returns the first token."""
+    try:
+        resp = await until_deadline(
+            client.post(f"{w.url}/internal/prefill", content=encode(req), headers=MSGPACK), req.deadline
+        )
+    except httpx.TransportError as e:
+        raise PrefillFailed(f"{w.id}: {e!r}") from e
+    if resp.status_code == 504:  # past the deadline: another worker would be too
+        raise APIError(504, f"prefill service {w.id}: {await error_text(resp)}", code="deadline_exceeded")
+    if resp.status_code >= 500:
+        raise PrefillFailed(f"{w.id} answered {resp.status_code}: {await error_text(resp)}")
+    if resp.status_code != 200:
+        raise APIError(502, f"prefill service {w.id} refused: {await error_text(resp)}")
+    try:
+        result = decode(resp.content, PrefillResult)
+    except ProtocolError as e:
+        raise APIError(502, f"prefill service {w.id}: {e}") from e
+    return int(result.first_token)
+
+
+async def post_abort(client: httpx.AsyncClient, w: Worker, request_id: str) -> None:
+    """Best effort: tell a service to drop the request (its leases expire on their own anyway)."""
+    try:
+        body = encode(AbortRequest(request_id))
+        await client.post(f"{w.url}/internal/abort", content=body, headers=MSGPACK, timeout=2.0)
+    except httpx.HTTPError as e:
+        log.warning("request %s: abort on %s failed: %r", request_id, w.id, e)
+
+
+def unexpected(frame: Any, wanted: str) -> APIError:
+    if isinstance(frame, ErrorFrame):
+        return APIError(_client_status(frame.code), f"decode service: {frame.error}")
+    return APIError(502, f"decode stream: expected a {wanted!r} frame, got {getattr(frame, 'kind', frame)!r}")
+
+
+def _client_status(upstream: int) -> int:
+    """What the client sees for an upstream error code: its own fault (400) and deadlines (504)
+    pass through; anything else is the router's upstream failing (502)."""
+    return upstream if upstream in (400, 504) else 502
+
+
+async def error_text(resp: httpx.Response) -> str:
+    """An upstream error body as text: an ErrorFrame's or a JSON error's message, else the raw text."""
+    body = await resp.aread()
+    with contextlib.suppress(ProtocolError):
+        msg = decode(body)
+        if isinstance(msg, ErrorFrame):
+            return msg.error
+    with contextlib.suppress(ValueError, TypeError, KeyError):
+        return str(json.loads(body)["error"]["message"])
+    return f"HTTP {resp.status_code}: {body[:300].decode('utf-8', 'replace')}"

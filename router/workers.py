@@ -1,0 +1,52 @@
+"""Which decode / prefill service gets a request: least loaded first.
+
+Workers come from the Redis registry (heartbeat load: running, waiting, free_blocks), or from fixed
+URL lists. The registry's load is up to a heartbeat old, so the router's own count of requests it has
+in flight on each worker breaks ties (and is the only signal for fixed lists).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.state import StateStore
+
+
+@dataclass(frozen=True)
+class Worker:
+    id: str
+    url: str
+    load: dict[str, Any] = field(default_factory=dict)
+
+
+class WorkerPool:
+    """Candidates per role, best first. Static lists, when given, replace the registry for that role."""
+
+    def __init__(self, state: StateStore | None, decode_urls: list[str], prefill_urls: list[str]) -> None:
+        self.state = state
+        self.static = {"decode": list(decode_urls), "prefill": list(prefill_urls)}
+        self.in_flight: Counter[str] = Counter()  # worker url -> requests this router has on it
+
+    async def candidates(self, role: str) -> list[Worker]:
+        if self.static[role]:
+            workers = [Worker(url, url) for url in self.static[role]]
+        elif self.state is not None:
+            workers = [Worker(w.id, w.url.rstrip("/"), w.load) for w in await self.state.alive(role)]
+        else:
+            workers = []
+        return sorted(workers, key=self._key)
+
+    def _key(self, w: Worker) -> tuple[int, int, int]:
+        queued = int(w.load.get("running", 0)) + int(w.load.get("waiting", 0))
+        return (queued, -int(w.load.get("free_blocks", 0)), self.in_flight[w.url])
+
+    def hold(self, worker: Worker) -> None:
+        """Count a request of ours against `worker` (until release)."""
+        self.in_flight[worker.url] += 1
+
+    def release(self, worker: Worker) -> None:
+        self.in_flight[worker.url] -= 1
+        if self.in_flight[worker.url] <= 0:
+            del self.in_flight[worker.url]

@@ -1,0 +1,154 @@
+"""The router's HTTP surface: validation errors in OpenAI's shape, models, health, metrics, records,
+request ids, 503 without decode services, and that importing the router does not import torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from test_router_fakes import FakeCluster, make_router, model_info
+
+from router.app import create_app
+from router.config import RouterConfig
+from router.errors import install_handlers
+
+pytestmark = pytest.mark.anyio
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def cluster() -> FakeCluster:
+    return FakeCluster(model_info().tokenizer.encode(" fine thanks", add_special_tokens=False))
+
+
+BAD: list[tuple[str, dict[str, Any], str | None]] = [
+    (COMPLETIONS, {"model": "gpt-4", "prompt": "hi"}, "model"),
+    (COMPLETIONS, {"prompt": "hi"}, "model"),
+    (COMPLETIONS, {"model": "default"}, "prompt"),
+    (COMPLETIONS, {"model": "default", "prompt": 5}, "prompt"),
+    (COMPLETIONS, {"model": "default", "prompt": ["a", "b"]}, "prompt"),
+    (COMPLETIONS, {"model": "default", "prompt": [1, 10**9]}, "prompt"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "temperature": -0.1}, "temperature"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "temperature": 2.5}, "temperature"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "top_p": 0}, "top_p"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "top_p": 1.5}, "top_p"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "n": 2}, "n"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "logprobs": 2}, "logprobs"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "echo": True}, "echo"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "stop": 3}, "stop"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "frequency_penalty": 1}, "frequency_penalty"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "max_tokens": 9000}, "max_tokens"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi " * 9000}, "prompt"),
+    (CHAT, {"model": "default"}, "messages"),
+    (CHAT, {"model": "default", "messages": "hi"}, "messages"),
+    (CHAT, {"model": "default", "messages": []}, "messages"),
+    (CHAT, {"model": "default", "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    (CHAT, {"model": "default", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    (CHAT, {"model": "default", "messages": MSGS, "logprobs": True}, "logprobs"),
+    (CHAT, {"model": "default", "messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD)
+async def test_bad_requests_are_openai_400s(
+    cluster: FakeCluster, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    async with make_router(cluster) as client:
+        resp = await client.post(path, json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    assert resp.headers["x-request-id"]
+    assert not cluster.generate_calls  # nothing reached a worker
+
+
+async def test_context_length_message_names_both_numbers(cluster: FakeCluster) -> None:
+    async with make_router(cluster) as client:
+        resp = await client.post(COMPLETIONS, json={"model": "default", "prompt": "hi", "max_tokens": 9000})
+    msg = resp.json()["error"]["message"]
+    assert "8192" in msg and "9001" in msg and resp.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_malformed_json(cluster: FakeCluster) -> None:
+    async with make_router(cluster) as client:
+        resp = await client.post(
+            COMPLETIONS, content=b"{not json", headers={"content-type": "application/json"}
+        )
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
+
+
+async def test_sampling_sent_to_services_and_extras_accepted(cluster: FakeCluster) -> None:
+    body = {"model": "default", "messages": MSGS, "user": "u1", "metadata": {"a": 1}, "seed": 7, "top_k": 5,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    async with make_router(cluster) as client:
+        resp = await client.post(CHAT, json=body)
+    assert resp.status_code == 200, resp.text
+    sampling = cluster.generate_calls[0][1].sampling
+    assert sampling == {"max_tokens": 256, "temperature": 0, "top_p": 1.0, "top_k": 5, "seed": 7,
+                        "ignore_eos": True, "stop_token_ids": [], "min_tokens": 0}  # fmt: skip
+
+
+async def test_no_decode_service_is_503_with_retry_after(cluster: FakeCluster) -> None:
+    async with make_router(cluster, decodes=()) as client:
+        resp = await client.post(COMPLETIONS, json={"model": "default", "prompt": "hi", "stream": True})
+        health = (await client.get("/health")).json()
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["type"] == "service_unavailable" and resp.headers["x-request-id"]
+    assert health == {"status": "ok", "decode_workers": 0, "prefill_workers": 1}
+
+
+async def test_models_metrics_records_and_request_ids(cluster: FakeCluster) -> None:
+    async with make_router(cluster, served_model_name="smol") as client:
+        models = (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["smol"] and models["object"] == "list"
+        ok = await client.post(COMPLETIONS, json={"model": "smol", "prompt": "hi"})
+        assert ok.status_code == 200 and ok.headers["x-request-id"] == ok.json()["id"]
+        missing = await client.get(f"/v1/requests/{ok.json()['id']}")  # no Redis in unit tests
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
+        metrics = await client.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["x-request-id"].startswith("req-")
+    text = metrics.text
+    assert 'splitserve_router_requests_total{endpoint="completions",status="finished"} 1.0' in text
+    assert 'splitserve_router_ttft_seconds_count{route="local"} 1.0' in text
+    assert "splitserve_router_e2e_seconds_bucket" in text and "splitserve_router_itl_seconds" in text
+
+
+async def test_two_apps_in_one_process_have_separate_metrics() -> None:
+    info = model_info()
+    a, b = create_app(RouterConfig(), None, info), create_app(RouterConfig(), None, info)
+    assert a.state.metrics.registry is not b.state.metrics.registry
+
+
+async def test_framework_validation_errors_are_400_not_422() -> None:
+    app = FastAPI()
+    install_handlers(app)
+
+    @app.get("/items/{n}")
+    async def item(n: int) -> int:
+        return n
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as client:
+        resp = await client.get("/items/abc")
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "path.n"
+
+
+def test_router_does_not_import_torch() -> None:
+    code = "import sys, router.app, router.orchestrator; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

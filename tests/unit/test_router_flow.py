@@ -1,0 +1,280 @@
+"""The router's request flow against fake decode/prefill services: split and local paths, token
+de-duplication, stop strings, UTF-8 safe streaming, usage, retries, disconnects, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from test_router_fakes import FakeCluster, FakeState, make_router, model_info, sse_events
+
+pytestmark = pytest.mark.anyio
+TEXT = "Hello wörld 😀 and the end. More text here"
+LONG_PROMPT = "one two three four five six seven eight nine ten " * 8  # > 32 tokens: split path
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def out_ids() -> list[int]:
+    ids = model_info().tokenizer.encode(TEXT, add_special_tokens=False)
+    tok = model_info().tokenizer
+    # The test is only meaningful if the emoji really is split across two byte-level tokens.
+    assert any(tok.decode([i]).endswith("\ufffd") for i in ids)
+    return ids
+
+
+def _texts(events: list[Any]) -> list[str]:
+    return [c["choices"][0]["text"] for c in events if isinstance(c, dict) and c.get("choices")]
+
+
+async def _stream(client: Any, body: dict[str, Any], path: str = "/v1/completions") -> tuple[Any, list[Any]]:
+    resp = await client.post(path, json={"model": "default", "stream": True, **body})
+    return resp, sse_events(resp.text)
+
+
+async def test_split_path_streams_first_token_then_rest_without_duplicates(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    async with make_router(cluster) as client:
+        resp, events = await _stream(client, {"prompt": LONG_PROMPT, "max_tokens": 100})
+    assert resp.status_code == 200 and resp.headers["x-splitserve-route"] == "split"
+    assert resp.headers["x-request-id"].startswith("cmpl-")
+    assert events[-1] == "[DONE]"
+    texts = _texts(events)
+    assert "".join(texts) == TEXT
+    assert all("\ufffd" not in t for t in texts)
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    # one reservation in remote mode, one prefill call that used its blocks and fence
+    (_, gen), = cluster.generate_calls  # fmt: skip
+    (_, pre), = cluster.prefill_calls  # fmt: skip
+    assert gen.mode == "remote" and pre.block_ids == [7, 8, 9] and pre.kv_endpoint == "tcp://decode:9000"
+    assert pre.token_ids == gen.token_ids and pre.deadline == gen.deadline and pre.deadline is not None
+    assert not cluster.closed_early
+
+
+async def test_local_path_for_short_prompt_and_without_prefill_worker(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    async with make_router(cluster) as client:
+        resp = await client.post(
+            "/v1/completions", json={"model": "default", "prompt": "Hi", "max_tokens": 50}
+        )
+    assert resp.headers["x-splitserve-route"] == "local; reason=short_prompt"
+    assert resp.json()["choices"][0]["text"] == TEXT
+    assert cluster.generate_calls[0][1].mode == "local" and not cluster.prefill_calls
+    async with make_router(cluster, prefills=()) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
+        metrics = (await client.get("/metrics")).text
+    assert resp.headers["x-splitserve-route"] == "local; reason=no_prefill_worker"
+    assert 'route_decisions_total{reason="no_prefill_worker",route="local"} 1.0' in metrics
+
+
+async def test_usage_and_length_finish(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    async with make_router(cluster) as client:
+        resp = await client.post(
+            "/v1/completions", json={"model": "default", "prompt": "Hi", "max_tokens": 3}
+        )
+        body = resp.json()
+        n_prompt = len(model_info().tokenizer.encode("Hi"))
+        assert body["usage"] == {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": 3,
+            "total_tokens": n_prompt + 3,
+        }
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["object"] == "text_completion" and body["id"] == resp.headers["x-request-id"]
+        _, events = await _stream(
+            client, {"prompt": LONG_PROMPT, "max_tokens": 4, "stream_options": {"include_usage": True}}
+        )
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert events[-2]["usage"]["completion_tokens"] == 4
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+async def test_stop_string_across_tokens_never_leaks(out_ids: list[int], chunk: int) -> None:
+    cluster = FakeCluster(out_ids, chunk=chunk, delay_s=0.01)  # D still busy when the stop hits
+    async with make_router(cluster) as client:
+        # " the end" is two tokens (" the", " end"): the first must be held back, then dropped.
+        resp, events = await _stream(client, {"prompt": LONG_PROMPT, "stop": [" the end", "zzz"]})
+        texts = _texts(events)
+        assert "".join(texts) == "Hello wörld 😀 and"
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        await asyncio.sleep(0.05)
+        assert cluster.closed_early  # the router closed D's stream: D aborts and frees the blocks
+        resp = await client.post(
+            "/v1/completions", json={"model": "default", "prompt": "Hi", "stop": "More", "max_tokens": 64}
+        )
+    body = resp.json()
+    assert body["choices"][0]["text"] == "Hello wörld 😀 and the end. "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 11  # through " More", the token that completed the stop
+
+
+async def test_chat_stream_roles_and_content(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids, chunk=1)
+    async with make_router(cluster) as client:
+        resp, events = await _stream(
+            client, {"messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions"
+        )
+        assert resp.headers["x-request-id"].startswith("chatcmpl-")
+        chunks = [e for e in events if isinstance(e, dict)]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert content == TEXT and all(
+            "\ufffd" not in c["choices"][0]["delta"].get("content", "") for c in chunks
+        )
+        resp = await client.post(
+            "/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": "hi"}]}
+        )
+    msg = resp.json()["choices"][0]["message"]
+    assert msg == {"role": "assistant", "content": TEXT}
+
+
+async def test_prefill_failure_retries_on_another_worker_with_new_reservation(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.failing.add("p1")
+    async with make_router(cluster, prefills=("p1", "p2")) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == TEXT
+    assert [n for n, _ in cluster.prefill_calls] == ["p1", "p2"]
+    fences = [p.fence for _, p in cluster.prefill_calls]
+    assert fences[0] != fences[1] and len(cluster.generate_calls) == 2
+    assert ("decode", cluster.generate_calls[0][1].request_id) in cluster.aborts
+
+
+async def test_prefill_failure_without_spare_fails_cleanly(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.failing.add("prefill")
+    async with make_router(cluster) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
+    assert resp.status_code == 502 and "prefill failed" in resp.json()["error"]["message"]
+    assert resp.headers["x-splitserve-route"] == "split"
+    assert cluster.closed_early  # the reservation on D was released
+
+
+async def test_busy_decode_is_skipped_and_all_busy_is_503(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.busy.add("d1")
+    async with make_router(cluster, decodes=("d1", "d2")) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+        assert resp.status_code == 200 and [n for n, _ in cluster.generate_calls] == ["d1", "d2"]
+        cluster.busy.add("d2")
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi", "stream": True})
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["type"] == "service_unavailable"
+
+
+async def test_decode_error_frame_mid_stream(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.error_after = 4
+    async with make_router(cluster) as client:
+        _, events = await _stream(client, {"prompt": "Hi"})
+        assert "decode exploded" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+    assert resp.status_code == 502 and "decode exploded" in resp.json()["error"]["message"]
+
+
+async def test_deadline_exceeded_is_504(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.hang_after = 2
+    async with make_router(cluster, request_timeout_s=0.3) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "deadline_exceeded"
+    await asyncio.sleep(0.05)
+    assert cluster.closed_early
+
+
+async def test_client_disconnect_closes_upstream(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.hang_after = 3
+    async with make_router(cluster) as client:
+        body = {"model": "default", "prompt": "Hi", "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    break  # got a token; now walk away
+        cancelled = 'splitserve_router_requests_total{endpoint="completions",status="cancelled"} 1.0'
+        for _ in range(200):
+            if cancelled in (await client.get("/metrics")).text:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the request was never counted as cancelled")
+    assert cluster.closed_early == [cluster.generate_calls[0][1].request_id]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_disconnect_while_prefilling_aborts_prefill_and_decode(
+    out_ids: list[int], stream: bool
+) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.prefill_hangs = True
+    async with make_router(cluster) as client:
+        body = {"model": "default", "prompt": LONG_PROMPT, "stream": stream}
+        call = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        while not cluster.prefill_calls:
+            await asyncio.sleep(0.01)
+        call.cancel()
+        rid = cluster.prefill_calls[0][1].request_id
+        for _ in range(200):
+            if ("prefill", rid) in cluster.aborts and cluster.closed_early:
+                break
+            await asyncio.sleep(0.01)
+        assert ("prefill", rid) in cluster.aborts and cluster.closed_early == [rid]
+
+
+async def test_non_streaming_disconnect_cancels(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.hang_after = 3
+    async with make_router(cluster) as client:
+        call = asyncio.ensure_future(
+            client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+        )
+        while not cluster.generate_calls:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        call.cancel()
+        for _ in range(200):
+            if cluster.closed_early:
+                break
+            await asyncio.sleep(0.01)
+    assert cluster.closed_early == [cluster.generate_calls[0][1].request_id]
+
+
+async def test_request_records_follow_the_state_machine(out_ids: list[int]) -> None:
+    state = FakeState()
+    cluster = FakeCluster(out_ids, state=state)
+    async with make_router(cluster) as client:
+        split = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
+        local = await client.post(
+            "/v1/completions", json={"model": "default", "prompt": "Hi", "max_tokens": 3}
+        )
+        record = (await client.get(f"/v1/requests/{split.json()['id']}")).json()
+    sid, lid = split.json()["id"], local.json()["id"]
+    assert state.states(sid) == ["queued", "reserved", "prefilling", "transferring", "decoding", "finished"]
+    assert state.states(lid) == ["queued", "reserved", "decoding", "finished"]
+    assert record["state"] == "finished" and record["route"] == "split"
+    assert record["decode_id"] == "decode-id" and record["prefill_id"] == "http://prefill"
+    assert record["output_tokens"] == len(out_ids) and record["finish_reason"] == "stop"
+    assert record["prompt_tokens"] == split.json()["usage"]["prompt_tokens"]
+    assert (
+        state.records[lid]["route"] == "local:short_prompt"
+        and state.records[lid]["finish_reason"] == "length"
+    )
+
+
+async def test_failed_and_cancelled_requests_are_recorded(out_ids: list[int]) -> None:
+    state = FakeState()
+    cluster = FakeCluster(out_ids, state=state)
+    cluster.failing.add("prefill")
+    async with make_router(cluster) as client:
+        failed = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
+    assert failed.status_code == 502
+    (rid,) = state.records
+    assert state.records[rid]["state"] == "failed" and "prefill failed" in state.records[rid]["error"]
