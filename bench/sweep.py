@@ -49,8 +49,13 @@ def plot(points: dict[int, float], path: str) -> None:
     ax.set_ylabel("output tokens / s")
     # step latency on a second axis: the knee is where latency starts to grow as fast as the batch
     ax2 = ax.twinx()
-    ax2.plot(xs, [1e3 * b / t for b, t in zip(xs, ys, strict=True)], marker="s", color="tab:orange",
-             label="step latency (ms)")
+    ax2.plot(
+        xs,
+        [1e3 * b / t for b, t in zip(xs, ys, strict=True)],
+        marker="s",
+        color="tab:orange",
+        label="step latency (ms)",
+    )
     ax2.set_ylabel("ms per decode step")
     fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
     ax.set_title("SmolLM2-135M decode throughput vs batch size (CPU, fp32)")

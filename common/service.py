@@ -15,7 +15,7 @@ from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 from common.protocol import Message, ProtocolError, decode, encode
-from common.state import Heartbeat, IllegalTransition, StateStore, UnknownRequest
+from common.state import Heartbeat, IllegalTransition, RequestState, StateStore, UnknownRequest
 
 log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
@@ -91,7 +91,7 @@ class Service:
         if self.aengine is not None:
             self.aengine.stop()
 
-    async def record(self, request_id: str, new_state: str, **fields: Any) -> None:
+    async def record(self, request_id: str, new_state: RequestState, **fields: Any) -> None:
         """Best-effort request-record update: a transition another service already superseded, or a
         record the router never made (a direct call), is logged, not raised."""
         if self.state is None:

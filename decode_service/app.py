@@ -35,6 +35,7 @@ from common.service import (
     read_message,
     sampling_from_wire,
 )
+from common.state import RequestState
 from kv_transfer import make_receiver
 from kv_transfer.compat import compat_for
 
@@ -87,11 +88,10 @@ class DecodeService(Service):
             # emitted from the engine thread, so token 0 reaches the stream before any later token
             aengine.emit(done.request_id, e.kv_arrived(done.request_id, done.first_token))
 
-        try:
+        # recorded before the first token can reach the router, which records the end after the last
+        await self.record(done.request_id, RequestState.DECODING, decode_id=self.cfg.worker_name)
+        with contextlib.suppress(KeyError):  # aborted meanwhile
             await aengine.call(arrived)
-        except KeyError:
-            return  # aborted meanwhile
-        await self.record(done.request_id, "DECODING", decode_id=self.cfg.worker_name)
 
     # --- requests ---------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> Response:
@@ -148,9 +148,9 @@ class DecodeService(Service):
 
     async def _admitted(self, req: GenerateRequest, ev: Admitted, remote: bool) -> Reserved:
         rid = req.request_id
-        await self.record(rid, "RESERVED", decode_id=self.cfg.worker_name)
+        await self.record(rid, RequestState.RESERVED, decode_id=self.cfg.worker_name)
         if not remote:
-            await self.record(rid, "DECODING")
+            await self.record(rid, RequestState.DECODING)
             return Reserved(rid, [], 0, ev.num_cached_tokens, "", self.cfg.worker_name)
         fence = next(self._fence_counter)
         self.fences[rid] = fence

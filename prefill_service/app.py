@@ -34,6 +34,7 @@ from common.service import (
     read_message,
     sampling_from_wire,
 )
+from common.state import RequestState
 from kv_transfer import TransferError, make_sender
 from kv_transfer.compat import compat_for
 
@@ -128,9 +129,9 @@ class PrefillService(Service):
             seq = await self.aengine.call(
                 lambda e: e.add_request(req.token_ids, params, rid, hold_blocks=True)
             )
-            await self.record(rid, "PREFILLING", prefill_id=self.cfg.worker_name)
+            await self.record(rid, RequestState.PREFILLING, prefill_id=self.cfg.worker_name)
             out = await self._first_token(events, req.deadline)
-            await self.record(rid, "TRANSFERRING")
+            await self.record(rid, RequestState.TRANSFERRING)
             for w in job.writes:  # every layer write posted for this request has gone out
                 await asyncio.wrap_future(w)
             await self.sender.send_done(
