@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/splitserve generate "What is the capital of France?"
+	$(VENV)/bin/splitserve up
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
