@@ -147,8 +147,8 @@ def up(args: argparse.Namespace) -> int:
         _wait_healthy(url, procs[-1])
         print(
             f"\nsplitserve is up: {url}  (redis {redis_url})\n\ntry:\n  curl {url}/v1/chat/completions "
-            '-H \'content-type: application/json\' \\\n    -d \'{"model": "default", "messages": '
-            '[{"role": "user", "content": "What is the capital of France?"}]}\'\n',
+            '-H \'content-type: application/json\' \\\n    -d \'{"model": "default", "temperature": 0, '
+            '"messages": [{"role": "user", "content": "What is the capital of France?"}]}\'\n',
             flush=True,
         )
         while all(p.poll() is None for p in procs):
