@@ -10,10 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 Scenario = Callable[[argparse.Namespace], dict[str, Any]]
+DEFAULT_REQUESTS = {"serving": 24}  # --requests when not given; 64 for the others
 
 
 def _scenarios() -> dict[str, Scenario]:
-    from bench import batching, peer_hf, roofline, scheduler_cost, sweep
+    from bench import batching, peer_hf, roofline, scheduler_cost, serving, sweep
 
     return {
         "batching": batching.run,
@@ -21,6 +22,7 @@ def _scenarios() -> dict[str, Scenario]:
         "scheduler": scheduler_cost.run,
         "roofline": roofline.run,
         "sweep": sweep.run,
+        "serving": serving.run,
     }
 
 
@@ -36,7 +38,8 @@ def _run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     for name in names:
         print(f"== bench {name}", file=sys.stderr)
-        results[name] = scenarios[name](args)
+        requests = args.requests or DEFAULT_REQUESTS.get(name, 64)
+        results[name] = scenarios[name](argparse.Namespace(**{**vars(args), "requests": requests}))
         if not args.json:
             for k, v in results[name].items():
                 print(f"{name:>10}  {k:<32} {v}")
@@ -50,11 +53,18 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="run a benchmark scenario (or 'all')")
-    b.add_argument("scenario", help="batching | peer-hf | scheduler | roofline | sweep | all")
+    b.add_argument("scenario", help="batching | peer-hf | scheduler | roofline | sweep | serving | all")
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
-    b.add_argument("--requests", type=int, default=64)
+    b.add_argument("--requests", type=int, default=None, help="default 64 (serving: 24)")
     b.add_argument("--max-batch", type=int, default=16)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--model", default=None)
     b.add_argument("--out", default="bench/out", help="folder for result JSON and plots")
+    s = b.add_argument_group("serving")
+    s.add_argument("--rate", type=float, default=1.0, help="request arrivals per second (Poisson)")
+    s.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time-to-first-token objective")
+    s.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: per-output-token objective")
+    s.add_argument("--request-timeout-s", type=float, default=60.0, help="per request")
+    s.add_argument("--threads", type=int, default=1, help="torch threads per prefill/decode service")
+    s.add_argument("--overhead-n", type=int, default=30, help="sequential requests for router_overhead_ms")
     b.set_defaults(func=_run)

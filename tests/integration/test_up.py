@@ -1,0 +1,70 @@
+"""`splitserve up` (what `make run` starts): everything comes up, answers, and SIGTERM or Ctrl-C
+takes every process down with it, embedded Redis included."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.integration.cluster import free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignore[no-untyped-def]
+    port, base = free_port(), free_port() + 100
+    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read after the process ends
+    children: list[psutil.Process] = []
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "up",
+            "--port",
+            str(port),
+            "--base-port",
+            str(base),
+            "--threads-per-service",
+            "1",
+            "--kv-cache-mb",
+            "64",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while "splitserve is up" not in (tmp_path / "up.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+            time.sleep(0.5)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 4, "redis, prefill, decode and router run as their own processes"
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            timeout=60,
+            json={
+                "model": "default",
+                "temperature": 0,
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            },
+        )
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"orphans left behind: {[p.cmdline() for p in alive]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for c in children:
+            if c.is_running():
+                c.kill()
