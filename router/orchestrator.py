@@ -191,7 +191,6 @@ class Generation:
         except Unreachable as e:
             raise self.o.unavailable(f"no decode service could be reached ({e})") from None
         self.o.pool.hold(self._stream.worker)
-        await self._record(RequestState.RESERVED, decode_id=reserved.decode_id or self._stream.worker.id)
         return reserved
 
     async def _read_tokens(self) -> list[int] | None:
@@ -232,7 +231,8 @@ class Generation:
 
     async def _run_prefill(self, w: Worker, r: Reserved) -> int:
         """Send the prompt to P, which writes its KV into r.block_ids on D; returns the first token."""
-        await self._record(RequestState.PREFILLING, prefill_id=w.id)  # before P can record TRANSFERRING
+        # P records PREFILLING and TRANSFERRING itself, D records RESERVED and DECODING: the router
+        # writes only QUEUED and the end, keeping Redis round trips off the path to the first token.
         req = PrefillRequest(
             self.id, self.prompt_ids, self.sampling, r.kv_endpoint, r.block_ids, r.fence,
             r.num_cached_tokens, self.deadline,

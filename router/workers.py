@@ -7,6 +7,7 @@ in flight on each worker breaks ties (and is the only signal for fixed lists).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,16 +25,24 @@ class Worker:
 class WorkerPool:
     """Candidates per role, best first. Static lists, when given, replace the registry for that role."""
 
+    # The registry's figures are refreshed by heartbeats once a second, so re-reading them for every
+    # request buys nothing but Redis round trips on the request path.
+    CACHE_S = 0.25
+
     def __init__(self, state: StateStore | None, decode_urls: list[str], prefill_urls: list[str]) -> None:
         self.state = state
         self.static = {"decode": list(decode_urls), "prefill": list(prefill_urls)}
         self.in_flight: Counter[str] = Counter()  # worker url -> requests this router has on it
+        self._cache: dict[str, tuple[float, list[Worker]]] = {}
 
     async def candidates(self, role: str) -> list[Worker]:
         if self.static[role]:
             workers = [Worker(url, url) for url in self.static[role]]
         elif self.state is not None:
-            workers = [Worker(w.id, w.url.rstrip("/"), w.load) for w in await self.state.alive(role)]
+            at, workers = self._cache.get(role, (0.0, []))
+            if time.monotonic() - at > self.CACHE_S:
+                workers = [Worker(w.id, w.url.rstrip("/"), w.load) for w in await self.state.alive(role)]
+                self._cache[role] = (time.monotonic(), workers)
         else:
             workers = []
         return sorted(workers, key=self._key)

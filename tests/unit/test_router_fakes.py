@@ -259,6 +259,8 @@ class FakeCluster:
                 await asyncio.Event().wait()
             fence, kv_done = self.reservations[req.request_id]
             first = self.output_ids[0]
+            # the real P records these two itself
+            await self._record(req.request_id, RequestState.PREFILLING, prefill_id=f"http://{name}")
             await self._record(req.request_id, RequestState.TRANSFERRING)
             if req.fence == fence and not kv_done.done():  # a stale fence is ignored, as on D
                 kv_done.set_result(first)
