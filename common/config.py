@@ -38,7 +38,10 @@ class ServiceConfig(BaseSettings):
     port: int = Field(8100, ge=0, le=65535)
     worker_id: str | None = Field(None, description="default: <role>-<host>-<port>")
     redis_url: str | None = Field(None, description="worker registry and request records; none: standalone")
-    kv_backend: Literal["tcp"] = "tcp"
+    kv_backend: Literal["auto", "nixl", "tcp"] = Field(
+        "auto",
+        description="decode: how prefill services write KV here; auto = nixl where it imports, else tcp",
+    )
     kv_port: int = Field(0, ge=0, le=65535, description="decode: KV receiver port (0: any free port)")
     max_queue: int = Field(256, ge=1, description="requests waiting for KV blocks before new ones get 503")
     heartbeat_s: float = Field(1.0, gt=0)

@@ -31,6 +31,12 @@ def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--redis-url", default=None, help="Redis for the registry and request records")
     p.add_argument("--kv-port", type=int, default=None, help="decode: KV receiver port (default: any free)")
     p.add_argument("--max-queue", type=int, default=None)
+    p.add_argument(
+        "--kv-backend",
+        choices=["auto", "nixl", "tcp"],
+        default=None,
+        help="decode: how prefill services write KV here (default auto: nixl where it imports)",
+    )
     for flag, field in ENGINE_FLAGS.items():
         kind = (
             int
@@ -56,7 +62,7 @@ def run_service(args: argparse.Namespace) -> int:
     svc_fields = {
         k: v
         for k, v in _given(args).items()
-        if k in {"host", "port", "worker_id", "redis_url", "kv_port", "max_queue"}
+        if k in {"host", "port", "worker_id", "redis_url", "kv_port", "max_queue", "kv_backend"}
     }
     cfg = ServiceConfig(role=args.command, **svc_fields)
     engine_cfg = EngineConfig(**_given(args, "engine_"))
@@ -101,6 +107,8 @@ def up(args: argparse.Namespace) -> int:
         for x in (f, str(v))
     ]
     threads = ["--threads", str(args.threads_per_service)] if args.threads_per_service else []
+    if args.kv_backend:
+        threads += ["--kv-backend", args.kv_backend]
 
     def stop(*_: Any) -> None:
         for p in procs:
@@ -206,6 +214,7 @@ def add_parsers(sub: Any) -> None:
     u.add_argument("--base-port", type=int, default=8100, help="services listen on base+1, base+2, ...")
     u.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
     u.add_argument("--threads-per-service", type=int, default=None)
+    u.add_argument("--kv-backend", choices=["auto", "nixl", "tcp"], default=None)
     for flag, field in ENGINE_FLAGS.items():
         if flag != "--threads":
             u.add_argument(flag, dest=f"engine_{field}", default=None)

@@ -245,3 +245,69 @@ class AbortRequest(Message):
 
     kind: ClassVar[str] = "abort"
     request_id: str
+
+
+# --- KV transfer, nixl backend: the control connection beside the one-sided writes ------------------
+# (kv_transfer/nixl.py describes the exchange; KVHello and KVDone are reused as they are.)
+@dataclass
+class KVNixlHelloReply(Message):
+    """Answer to KVHello on a nixl control connection: the receiver's agent and where its KV tensors live."""
+
+    kind: ClassVar[str] = "kv_nixl_hello_reply"
+    ok: bool = True
+    error: str = ""
+    agent_metadata: bytes = b""  # nixl_agent.get_agent_metadata(): for the sender's add_remote_agent
+    regions: list[list[int]] = field(default_factory=list)  # [[address, nbytes, device_id]] of K, then V
+    mem_type: str = "DRAM"  # "DRAM" or "VRAM"
+    num_blocks: int = 0  # blocks per layer in the receiver's tensors (the sender checks dst ids against it)
+
+
+@dataclass
+class KVNixlBegin(Message):
+    """Sender → receiver, before the first write of a request: may I write into its blocks under `fence`?"""
+
+    kind: ClassVar[str] = "kv_nixl_begin"
+    request_id: str
+    fence: int
+
+
+@dataclass
+class KVNixlBeginReply(Message):
+    kind: ClassVar[str] = "kv_nixl_begin_reply"
+    request_id: str
+    fence: int
+    ok: bool  # False: the fence is stale, write nothing for this (request, fence)
+
+
+@dataclass
+class KVNixlRevoke(Message):
+    """Receiver → sender: stop writing this request; answer with KVNixlEnd once no write is in flight."""
+
+    kind: ClassVar[str] = "kv_nixl_revoke"
+    request_id: str
+    fence: int
+
+
+@dataclass
+class KVNixlEnd(Message):
+    """Sender → receiver: no more writes for (request_id, fence); `layers` writes completed and each
+    brings its KVNixlLayer notification. Sent before the request's KVDone, or as the answer to a revoke.
+    `layers` is -1 when the sender knows nothing of the request."""
+
+    kind: ClassVar[str] = "kv_nixl_end"
+    request_id: str
+    fence: int
+    layers: int
+    revoked: bool = False
+
+
+@dataclass
+class KVNixlLayer(Message):
+    """The notification a layer's WRITE carries; NIXL delivers it after the written bytes are in place."""
+
+    kind: ClassVar[str] = "kv_nixl_layer"
+    request_id: str
+    fence: int
+    layer: int
+    num_blocks: int
+    traceparent: str | None = None

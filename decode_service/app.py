@@ -36,7 +36,7 @@ from common.service import (
     sampling_from_wire,
 )
 from common.state import RequestState
-from kv_transfer import make_receiver
+from kv_transfer import make_receiver, resolve_backend
 from kv_transfer.compat import compat_for
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,10 @@ class DecodeService(Service):
         super().__init__(cfg, engine)
         self.fences: dict[str, int] = {}  # request id -> the fence its KV writes must carry
         self._fence_counter = itertools.count(1)
+        self.kv_backend, why = resolve_backend(cfg.kv_backend)
+        log.warning("decode %s: KV transfer backend %s (%s)", cfg.worker_name, self.kv_backend, why)
         self.receiver = make_receiver(
-            cfg.kv_backend,
+            self.kv_backend,
             engine.kv_cache,
             compat_for(engine.model.config, engine.kv_cache.spec),
             self._accept,
@@ -215,6 +217,6 @@ def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig, engine: LLMEngine |
 
     @app.get("/internal/kv")
     async def kv_info() -> dict[str, Any]:
-        return {"kv_endpoint": svc.kv_endpoint, "backend": cfg.kv_backend}
+        return {"kv_endpoint": svc.kv_endpoint, "backend": svc.kv_backend, "stats": vars(svc.receiver.stats)}
 
     return app

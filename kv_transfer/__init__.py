@@ -6,6 +6,7 @@ Backends are imported on demand so that a deployment only needs the libraries of
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from common.kv.kv_cache import PagedKVCache
@@ -23,20 +24,47 @@ from .base import (
 )
 from .compat import compat_for
 
-BACKENDS = ("tcp",)
+BACKENDS = ("tcp", "nixl")
+_NEEDS = {"nixl": "nixl_cu12"}  # backend -> the module it cannot work without
 
 __all__ = [
     "BACKENDS",
+    "resolve_backend",
     "KVReceiver",
     "KVSender",
     "PreflightError",
     "ReceiverStats",
     "SenderStats",
     "TransferError",
+    "available_backends",
     "compat_for",
     "make_receiver",
     "make_sender",
 ]
+
+
+def available_backends() -> list[str]:
+    """The backends whose libraries import here (tcp always; nixl needs the nixl-cu12 package)."""
+    out = []
+    for name in BACKENDS:
+        try:
+            if name in _NEEDS:
+                importlib.import_module(_NEEDS[name])
+        except (ImportError, OSError):  # OSError: a shared library of the package failed to load
+            continue
+        out.append(name)
+    return out
+
+
+def resolve_backend(name: str) -> tuple[str, str]:
+    """`auto` -> nixl where its library imports, else tcp. Returns (backend, why) so that the
+    choice can be logged and shown: never a silent fallback."""
+    if name != "auto":
+        _check(name)
+        return name, "configured"
+    if "nixl" in available_backends():
+        return "nixl", "auto: nixl imports"
+    return "tcp", "auto: nixl does not import here (pip install nixl-cu12 on Linux x86_64)"
 
 
 def _check(backend: str) -> None:
@@ -45,8 +73,13 @@ def _check(backend: str) -> None:
 
 
 def make_sender(backend: str, kv: PagedKVCache, compat: KVCompat, **options: Any) -> KVSender:
-    """The prefill side of `backend`; `options` go to its constructor (tcp: sender_id, connect_timeout)."""
+    """The prefill side of `backend`; `options` go to its constructor (tcp and nixl: sender_id,
+    connect_timeout)."""
     _check(backend)
+    if backend == "nixl":
+        from .nixl import NixlSender
+
+        return NixlSender(kv, compat, **options)
     from .tcp import TcpSender
 
     return TcpSender(kv, compat, **options)
@@ -55,8 +88,13 @@ def make_sender(backend: str, kv: PagedKVCache, compat: KVCompat, **options: Any
 def make_receiver(
     backend: str, kv: PagedKVCache, compat: KVCompat, accept: AcceptFn, on_done: DoneFn, **options: Any
 ) -> KVReceiver:
-    """The decode side of `backend`; `options` go to its constructor (tcp: host, port, advertise_host)."""
+    """The decode side of `backend`; `options` go to its constructor (tcp: host, port, advertise_host;
+    nixl: those and poll_active_s, poll_idle_s, lost_peer_grace_s)."""
     _check(backend)
+    if backend == "nixl":
+        from .nixl import NixlReceiver
+
+        return NixlReceiver(kv, compat, accept, on_done, **options)
     from .tcp import TcpReceiver
 
     return TcpReceiver(kv, compat, accept, on_done, **options)

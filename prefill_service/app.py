@@ -35,7 +35,7 @@ from common.service import (
     sampling_from_wire,
 )
 from common.state import RequestState
-from kv_transfer import TransferError, make_sender
+from kv_transfer import KVSender, TransferError, make_sender
 from kv_transfer.compat import compat_for
 
 log = logging.getLogger(__name__)
@@ -55,12 +55,8 @@ class PrefillService(Service):
     def __init__(self, cfg: ServiceConfig, engine: LLMEngine) -> None:
         super().__init__(cfg, engine)
         self.jobs: dict[str, TransferJob] = {}
-        self.sender = make_sender(
-            cfg.kv_backend,
-            engine.kv_cache,
-            compat_for(engine.model.config, engine.kv_cache.spec),
-            sender_id=cfg.worker_name,
-        )
+        self._compat = compat_for(engine.model.config, engine.kv_cache.spec)
+        self.senders: dict[str, KVSender] = {}  # by backend: a decode service's endpoint names its own
         self._loop: asyncio.AbstractEventLoop | None = None
         kv = engine.kv_cache.spec
         self._block_bytes = (
@@ -75,7 +71,17 @@ class PrefillService(Service):
 
     async def stop(self) -> None:
         await super().stop()
-        await self.sender.close()
+        for sender in self.senders.values():
+            await sender.close()
+
+    def sender_for(self, endpoint: str) -> KVSender:
+        """The sender for the backend a decode service's endpoint names ("nixl://..." or "tcp://...")."""
+        backend = endpoint.split("://", 1)[0]
+        if backend not in self.senders:
+            self.senders[backend] = make_sender(
+                backend, self.engine.kv_cache, self._compat, sender_id=self.cfg.worker_name
+            )
+        return self.senders[backend]
 
     def _on_layer_done(self, engine: LLMEngine, layer: int) -> None:
         """Engine thread, inside the forward pass: layer `layer` of this step's tokens is in the
@@ -95,7 +101,7 @@ class PrefillService(Service):
             last = -(-end // bs)
             if first < last:
                 r = job.req
-                coro = self.sender.send_layer(
+                coro = self.sender_for(job.req.kv_endpoint).send_layer(
                     r.kv_endpoint,
                     r.request_id,
                     r.fence,
@@ -111,6 +117,10 @@ class PrefillService(Service):
 
     async def prefill(self, req: PrefillRequest) -> Response:
         bs = self.engine.block_manager.block_size
+        try:
+            self.sender_for(req.kv_endpoint)
+        except ValueError as e:
+            return error_response(400, f"kv_endpoint {req.kv_endpoint!r}: {e}")
         if len(req.block_ids) != -(-len(req.token_ids) // bs):
             return error_response(
                 400,
@@ -134,7 +144,7 @@ class PrefillService(Service):
             await self.record(rid, RequestState.TRANSFERRING)
             for w in job.writes:  # every layer write posted for this request has gone out
                 await asyncio.wrap_future(w)
-            await self.sender.send_done(
+            await self.sender_for(req.kv_endpoint).send_done(
                 req.kv_endpoint,
                 KVDone(rid, req.fence, out.new_token_ids[0], len(req.token_ids), req.traceparent),
             )

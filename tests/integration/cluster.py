@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -48,12 +49,9 @@ class Cluster:
             cmd += ["--redis-url", self.redis_url]
         log_path = f"{self.log_dir}/{role}-{port}.log"
         log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
-        proc = Proc(
-            role,
-            f"http://127.0.0.1:{port}",
-            subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
-            log_path,
-        )
+        env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}  # NIXL: loopback
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = Proc(role, f"http://127.0.0.1:{port}", popen, log_path)
         self.procs.append(proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -36,12 +36,15 @@ QUESTIONS = [
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def services(tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=["nixl", "tcp"])
+def services(request, tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
+    """The same suite runs over each KV transfer backend."""
     cluster = Cluster(redis_url, str(tmp_path_factory.mktemp("logs")))
     try:
         prefill = cluster.start("prefill", *SERVICE_FLAGS)
-        decode_ = cluster.start("decode", *SERVICE_FLAGS)
+        decode_ = cluster.start("decode", *SERVICE_FLAGS, "--kv-backend", request.param)
+        info = httpx.get(decode_.url + "/internal/kv").json()
+        assert info["backend"] == request.param and info["kv_endpoint"].startswith(request.param + "://")
         yield cluster, prefill, decode_
     finally:
         cluster.stop()
@@ -112,6 +115,9 @@ def test_paths_match_the_engine_token_for_token(services, prompts, reference, mo
     for proc in (prefill, decode_):
         h = cluster.wait_blocks_free(proc)
         assert h["free_blocks"] == h["total_blocks"], f"{proc.role} leaked blocks: {h}"
+    if mode == "remote":
+        stats = httpx.get(decode_.url + "/internal/kv").json()["stats"]
+        assert stats["bytes_received"] > 0 and stats["stale_drops"] == 0, stats
 
 
 def test_disconnect_frees_blocks(services, prompts) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,292 @@
+"""The decode side of the nixl backend: registers the KV tensors, answers the control connection, polls
+notifications. The protocol and its guarantees are described in kv_transfer/nixl.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from common.kv.kv_cache import PagedKVCache
+from common.protocol import (
+    KVCompat,
+    KVDone,
+    KVHello,
+    KVNixlBegin,
+    KVNixlBeginReply,
+    KVNixlEnd,
+    KVNixlHelloReply,
+    KVNixlLayer,
+    KVNixlRevoke,
+    ProtocolError,
+    decode,
+)
+
+from .base import AcceptFn, DoneFn, KVReceiver
+from .layout import block_bytes
+from .nixl_common import make_agent, mem_type, read_msg, regions, write_msg
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Conn:
+    """One sender's control connection."""
+
+    writer: asyncio.StreamWriter
+    peer: str
+    lost: bool = False
+
+
+@dataclasses.dataclass
+class _Open:
+    """A (request, fence) the receiver allowed a sender to write: open until settled."""
+
+    conn: _Conn
+    landed: int = 0  # layer notifications received: those writes' bytes are in place
+    expected: int | None = None  # writes the sender completed, from its KVNixlEnd
+    done: KVDone | None = None  # parked until landed == expected
+    revoking: bool = False
+    lost: bool = False  # the control connection broke before the sender said how many writes it made
+
+    @property
+    def settled(self) -> bool:
+        return self.lost or (self.expected is not None and self.landed >= self.expected)
+
+
+class NixlReceiver(KVReceiver):
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        compat: KVCompat,
+        accept: AcceptFn,
+        on_done: DoneFn,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        poll_active_s: float = 0.001,
+        poll_idle_s: float = 0.05,
+        lost_peer_grace_s: float = 2.0,
+    ) -> None:
+        super().__init__(kv, compat, accept, on_done)
+        self._addr = (host, port)
+        self._advertise = advertise_host
+        self.poll_active_s = poll_active_s
+        self.poll_idle_s = poll_idle_s
+        self.lost_peer_grace_s = lost_peer_grace_s
+        self._agent = make_agent("decode")
+        self._reg = self._agent.register_memory([kv.k, kv.v])
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # the poller and grace timers
+        self._serving: set[asyncio.Task[Any]] = set()  # control connection handlers
+        self._conns: set[_Conn] = set()
+        self._open: dict[tuple[str, int], _Open] = {}
+        self._settled = asyncio.Event()  # set (and replaced) whenever an _Open settles and goes away
+        self._wake = asyncio.Event()  # a request opened: poll fast
+        self._block_bytes = block_bytes(kv)
+        self._closing = False
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, *self._addr)
+        self._spawn(self._poll_loop())
+        host, port = self._server.sockets[0].getsockname()[:2]
+        host = self._advertise or host
+        return f"nixl://[{host}]:{port}" if ":" in host else f"nixl://{host}:{port}"
+
+    async def wait_idle(self, request_id: str) -> None:
+        """Revoke every open (request_id, fence) whose fence `accept` now refuses, and return once each
+        is settled: no byte of it lands any more. A pair whose fence is still current (a retry reusing
+        the id) is left writing: its blocks are still its own."""
+        stale = [key for key in self._open if key[0] == request_id and not self._accepts(*key)]
+        for key in stale:
+            op = self._open[key]
+            if op.expected is None and not op.revoking and not op.conn.lost:
+                op.revoking = True
+                write_msg(op.conn.writer, KVNixlRevoke(*key))
+        while any(key in self._open for key in stale):
+            await self._settled.wait()
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        # Connections end by closing their sockets (their readers then see EOF), not by cancelling the
+        # handler tasks: asyncio.start_server logs a cancelled handler as an error.
+        for conn in list(self._conns):
+            conn.writer.close()
+        await asyncio.gather(*self._serving, return_exceptions=True)
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        if self._reg is not None:
+            self._agent.deregister_memory(self._reg)
+            self._reg = None
+        self._open.clear()  # nothing lands any more: the memory is deregistered
+        self._settled.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- the control connection ---------------------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        conn = _Conn(writer, f"{peername[0]}:{peername[1]}" if peername else "?")
+        task = asyncio.current_task()
+        if task is not None:
+            self._serving.add(task)
+        self._conns.add(conn)
+        try:
+            if not await self._preflight(reader, conn):
+                return
+            while (msg := await read_msg(reader)) is not None:
+                self._handle(conn, msg)
+                await writer.drain()
+        except ValueError as e:  # ProtocolError: garbage on the control connection
+            self.stats.bad_messages += 1
+            log.error("kv nixl: closing the connection from %s: %s", conn.peer, e)
+        except OSError as e:
+            log.warning("kv nixl: connection from %s lost: %s", conn.peer, e)
+        finally:
+            if task is not None:
+                self._serving.discard(task)
+            self._conns.discard(conn)
+            writer.close()
+            conn.lost = True
+            if not self._closing:
+                self._spawn(self._lost(conn))
+
+    async def _preflight(self, reader: asyncio.StreamReader, conn: _Conn) -> bool:
+        msg = await read_msg(reader)
+        if msg is None:
+            return False
+        if not isinstance(msg, KVHello):
+            raise ProtocolError(f"expected 'kv_hello', got {msg.kind!r}")
+        try:
+            problems = KVCompat(**msg.compat).mismatches(self.compat)
+        except TypeError as e:  # missing/unknown fields, or not a map at all
+            problems = [f"unreadable compat record ({e})"]
+        if problems:
+            self.stats.preflight_refusals += 1
+            error = "KV compatibility preflight failed (sender != receiver): " + ", ".join(problems)
+            log.warning("kv nixl: refusing %s (%s): %s", conn.peer, msg.sender_id, error)
+            write_msg(conn.writer, KVNixlHelloReply(ok=False, error=error))
+        else:
+            reply = KVNixlHelloReply(
+                agent_metadata=self._agent.get_agent_metadata(),
+                regions=regions(self.kv),
+                mem_type=mem_type(self.kv.k),
+                num_blocks=self.kv.spec.num_blocks,
+            )
+            write_msg(conn.writer, reply)
+        await conn.writer.drain()
+        return not problems
+
+    def _handle(self, conn: _Conn, msg: Any) -> None:
+        if isinstance(msg, KVNixlBegin):
+            key = (msg.request_id, msg.fence)
+            ok = key in self._open or self._accepts(*key)  # a second begin of an open request is a no-op
+            if ok and key not in self._open:
+                self._open[key] = _Open(conn)
+                self._wake.set()
+            elif not ok:
+                self.stats.stale_drops += 1
+            write_msg(conn.writer, KVNixlBeginReply(msg.request_id, msg.fence, ok))
+        elif isinstance(msg, KVNixlEnd):
+            op = self._open.get((msg.request_id, msg.fence))
+            if op is not None and op.expected is None:
+                if msg.layers < 0:
+                    raise ProtocolError(f"the sender lost track of open request {msg.request_id!r}")
+                op.expected = msg.layers
+                self._settle(msg.request_id, msg.fence)
+        elif isinstance(msg, KVDone):
+            self.stats.dones_received += 1
+            op = self._open.get((msg.request_id, msg.fence))
+            if op is None:  # nothing was written (no layers, or a stale fence): pass it on at once
+                self._notify_done(msg)
+            elif op.expected is None:
+                raise ProtocolError(f"kv_done for {msg.request_id!r} before its kv_nixl_end")
+            else:
+                op.done = msg
+                self._settle(msg.request_id, msg.fence)
+        else:
+            raise ProtocolError(f"unexpected {msg.kind!r} message on a nixl control connection")
+
+    async def _lost(self, conn: _Conn) -> None:
+        """A sender's control connection is gone. Its open requests get no KVNixlEnd any more, so nothing
+        says when their last write has landed: wait out a grace period, then call them settled."""
+        mine = [key for key, op in self._open.items() if op.conn is conn and not op.settled]
+        if not mine:
+            return
+        log.warning("kv nixl: %s left with %d open request(s)", conn.peer, len(mine))
+        await asyncio.sleep(self.lost_peer_grace_s)
+        for key in mine:
+            op = self._open.get(key)
+            if op is not None and op.conn is conn:
+                op.lost = True
+                op.done = None  # its layers may be missing: decode must not run it; the lease expires
+                self._settle(*key)
+
+    # --- notifications ------------------------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        # With the progress thread off, polling is also what progresses this agent's UCX worker.
+        while True:
+            for msgs in self._agent.get_new_notifs().values():
+                for raw in msgs:
+                    self._on_notif(raw)
+            if self._open:
+                await asyncio.sleep(self.poll_active_s)
+            else:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.poll_idle_s)
+
+    def _on_notif(self, raw: bytes) -> None:
+        try:
+            n = decode(raw, expect=KVNixlLayer)
+        except ValueError as e:
+            self.stats.bad_messages += 1
+            log.error("kv nixl: bad notification: %s", e)
+            return
+        op = self._open.get((n.request_id, n.fence))
+        if op is None or not isinstance(n.num_blocks, int):
+            # Bytes landed without a begin we allowed: a sender bug. Nothing can be undone here.
+            self.stats.bad_messages += 1
+            log.error("kv nixl: layer %r of %r (fence %r) was never allowed", n.layer, n.request_id, n.fence)
+            return
+        op.landed += 1
+        self.stats.layers_received += 1
+        self.stats.bytes_received += n.num_blocks * 2 * self._block_bytes
+        self._settle(n.request_id, n.fence)
+
+    def _settle(self, request_id: str, fence: int) -> None:
+        """Close (request_id, fence) once no write of it can land any more; deliver its parked kv_done."""
+        op = self._open.get((request_id, fence))
+        if op is None or not op.settled:
+            return
+        del self._open[(request_id, fence)]
+        if op.done is not None:
+            self._notify_done(op.done)
+        self._settled.set()
+        self._settled = asyncio.Event()
+
+    def _accepts(self, request_id: str, fence: int) -> bool:
+        try:
+            return bool(self.accept(request_id, fence))
+        except Exception:  # a failing owner callback must not open blocks it could not vouch for
+            log.exception("kv nixl: accept(%r, %r) raised; refusing", request_id, fence)
+            return False
+
+    def _notify_done(self, msg: KVDone) -> None:
+        try:
+            self.on_done(msg)
+        except Exception:  # the owner's bug; the connection (and other requests on it) stays usable
+            log.exception("kv nixl: on_done(%r) raised", msg.request_id)

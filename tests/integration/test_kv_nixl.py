@@ -1,0 +1,312 @@
+"""The nixl KV transport (NIXL + UCX, DRAM to DRAM) over loopback: byte-exact moves, ordering, fences,
+revokes, preflight, descriptor preparation once per peer.
+
+Most tests run both agents in one process on one event loop; one runs the receiver in a spawned process.
+Shapes are tiny: a block of one layer is 256 bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing as mp
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.protocol import KVCompat, KVDone
+from kv_transfer import PreflightError, TransferError, available_backends, make_receiver, make_sender
+from kv_transfer.layout import block_bytes
+from kv_transfer.nixl import NixlReceiver, NixlSender, parse_endpoint  # imports no NIXL yet
+
+# UCX reads its environment when the first agent starts; spawned receivers inherit it.
+os.environ["UCX_NET_DEVICES"] = "lo"
+pytest.importorskip("nixl_cu12", reason="the nixl backend needs the nixl-cu12 package")
+
+SPEC = KVCacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
+SRC = [7, 3, 4, 5, 12]  # non-contiguous, unordered; 3-4-5 is one run
+DST = [9, 10, 2, 0, 14]  # 9-10 is one run
+
+
+def compat(spec: KVCacheSpec) -> KVCompat:
+    dtype = str(spec.dtype).removeprefix("torch.")
+    return KVCompat("tiny", "h", dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
+
+
+def filled(spec: KVCacheSpec, seed: int = 0) -> PagedKVCache:
+    kv = PagedKVCache(spec)
+    g = torch.Generator().manual_seed(seed)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    return kv
+
+
+def assert_moved(src: PagedKVCache, dst: PagedKVCache, layers: list[int]) -> None:
+    """dst holds src's SRC blocks at DST for `layers`, and zeros everywhere else."""
+    want_k, want_v = torch.zeros_like(dst.k), torch.zeros_like(dst.v)
+    for layer in layers:
+        want_k[layer, DST] = src.k[layer, SRC]
+        want_v[layer, DST] = src.v[layer, SRC]
+    assert torch.equal(dst.k, want_k) and torch.equal(dst.v, want_v)
+
+
+class Receiver:
+    """A NixlReceiver on the running loop that records kv_done messages."""
+
+    def __init__(self, spec: KVCacheSpec, accept: Callable[[str, int], bool] = lambda r, f: True) -> None:
+        self.kv = PagedKVCache(spec)
+        self.done: list[KVDone] = []
+        self.layers_at_done: list[int] = []
+        self.rx = NixlReceiver(self.kv, compat(spec), accept, self._on_done)
+        self.endpoint = ""
+
+    def _on_done(self, msg: KVDone) -> None:
+        self.done.append(msg)
+        self.layers_at_done.append(self.rx.stats.layers_received)
+
+    async def __aenter__(self) -> Receiver:
+        self.endpoint = await self.rx.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.rx.close()
+
+    async def wait_done(self, n: int) -> None:
+        async with asyncio.timeout(10):
+            while len(self.done) < n:
+                await asyncio.sleep(0.001)
+
+
+async def push(sender: NixlSender, endpoint: str, rid: str, fence: int, layers: list[int]) -> None:
+    for layer in layers:
+        await sender.send_layer(endpoint, rid, fence, layer, SRC, DST, traceparent="00-ab-cd-01")
+    await sender.send_done(endpoint, KVDone(rid, fence, first_token=42, num_tokens=19))
+
+
+def test_layers_move_byte_exact_and_done_follows_them() -> None:
+    src = filled(SPEC)
+
+    async def main() -> Receiver:
+        async with Receiver(SPEC) as r:
+            tx = NixlSender(src, compat(SPEC), sender_id="p0")
+            await push(tx, r.endpoint, "r1", 3, [0, 2])
+            await r.wait_done(1)
+            await tx.close()
+            return r
+
+    r = asyncio.run(main())
+    assert_moved(src, r.kv, [0, 2])
+    assert r.done == [KVDone("r1", 3, 42, 19)]
+    assert r.layers_at_done == [2]  # on_done ran after both layers' notifications
+    assert r.rx.stats.bytes_received == 2 * len(DST) * 2 * block_bytes(src)
+    assert parse_endpoint(r.endpoint)[0] == "127.0.0.1"
+
+
+def _receiver_process(spec: KVCacheSpec, conn: object, out: str) -> None:
+    kv = PagedKVCache(spec)
+
+    async def main() -> None:
+        done = asyncio.Event()
+        rx = NixlReceiver(kv, compat(spec), lambda r, f: True, lambda m: done.set())
+        conn.send(await rx.start())  # type: ignore[attr-defined]
+        await asyncio.wait_for(done.wait(), 60)
+        await rx.close()
+
+    asyncio.run(main())
+    torch.save({"k": kv.k, "v": kv.v}, out)
+
+
+def test_layers_move_byte_exact_between_processes(tmp_path: Path) -> None:
+    spec = dataclasses.replace(SPEC, dtype=torch.bfloat16)
+    src = filled(spec, seed=1)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    out = tmp_path / "kv.pt"
+    proc = ctx.Process(target=_receiver_process, args=(spec, child, str(out)))
+    proc.start()
+    try:
+        assert parent.poll(60), "receiver process did not start"
+        endpoint = parent.recv()
+
+        async def main() -> None:
+            tx = NixlSender(src, compat(spec))
+            await push(tx, endpoint, "r1", 1, [0, 1, 2])
+            await tx.close()
+
+        asyncio.run(main())
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        proc.kill()
+    got = PagedKVCache(spec)
+    saved = torch.load(out)
+    got.k.copy_(saved["k"])
+    got.v.copy_(saved["v"])
+    assert_moved(src, got, [0, 1, 2])
+
+
+def test_stale_fence_is_refused_before_any_write() -> None:
+    src = filled(SPEC)
+
+    async def main() -> tuple[Receiver, NixlSender]:
+        async with Receiver(SPEC, accept=lambda rid, fence: fence == 2) as r:
+            tx = NixlSender(src, compat(SPEC))
+            await push(tx, r.endpoint, "old", 1, [0, 1])  # stale: blocks may belong to someone else
+            await push(tx, r.endpoint, "new", 2, [1])  # same peer, current fence
+            await r.wait_done(2)
+            await tx.close()
+            return r, tx
+
+    r, tx = asyncio.run(main())
+    assert_moved(src, r.kv, [1])  # only the current request's layer landed
+    stats = r.rx.stats
+    assert (stats.stale_drops, stats.layers_received, stats.bad_messages) == (1, 1, 0)  # one refused begin
+    assert tx.stale_skips == 2 and tx.stats.layers_sent == 1
+    # kv_done is passed on either way; the owner ignores one with a stale fence
+    assert [d.request_id for d in r.done] == ["old", "new"]
+
+
+def test_revoke_waits_for_posted_writes_and_stops_later_ones() -> None:
+    src = filled(SPEC)
+    current = {1}  # fences of "r" the decode side holds blocks for
+
+    async def main() -> tuple[Receiver, NixlSender, NixlSender]:
+        async with Receiver(SPEC, accept=lambda rid, fence: fence in current) as r:
+            old, retry = NixlSender(src, compat(SPEC)), NixlSender(src, compat(SPEC))
+            await old.send_layer(r.endpoint, "r", 1, 0, SRC, DST)
+            current.clear()  # the decode side cancels fence 1 ...
+            current.add(2)  # ... and a retry reuses the id with fence 2, writing from another sender
+            await retry.send_layer(r.endpoint, "r", 2, 1, SRC, DST)
+            async with asyncio.timeout(10):
+                await r.rx.wait_idle("r")  # revokes (r, 1) only; its posted write was waited for
+            assert r.rx.stats.layers_received == 2
+            r.kv.k[0].zero_()
+            r.kv.v[0].zero_()  # fence 1's blocks are free now: another request may use them
+            await push(old, r.endpoint, "r", 1, [0, 2])  # the old sender carries on, unaware: nothing lands
+            await push(retry, r.endpoint, "r", 2, [2])  # the retry is unaffected
+            await r.wait_done(2)
+            await old.close()
+            await retry.close()
+            return r, old, retry
+
+    r, old, retry = asyncio.run(main())
+    assert not r.kv.k[0].any() and not r.kv.v[0].any()
+    for layer in (1, 2):
+        assert torch.equal(r.kv.k[layer, DST], src.k[layer, SRC])
+    assert (old.stale_skips, retry.stale_skips) == (2, 0)
+    assert r.rx.stats.layers_received == 3
+    # both kv_done are passed on; the owner ignores fence 1's (stale); fence 2's came after its 2 layers
+    assert [(d.fence, n) for d, n in zip(r.done, r.layers_at_done, strict=True)] == [(1, 2), (2, 3)]
+
+
+def test_a_lost_sender_is_waited_out_and_its_done_never_delivered() -> None:
+    src = filled(SPEC)
+
+    async def main() -> Receiver:
+        async with Receiver(SPEC) as r:
+            r.rx.lost_peer_grace_s = 0.2
+            tx = NixlSender(src, compat(SPEC))
+            await tx.send_layer(r.endpoint, "r", 1, 0, SRC, DST)
+            await tx.close()  # gone without kv_done (a crash looks the same from here)
+            async with asyncio.timeout(10):
+                await r.rx.wait_idle("r")
+            return r
+
+    r = asyncio.run(main())
+    assert r.done == [] and r.rx.stats.layers_received == 1
+
+
+def test_preflight_mismatch_names_fields_is_cached_and_writes_nothing() -> None:
+    spec = dataclasses.replace(SPEC, block_size=8, dtype=torch.bfloat16)
+    src = filled(spec)
+
+    async def main() -> Receiver:
+        async with Receiver(SPEC) as r:
+            tx = NixlSender(src, compat(spec))
+            for _ in range(2):  # the second call fails from the cache, without contacting the receiver
+                with pytest.raises(PreflightError) as e:
+                    await tx.send_layer(r.endpoint, "r", 1, 0, [0], [0])
+                msg = str(e.value)
+                assert "block_size (8 != 4)" in msg and "dtype ('bfloat16' != 'float32')" in msg
+            with pytest.raises(PreflightError):
+                await tx.send_done(r.endpoint, KVDone("r", 1, 0, 1))
+            await tx.close()
+            return r
+
+    r = asyncio.run(main())
+    stats = r.rx.stats
+    assert (stats.preflight_refusals, stats.layers_received, stats.dones_received) == (1, 0, 0)
+    assert not r.kv.k.any() and not r.kv.v.any()
+
+
+def test_descriptors_are_prepared_once_per_peer() -> None:
+    src = filled(SPEC)
+
+    async def main() -> tuple[Receiver, Receiver, NixlSender]:
+        async with Receiver(SPEC) as a, Receiver(SPEC) as b:
+            tx = NixlSender(src, compat(SPEC))
+            for i in range(4):
+                await push(tx, a.endpoint, f"a{i}", 1, [0, 1, 2])
+                await push(tx, b.endpoint, f"b{i}", 1, [i % 3])
+            await a.wait_done(4)
+            await b.wait_done(4)
+            await tx.close()
+            return a, b, tx
+
+    a, b, tx = asyncio.run(main())
+    assert tx.dlist_preps == {"local": 1, a.endpoint: 1, b.endpoint: 1}
+    assert a.layers_at_done == [3, 6, 9, 12] and b.rx.stats.layers_received == 4
+    assert_moved(src, a.kv, [0, 1, 2])
+
+
+def test_concurrent_layers_then_done() -> None:
+    src = filled(SPEC)
+
+    async def main() -> Receiver:
+        async with Receiver(SPEC) as r:
+            tx = NixlSender(src, compat(SPEC))
+            await asyncio.gather(*[tx.send_layer(r.endpoint, "r", 1, layer, SRC, DST) for layer in range(3)])
+            await tx.send_done(r.endpoint, KVDone("r", 1, 0, 1))
+            await r.wait_done(1)
+            await r.rx.wait_idle("r")
+            await tx.close()
+            return r
+
+    r = asyncio.run(main())
+    assert_moved(src, r.kv, [0, 1, 2])
+    assert r.layers_at_done == [3]
+
+
+def test_bad_arguments_and_a_missing_receiver() -> None:
+    async def main() -> None:
+        async with Receiver(SPEC) as r:
+            endpoint = r.endpoint
+            tx = NixlSender(filled(SPEC), compat(SPEC), connect_timeout=5)
+            with pytest.raises(ValueError, match="destination"):
+                await tx.send_layer(endpoint, "r", 1, 0, [0], [SPEC.num_blocks])
+            with pytest.raises(ValueError):
+                await tx.send_layer(endpoint, "r", 1, 0, SRC, DST[:2])
+            await tx.close()
+        assert r.rx.stats.layers_received == 0
+        tx = NixlSender(filled(SPEC), compat(SPEC), connect_timeout=5)
+        with pytest.raises(TransferError, match="cannot open"):
+            await tx.send_layer(endpoint, "r", 1, 0, SRC, DST)
+        await tx.close()
+
+    asyncio.run(main())
+
+
+def test_backend_registry() -> None:
+    assert available_backends() == ["tcp", "nixl"]
+    kv = PagedKVCache(SPEC)
+    tx = make_sender("nixl", kv, compat(SPEC))
+    rx = make_receiver("nixl", kv, compat(SPEC), lambda r, f: True, print)
+    assert isinstance(tx, NixlSender) and isinstance(rx, NixlReceiver)
+    asyncio.run(tx.close())
+    asyncio.run(rx.close())
+    with pytest.raises(ValueError, match="available: tcp, nixl"):
+        make_sender("carrier-pigeon", kv, compat(SPEC))
