@@ -45,6 +45,9 @@ class ServiceConfig(BaseSettings):
     kv_port: int = Field(0, ge=0, le=65535, description="decode: KV receiver port (0: any free port)")
     max_queue: int = Field(256, ge=1, description="requests waiting for KV blocks before new ones get 503")
     heartbeat_s: float = Field(1.0, gt=0)
+    lease_s: float = Field(
+        5.0, gt=0, description="transfer-ledger lease TTL: a silent peer's blocks are freed after it"
+    )
 
     @property
     def url(self) -> str:

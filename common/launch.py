@@ -31,6 +31,7 @@ def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--redis-url", default=None, help="Redis for the registry and request records")
     p.add_argument("--kv-port", type=int, default=None, help="decode: KV receiver port (default: any free)")
     p.add_argument("--max-queue", type=int, default=None)
+    p.add_argument("--lease-s", type=float, default=None, help="transfer-ledger lease TTL (default 5 s)")
     p.add_argument(
         "--kv-backend",
         choices=["auto", "nixl", "tcp"],
@@ -62,7 +63,7 @@ def run_service(args: argparse.Namespace) -> int:
     svc_fields = {
         k: v
         for k, v in _given(args).items()
-        if k in {"host", "port", "worker_id", "redis_url", "kv_port", "max_queue", "kv_backend"}
+        if k in {"host", "port", "worker_id", "redis_url", "kv_port", "max_queue", "kv_backend", "lease_s"}
     }
     cfg = ServiceConfig(role=args.command, **svc_fields)
     engine_cfg = EngineConfig(**_given(args, "engine_"))
@@ -181,7 +182,16 @@ def run_router(args: argparse.Namespace) -> int:
         for k, v in vars(args).items()
         if v is not None
         and k
-        in {"host", "port", "redis_url", "model", "local_prefill_threshold", "decode_urls", "prefill_urls"}
+        in {
+            "host",
+            "port",
+            "redis_url",
+            "model",
+            "local_prefill_threshold",
+            "decode_urls",
+            "prefill_urls",
+            "transfer_failure_policy",
+        }
     }
     serve(RouterConfig(**given))
     return 0
@@ -198,6 +208,12 @@ def add_parsers(sub: Any) -> None:
         type=int,
         default=None,
         help="prompts shorter than this many tokens are prefilled on the decode service",
+    )
+    r.add_argument(
+        "--transfer-failure-policy",
+        choices=["retry", "recompute", "fail"],
+        default=None,
+        help="when a prefill or its KV transfer fails (default retry on another prefill service)",
     )
     r.add_argument("--decode-urls", default=None, help="comma-separated; instead of the registry")
     r.add_argument("--prefill-urls", default=None, help="comma-separated; instead of the registry")

@@ -311,3 +311,28 @@ class KVNixlLayer(Message):
     layer: int
     num_blocks: int
     traceparent: str | None = None
+
+
+# --- KV transfer, torch_dist backend: the control connection beside a pair's process group ---------
+# (kv_transfer/torch_dist.py describes the exchange; KVLayerHeader and KVDone are reused as they are.)
+@dataclass
+class KVTorchDistHello(Message):
+    """First message on a torch_dist control connection: KVHello plus the group backends the sender can use."""
+
+    kind: ClassVar[str] = "kv_torch_dist_hello"
+    compat: dict[str, Any] = field(default_factory=dict)
+    sender_id: str = ""
+    backends: list[str] = field(default_factory=lambda: ["gloo"])  # preferred first: "nccl", "gloo"
+
+
+@dataclass
+class KVTorchDistHelloReply(Message):
+    """The preflight's answer; when ok, where to meet for this pair's two-rank process group."""
+
+    kind: ClassVar[str] = "kv_torch_dist_hello_reply"
+    ok: bool = True
+    error: str = ""
+    store_port: int = 0  # the receiver's TCPStore, on the host of the control endpoint
+    group: str = ""  # this pair's key prefix in that store
+    backend: str = "gloo"  # "nccl" when both caches are on CUDA and both sides offer it, else "gloo"
+    num_blocks: int = 0  # blocks per layer in the receiver's cache (the sender checks dst ids against it)

@@ -14,6 +14,7 @@ from common.config import EngineConfig, ServiceConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
+from common.leases import LeaseKeeper
 from common.protocol import Message, ProtocolError, decode, encode
 from common.state import Heartbeat, IllegalTransition, RequestState, StateStore, UnknownRequest
 
@@ -31,6 +32,9 @@ class ServiceMetrics:
         self.blocks_free = Gauge("splitserve_kv_blocks_free", "free KV blocks (incl. evictable)", registry=r)
         self.blocks_total = Gauge("splitserve_kv_blocks_total", "KV blocks", registry=r)
         self.preemptions = Gauge("splitserve_preemptions", "preemptions by kind", ["kind"], registry=r)
+        self.expired_leases = Gauge(
+            "splitserve_expired_peer_leases", "transfers ended by a peer's expired lease", registry=r
+        )
         self.role = role
 
 
@@ -43,6 +47,7 @@ class Service:
         self.aengine: AsyncEngine | None = None
         self.state: StateStore | None = None
         self.heartbeat: Heartbeat | None = None
+        self.leases: LeaseKeeper | None = None
         self.metrics = ServiceMetrics(cfg.role)
 
     @staticmethod
@@ -82,8 +87,17 @@ class Service:
                 self.cfg.heartbeat_s,
             )
             await self.heartbeat.start()
+            self.leases = LeaseKeeper(
+                self.state, self.cfg.role, self.cfg.worker_name, self.cfg.lease_s, self.peer_lost
+            )
+            await self.leases.start()
+
+    def peer_lost(self, request_id: str) -> None:
+        """The other side of a transfer stopped renewing its lease: end the request here."""
 
     async def stop(self) -> None:
+        if self.leases is not None:
+            await self.leases.stop()
         if self.heartbeat is not None:
             await self.heartbeat.stop()
         if self.state is not None:
@@ -115,6 +129,7 @@ class Service:
             m.waiting.set(load["waiting"])
             m.blocks_free.set(load["free_blocks"])
             m.blocks_total.set(load["total_blocks"])
+            m.expired_leases.set(self.leases.expired if self.leases else 0)
             for key, n in self.engine.scheduler.stats.items():
                 if key.startswith("preempt_"):
                     m.preemptions.labels(kind=key.removeprefix("preempt_")).set(n)

@@ -49,9 +49,11 @@ ABORT = frozenset({S.FAILED, S.CANCELLED})
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.QUEUED: frozenset({S.RESERVED}) | ABORT,
     S.RESERVED: frozenset({S.PREFILLING, S.DECODING}) | ABORT,
-    S.PREFILLING: frozenset({S.TRANSFERRING}) | ABORT,
+    # back to RESERVED: the prefill or its transfer failed and a new reservation was made (retry on
+    # another prefill service, or recompute on the decode service)
+    S.PREFILLING: frozenset({S.TRANSFERRING, S.RESERVED}) | ABORT,
     # FINISHED straight from TRANSFERRING: the first token (sampled by prefill) already ended it
-    S.TRANSFERRING: frozenset({S.DECODING, S.FINISHED}) | ABORT,
+    S.TRANSFERRING: frozenset({S.DECODING, S.FINISHED, S.RESERVED}) | ABORT,
     S.DECODING: TERMINAL,
     S.FINISHED: frozenset(),
     S.FAILED: frozenset(),
@@ -174,6 +176,11 @@ class StateStore:
         self._transition = client.register_script(_TRANSITION_LUA)
         self._heartbeat = client.register_script(_HEARTBEAT_LUA)
         self._lease = client.register_script(_LEASE_LUA)
+        # HSET only on an existing record: an update never creates a stray one
+        self._set_fields = client.register_script(
+            "if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end "
+            "redis.call('HSET', KEYS[1], unpack(ARGV)) return 1"
+        )
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "splitserve:", **kwargs: Any) -> StateStore:
@@ -222,6 +229,19 @@ class StateStore:
         args = [new.value, ttl, len(allowed_from), *allowed_from, *pairs]
         ok, value = await self._transition(keys=[self._req_key(request_id)], args=args)
         return bool(ok), str(value)
+
+    async def set_fields(self, request_id: str, **fields: Any) -> bool:
+        """Update fields of an existing record without a transition (e.g. the route changed after a
+        failed prefill). Returns False if there is no record."""
+        pairs: list[Any] = []
+        for name, value in fields.items():
+            if name not in RECORD_FIELDS:
+                raise ValueError(f"unknown request field {name!r}; known: {sorted(RECORD_FIELDS)}")
+            if value is not None:
+                pairs += [name, RECORD_FIELDS[name](value)]
+        if not pairs:
+            return True
+        return bool(await self._set_fields(keys=[self._req_key(request_id)], args=pairs))
 
     async def get(self, request_id: str) -> dict[str, Any] | None:
         """The record with types restored (state as RequestState, numbers as numbers), or None."""

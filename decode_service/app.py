@@ -90,6 +90,8 @@ class DecodeService(Service):
             # emitted from the engine thread, so token 0 reaches the stream before any later token
             aengine.emit(done.request_id, e.kv_arrived(done.request_id, done.first_token))
 
+        if self.leases is not None:
+            await self.leases.release(done.request_id)  # the transfer is over: the reservation is ours
         # recorded before the first token can reach the router, which records the end after the last
         await self.record(done.request_id, RequestState.DECODING, decode_id=self.cfg.worker_name)
         with contextlib.suppress(KeyError):  # aborted meanwhile
@@ -127,6 +129,9 @@ class DecodeService(Service):
                 except TimeoutError:
                     yield frame(ErrorFrame(rid, "deadline exceeded on the decode service", 504))
                     return
+                if isinstance(ev, ErrorFrame):
+                    yield frame(ev)
+                    return
                 if isinstance(ev, Admitted):
                     reserved = await self._admitted(req, ev, remote)
                     fence = reserved.fence
@@ -156,6 +161,8 @@ class DecodeService(Service):
             return Reserved(rid, [], 0, ev.num_cached_tokens, "", self.cfg.worker_name)
         fence = next(self._fence_counter)
         self.fences[rid] = fence
+        if self.leases is not None:
+            await self.leases.acquire(rid, ev.block_ids)
         return Reserved(
             rid, ev.block_ids, fence, ev.num_cached_tokens, self.kv_endpoint, self.cfg.worker_name
         )
@@ -168,6 +175,8 @@ class DecodeService(Service):
         self.aengine.unlisten(rid, events)
         if fence and self.fences.get(rid) == fence:
             del self.fences[rid]
+            if self.leases is not None:
+                await self.leases.release(rid)
         if fence:
             # a layer accepted just before may still be landing in the blocks: let it finish first
             with contextlib.suppress(Exception):
@@ -175,6 +184,16 @@ class DecodeService(Service):
         outcome = "finished" if finished else "aborted"
         self.metrics.requests.labels(role="decode", outcome=outcome).inc()
         await self.aengine.call(lambda e: e.forget(seq))
+
+    def peer_lost(self, request_id: str) -> None:
+        """The prefill side of a reservation stopped renewing its lease (died or hung): make the fence
+        stale and end the stream; its clean-up frees the blocks."""
+        if request_id not in self.fences or self.aengine is None:
+            return
+        del self.fences[request_id]
+        reason = "prefill service lease expired before the KV arrived"
+        self.aengine.emit(request_id, ErrorFrame(request_id, reason, 502))
+        asyncio.get_running_loop().create_task(self.record(request_id, RequestState.FAILED, error=reason))
 
     async def abort(self, request_id: str) -> None:
         """Abort and forget the id at once (a retry may reuse it before this stream notices)."""

@@ -25,7 +25,7 @@ from common.config import EngineConfig, ServiceConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine, RequestOutput
 from common.engine.sequence import Sequence
-from common.protocol import AbortRequest, KVDone, PrefillRequest, PrefillResult
+from common.protocol import AbortRequest, ErrorFrame, KVDone, PrefillRequest, PrefillResult
 from common.service import (
     Service,
     error_response,
@@ -39,6 +39,10 @@ from kv_transfer import KVSender, TransferError, make_sender
 from kv_transfer.compat import compat_for
 
 log = logging.getLogger(__name__)
+
+
+class PeerLost(Exception):
+    """The decode service this request writes to stopped renewing its lease."""
 
 
 @dataclass
@@ -135,6 +139,8 @@ class PrefillService(Service):
         job = self.jobs[rid] = TransferJob(req)
         events = self.aengine.listen(rid)
         seq: Sequence | None = None
+        if self.leases is not None:
+            await self.leases.acquire(rid, [])  # our hold on the blocks we compute into
         try:
             seq = await self.aengine.call(
                 lambda e: e.add_request(req.token_ids, params, rid, hold_blocks=True)
@@ -164,6 +170,9 @@ class PrefillService(Service):
             return error_response(502, f"KV transfer to {req.kv_endpoint} failed: {e}")
         except TimeoutError:
             return error_response(504, "deadline exceeded on the prefill service")
+        except PeerLost as e:
+            self.metrics.requests.labels(role="prefill", outcome="decode_lease_expired").inc()
+            return error_response(502, str(e))
         finally:
             with anyio.CancelScope(shield=True):
                 await self._end(rid, job, seq)
@@ -172,6 +181,8 @@ class PrefillService(Service):
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.time())
             ev = await asyncio.wait_for(events.get(), timeout)
+            if isinstance(ev, ErrorFrame):
+                raise PeerLost(ev.error)
             if isinstance(ev, RequestOutput) and ev.finished:
                 return ev
 
@@ -183,8 +194,15 @@ class PrefillService(Service):
             with contextlib.suppress(Exception):
                 await asyncio.wrap_future(w)
         self.jobs.pop(rid, None)
+        if self.leases is not None:
+            await self.leases.release(rid)
         if seq is not None:
             await self.aengine.call(lambda e: e.forget(seq))
+
+    def peer_lost(self, request_id: str) -> None:
+        """The decode side stopped renewing its reservation's lease: stop this request, free its blocks."""
+        if self.aengine is not None and request_id in self.jobs:
+            self.aengine.emit(request_id, ErrorFrame(request_id, "decode service lease expired", 502))
 
     async def abort(self, request_id: str) -> None:
         assert self.aengine is not None

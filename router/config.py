@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -31,6 +31,11 @@ class RouterConfig(BaseSettings):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request leaves it out")
     retry_after_s: int = Field(1, ge=0, description="Retry-After on 503 answers")
     connect_timeout_s: float = Field(2.0, gt=0, description="connecting to a prefill/decode service")
+    transfer_failure_policy: Literal["retry", "recompute", "fail"] = Field(
+        "retry",
+        description="when prefill or its KV transfer fails: retry on another prefill service (new fence), "
+        "recompute the prompt on the decode service, or fail the request",
+    )
 
     @field_validator("decode_urls", "prefill_urls", mode="before")
     @classmethod

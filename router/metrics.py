@@ -51,6 +51,12 @@ class RouterMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests", registry=r)
         self.output_tokens = Counter(p + "output_tokens", "Tokens generated and delivered", registry=r)
         self.slo_misses = Counter(p + "slo_misses", "Requests over an SLO", ["slo"], registry=r)
+        self.transfer_failures = Counter(
+            p + "transfer_failures",
+            "Prefill or KV-transfer failures, by the policy applied",
+            ["policy", "outcome"],
+            registry=r,
+        )
         self.prefill_retries = Counter(
             p + "prefill_retries", "Prefill calls retried on another worker", registry=r
         )

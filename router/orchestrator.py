@@ -131,22 +131,34 @@ class Generation:
             await self._open_decode(decodes, "local")
             self._pending = await self._read_tokens() or []
             return
-        tries = prefills[:2]  # one retry, on another prefill worker
+        policy = self.o.config.transfer_failure_policy
+        tries = prefills[:2] if policy == "retry" else prefills[:1]  # retry: once, on another prefill worker
         for attempt, prefill in enumerate(tries):
             reserved = await self._open_decode(decodes, "remote")
             try:
                 first = await self._run_prefill(prefill, reserved)
             except PrefillFailed as e:
                 await self._abort(prefill)
-                if attempt == len(tries) - 1:
-                    raise APIError(502, f"prefill failed: {e}", code="prefill_failed") from e
-                log.warning("request %s: prefill on %s failed (%s); retrying", self.id, prefill.id, e)
-                self.o.metrics.prefill_retries.inc()
-                # A new reservation (new fence) so a late write from the failed worker is ignored.
+                # Drop the reservation: a late write from the failed worker then meets a stale fence.
                 if self._stream is not None:
                     await self._abort(self._stream.worker)
                 await self._close_decode()
-                continue
+                log.warning(
+                    "request %s: prefill on %s failed (%s); policy %s", self.id, prefill.id, e, policy
+                )
+                if policy == "retry" and attempt < len(tries) - 1:
+                    self.o.metrics.transfer_failures.labels(policy, "retried").inc()
+                    self.o.metrics.prefill_retries.inc()
+                    continue
+                if policy == "recompute":
+                    self.o.metrics.transfer_failures.labels(policy, "recomputed").inc()
+                    self.route = Route("local", "prefill_failed")  # said in the header and the record
+                    await self._record_route()
+                    await self._open_decode(decodes, "local")
+                    self._pending = await self._read_tokens() or []
+                    return
+                self.o.metrics.transfer_failures.labels(policy, "failed").inc()
+                raise APIError(502, f"prefill failed: {e}", code="prefill_failed") from e
             self._pending = self._accept(0, [first])
             return
 
@@ -265,6 +277,14 @@ class Generation:
         except Exception:
             self.o.metrics.state_errors.inc()
             log.exception("request %s: could not create its record", self.id)
+
+    async def _record_route(self) -> None:
+        if self.o.state is None or not self._recorded or self.route is None:
+            return
+        try:
+            await self.o.state.set_fields(self.id, route=self.route.record)
+        except Exception:
+            log.exception("request %s: could not record the route", self.id)
 
     async def _record(self, new: RequestState, **fields: Any) -> None:
         if self.o.state is None or not self._recorded:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from common.engine.llm_engine import LLMEngine, RequestOutput
 from common.engine.sequence import Sequence
+from common.protocol import ErrorFrame
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,7 +33,7 @@ class Admitted:
     num_cached_tokens: int
 
 
-Event = RequestOutput | Admitted
+Event = RequestOutput | Admitted | ErrorFrame  # ErrorFrame: the service ends the request itself
 
 
 class AsyncEngine:

@@ -1,0 +1,123 @@
+"""Failures with real processes: a prefill service killed mid-prefill, a decode service killed
+mid-transfer, a prefill service that hangs. Within the lease time every block on the survivor is
+free again, and the request either finishes another way or ends FAILED with the reason in Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.cluster import Cluster, Proc, get_json
+
+pytestmark = pytest.mark.slow
+LEASE_S = 2.0
+FLAGS = ("--threads", "1", "--kv-cache-mb", "256", "--lease-s", str(LEASE_S))
+# ~1,500 tokens: a prefill of a few seconds on one thread, long enough to fail in the middle of
+PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(110))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
+    c = Cluster(redis_url, str(tmp_path_factory.mktemp("logs")))
+    yield c
+    for p in c.procs:
+        if p.popen.poll() is None:
+            os.kill(p.popen.pid, signal.SIGCONT)
+    c.stop()
+
+
+def start_request(router: Proc, result: dict) -> threading.Thread:
+    def run() -> None:
+        r = httpx.post(
+            router.url + "/v1/completions",
+            timeout=120,
+            json={"model": "default", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+        )
+        result["response"] = r
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def wait_until(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def prefilling(p: Proc) -> bool:
+    return get_json(p.url + "/health")["running"] > 0
+
+
+def record(router: Proc, request_id: str) -> dict:
+    return get_json(f"{router.url}/v1/requests/{request_id}")
+
+
+def test_prefill_killed_mid_prefill_is_recomputed_on_decode(cluster) -> None:  # type: ignore[no-untyped-def]
+    prefill = cluster.start("prefill", *FLAGS)
+    decode_ = cluster.start("decode", *FLAGS)
+    router = cluster.start("router", "--transfer-failure-policy", "recompute")
+    result: dict = {}
+    t = start_request(router, result)
+    wait_until(lambda: prefilling(prefill), 60, "the prefill to start")
+    prefill.popen.kill()
+    t.join(120)
+    r = result["response"]
+    assert r.status_code == 200, r.text
+    assert r.headers["x-splitserve-route"] == "local; reason=prefill_failed"
+    rec = record(router, r.headers["x-request-id"])
+    assert rec["state"] == "finished" and rec["route"] == "local:prefill_failed", rec
+    h = cluster.wait_blocks_free(decode_, timeout_s=LEASE_S * 3)
+    assert h["free_blocks"] == h["total_blocks"], h
+    cluster.stop(prefill)
+
+
+def test_decode_killed_mid_transfer_frees_prefill_blocks(cluster) -> None:  # type: ignore[no-untyped-def]
+    prefill = cluster.start("prefill", *FLAGS)
+    decode_ = next(p for p in cluster.procs if p.role == "decode")
+    router = next(p for p in cluster.procs if p.role == "router")
+    time.sleep(1.5)  # let the router's registry cache see the new prefill service
+    result: dict = {}
+    t = start_request(router, result)
+    wait_until(lambda: prefilling(prefill), 60, "the prefill to start")
+    decode_.popen.kill()
+    h = cluster.wait_blocks_free(prefill, timeout_s=LEASE_S * 3)
+    assert h["free_blocks"] == h["total_blocks"], f"the prefill service kept blocks for a dead peer: {h}"
+    t.join(120)
+    r = result["response"]
+    assert r.status_code >= 500
+    rec = record(router, r.headers["x-request-id"])
+    assert rec["state"] == "failed" and rec.get("error"), rec
+    cluster.stop(decode_)
+
+
+def test_hung_prefill_lease_expires_and_decode_frees_blocks(cluster) -> None:  # type: ignore[no-untyped-def]
+    prefill = next(p for p in cluster.procs if p.role == "prefill")
+    decode_ = cluster.start("decode", *FLAGS)
+    router = next(p for p in cluster.procs if p.role == "router")
+    time.sleep(1.5)  # registry cache
+    result: dict = {}
+    t = start_request(router, result)
+    wait_until(lambda: prefilling(prefill), 60, "the prefill to start")
+    os.kill(prefill.popen.pid, signal.SIGSTOP)  # hung: alive but silent, its lease stops renewing
+    try:
+        reserved = get_json(decode_.url + "/health")
+        assert reserved["free_blocks"] < reserved["total_blocks"]
+        h = cluster.wait_blocks_free(decode_, timeout_s=LEASE_S * 4)
+        assert h["free_blocks"] == h["total_blocks"], f"decode kept a reservation for a hung prefill: {h}"
+    finally:
+        os.kill(prefill.popen.pid, signal.SIGCONT)
+    t.join(120)
+    r = result["response"]
+    assert r.status_code >= 500, r.text
+    rec = record(router, r.headers["x-request-id"])
+    assert rec["state"] == "failed" and "lease" in rec.get("error", ""), rec
+    h = cluster.wait_blocks_free(prefill, timeout_s=LEASE_S * 3)
+    assert h["free_blocks"] == h["total_blocks"], h
