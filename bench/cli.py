@@ -14,7 +14,7 @@ DEFAULT_REQUESTS = {"serving": 24}  # --requests when not given; 64 for the othe
 
 
 def _scenarios() -> dict[str, Scenario]:
-    from bench import batching, peer_hf, roofline, scheduler_cost, serving, sweep
+    from bench import batching, overlap, peer_hf, roofline, scheduler_cost, serving, sweep, transfer
 
     return {
         "batching": batching.run,
@@ -23,6 +23,8 @@ def _scenarios() -> dict[str, Scenario]:
         "roofline": roofline.run,
         "sweep": sweep.run,
         "serving": serving.run,
+        "transfer": transfer.run,
+        "overlap": overlap.run,
     }
 
 
@@ -53,7 +55,10 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="run a benchmark scenario (or 'all')")
-    b.add_argument("scenario", help="batching | peer-hf | scheduler | roofline | sweep | serving | all")
+    b.add_argument(
+        "scenario",
+        help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | all",
+    )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument("--requests", type=int, default=None, help="default 64 (serving: 24)")
     b.add_argument("--max-batch", type=int, default=16)
@@ -67,4 +72,9 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument("--request-timeout-s", type=float, default=60.0, help="per request")
     s.add_argument("--threads", type=int, default=1, help="torch threads per prefill/decode service")
     s.add_argument("--overhead-n", type=int, default=30, help="sequential requests for router_overhead_ms")
+    k = b.add_argument_group("transfer, overlap")
+    k.add_argument("--mib", type=int, default=64, help="transfer: MiB of KV moved per repetition")
+    k.add_argument("--reps", type=int, default=None, help="timed repetitions after a warm-up (5; overlap: 3)")
+    k.add_argument("--backend", default="nixl", help="overlap: KV transfer backend")
+    k.add_argument("--prompt-tokens", type=int, default=2048, help="overlap: prompt length")
     b.set_defaults(func=_run)
