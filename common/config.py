@@ -38,7 +38,7 @@ class ServiceConfig(BaseSettings):
     port: int = Field(8100, ge=0, le=65535)
     worker_id: str | None = Field(None, description="default: <role>-<host>-<port>")
     redis_url: str | None = Field(None, description="worker registry and request records; none: standalone")
-    kv_backend: Literal["auto", "nixl", "tcp"] = Field(
+    kv_backend: Literal["auto", "nixl", "tcp", "torch_dist"] = Field(
         "auto",
         description="decode: how prefill services write KV here; auto = nixl where it imports, else tcp",
     )

@@ -34,7 +34,7 @@ def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--lease-s", type=float, default=None, help="transfer-ledger lease TTL (default 5 s)")
     p.add_argument(
         "--kv-backend",
-        choices=["auto", "nixl", "tcp"],
+        choices=["auto", "nixl", "tcp", "torch_dist"],
         default=None,
         help="decode: how prefill services write KV here (default auto: nixl where it imports)",
     )
@@ -230,7 +230,7 @@ def add_parsers(sub: Any) -> None:
     u.add_argument("--base-port", type=int, default=8100, help="services listen on base+1, base+2, ...")
     u.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
     u.add_argument("--threads-per-service", type=int, default=None)
-    u.add_argument("--kv-backend", choices=["auto", "nixl", "tcp"], default=None)
+    u.add_argument("--kv-backend", choices=["auto", "nixl", "tcp", "torch_dist"], default=None)
     for flag, field in ENGINE_FLAGS.items():
         if flag != "--threads":
             u.add_argument(flag, dest=f"engine_{field}", default=None)

@@ -317,7 +317,7 @@ class KVNixlLayer(Message):
 # (kv_transfer/torch_dist.py describes the exchange; KVLayerHeader and KVDone are reused as they are.)
 @dataclass
 class KVTorchDistHello(Message):
-    """First message on a torch_dist control connection: KVHello plus the group backends the sender can use."""
+    """First message on a torch_dist control connection: KVHello plus the group backends the sender has."""
 
     kind: ClassVar[str] = "kv_torch_dist_hello"
     compat: dict[str, Any] = field(default_factory=dict)

@@ -24,8 +24,8 @@ from .base import (
 )
 from .compat import compat_for
 
-BACKENDS = ("tcp", "nixl")
-_NEEDS = {"nixl": "nixl_cu12"}  # backend -> the module it cannot work without
+BACKENDS = ("tcp", "nixl", "torch_dist")
+_NEEDS = {"nixl": "nixl_cu12", "torch_dist": "torch.distributed"}  # backend -> the module it needs
 
 __all__ = [
     "BACKENDS",
@@ -44,12 +44,15 @@ __all__ = [
 
 
 def available_backends() -> list[str]:
-    """The backends whose libraries import here (tcp always; nixl needs the nixl-cu12 package)."""
+    """The backends whose libraries import here (tcp always; nixl needs the nixl-cu12 package; torch_dist a
+    torch built with distributed support)."""
     out = []
     for name in BACKENDS:
         try:
             if name in _NEEDS:
-                importlib.import_module(_NEEDS[name])
+                module = importlib.import_module(_NEEDS[name])
+                if name == "torch_dist" and not module.is_available():
+                    continue
         except (ImportError, OSError):  # OSError: a shared library of the package failed to load
             continue
         out.append(name)
@@ -73,9 +76,13 @@ def _check(backend: str) -> None:
 
 
 def make_sender(backend: str, kv: PagedKVCache, compat: KVCompat, **options: Any) -> KVSender:
-    """The prefill side of `backend`; `options` go to its constructor (tcp and nixl: sender_id,
-    connect_timeout)."""
+    """The prefill side of `backend`; `options` go to its constructor (tcp, nixl, torch_dist: sender_id,
+    connect_timeout; torch_dist: op_timeout_s)."""
     _check(backend)
+    if backend == "torch_dist":
+        from .torch_dist import TorchDistSender
+
+        return TorchDistSender(kv, compat, **options)
     if backend == "nixl":
         from .nixl import NixlSender
 
@@ -89,8 +96,12 @@ def make_receiver(
     backend: str, kv: PagedKVCache, compat: KVCompat, accept: AcceptFn, on_done: DoneFn, **options: Any
 ) -> KVReceiver:
     """The decode side of `backend`; `options` go to its constructor (tcp: host, port, advertise_host;
-    nixl: those and poll_active_s, poll_idle_s, lost_peer_grace_s)."""
+    nixl: those and poll_active_s, poll_idle_s, lost_peer_grace_s; torch_dist: tcp's and op_timeout_s)."""
     _check(backend)
+    if backend == "torch_dist":
+        from .torch_dist import TorchDistReceiver
+
+        return TorchDistReceiver(kv, compat, accept, on_done, **options)
     if backend == "nixl":
         from .nixl import NixlReceiver
 

@@ -301,7 +301,7 @@ def test_bad_arguments_and_a_missing_receiver() -> None:
 
 
 def test_backend_registry() -> None:
-    assert available_backends() == ["tcp", "nixl"]
+    assert available_backends() == ["tcp", "nixl", "torch_dist"]
     kv = PagedKVCache(SPEC)
     tx = make_sender("nixl", kv, compat(SPEC))
     rx = make_receiver("nixl", kv, compat(SPEC), lambda r, f: True, print)

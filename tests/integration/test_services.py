@@ -36,7 +36,7 @@ QUESTIONS = [
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module", params=["nixl", "tcp"])
+@pytest.fixture(scope="module", params=["nixl", "tcp", "torch_dist"])
 def services(request, tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
     """The same suite runs over each KV transfer backend."""
     cluster = Cluster(redis_url, str(tmp_path_factory.mktemp("logs")))

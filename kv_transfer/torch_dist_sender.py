@@ -1,0 +1,261 @@
+"""The prefill side of the torch_dist backend: per receiver a control connection and a two-rank process
+group whose thread sends packed layers. The protocol and its guarantees are in kv_transfer/torch_dist.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.kv.kv_cache import PagedKVCache
+from common.protocol import (
+    KVCompat,
+    KVDone,
+    KVLayerHeader,
+    KVTorchDistHello,
+    KVTorchDistHelloReply,
+    ProtocolError,
+)
+
+from .base import KVSender, PreflightError, TransferError
+from .layout import block_bytes
+from .nixl_common import read_msg, write_msg
+from .torch_dist_common import (
+    JOIN_S,
+    RECEIVER_RANK,
+    SENDER_RANK,
+    PairWorker,
+    group_backends,
+    join_all,
+    make_group,
+    p2p,
+    parse_endpoint,
+    staging_device,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Peer:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    worker: PairWorker
+    device: torch.device  # where layers are packed (the staging buffers' device)
+    num_blocks: int
+    free: list[torch.Tensor] = dataclasses.field(default_factory=list)  # staging buffers not in flight
+    task: asyncio.Task[None] | None = None  # reads the control connection: its end drops the peer
+    broken: str = ""
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 staging buffer of at least nbytes, owned by the caller until `give`."""
+        for i, buf in enumerate(self.free):
+            if buf.numel() >= nbytes:
+                return self.free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def give(self, buf: torch.Tensor, _: object = None) -> None:
+        self.free.append(buf)
+
+
+class TorchDistSender(KVSender):
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        compat: KVCompat,
+        sender_id: str = "",
+        connect_timeout: float = 10.0,
+        op_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__(kv, compat)
+        self.sender_id = sender_id
+        self.connect_timeout = connect_timeout
+        self.op_timeout_s = op_timeout_s  # a send taking longer breaks the pair
+        self._peers: dict[str, _Peer] = {}
+        self._refused: dict[str, str] = {}  # endpoint -> preflight error, so we do not retry a hopeless peer
+        self._connecting: dict[str, asyncio.Lock] = {}
+        self._workers: set[PairWorker] = set()  # every pair's thread not joined yet
+
+    async def send_layer(
+        self,
+        endpoint: str,
+        request_id: str,
+        fence: int,
+        layer: int,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        traceparent: str | None = None,
+    ) -> None:
+        s = self.kv.spec
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(
+                f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
+            )
+        if not 0 <= layer < s.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {s.num_layers})")
+        if any(not 0 <= b < s.num_blocks for b in src_block_ids):
+            raise ValueError(f"source block ids out of range [0, {s.num_blocks}): {src_block_ids}")
+        peer = await self._peer(endpoint)
+        # A header the receiver refuses closes the pair with our bytes already posted: check for it.
+        if any(not 0 <= b < peer.num_blocks for b in dst_block_ids) or len(set(dst_block_ids)) != len(
+            dst_block_ids
+        ):
+            raise ValueError(f"bad destination block ids for [0, {peer.num_blocks}): {dst_block_ids}")
+        if not dst_block_ids:
+            return
+        n, nbytes = len(dst_block_ids), len(dst_block_ids) * 2 * block_bytes(self.kv)
+        buf = peer.take(nbytes)
+        packed = self._pack(buf, layer, src_block_ids)  # a copy: the send no longer reads the cache
+        # Header and job are queued in one step of the loop: the control stream and the group's stream
+        # carry layers in the same order.
+        write_msg(
+            peer.writer, KVLayerHeader(request_id, fence, layer, list(dst_block_ids), nbytes, traceparent)
+        )
+        sent = peer.worker.submit(functools.partial(self._send, peer, buf[:nbytes], packed))
+        sent.add_done_callback(functools.partial(peer.give, buf))
+        await self._drain(endpoint, peer)
+        try:
+            # Not cancellable: the header is out, so these bytes must follow it or the stream is lost.
+            await asyncio.shield(sent)
+        except TransferError as e:
+            self._drop(endpoint, peer, str(e))
+            raise TransferError(f"sending layer {layer} of {request_id!r} to {endpoint} failed: {e}") from e
+        self.stats.layers_sent += 1
+        self.stats.bytes_sent += n * 2 * block_bytes(self.kv)
+
+    async def send_done(self, endpoint: str, msg: KVDone) -> None:
+        peer = await self._peer(endpoint)
+        write_msg(peer.writer, msg)  # the receiver holds it until this pair's earlier layers are in
+        await self._drain(endpoint, peer)
+        self.stats.dones_sent += 1
+
+    async def close(self) -> None:
+        for endpoint, peer in list(self._peers.items()):
+            self._drop(endpoint, peer, "sender closed")
+        await join_all(self._workers, JOIN_S)
+
+    # --- per layer ------------------------------------------------------------------------------------
+    def _pack(self, buf: torch.Tensor, layer: int, src_block_ids: list[int]) -> Any:
+        """Gather layer `layer` of the source blocks into buf in wire order: (2, n, bs, n_kv, hd).
+        Returns the CUDA event that marks the gather done when it runs on a device stream, else None."""
+        k, v = self.kv.k, self.kv.v
+        n = len(src_block_ids)
+        staged = buf[: n * 2 * block_bytes(self.kv)].view(k.dtype).view(2, n, *k.shape[2:])
+        idx = torch.tensor(src_block_ids, dtype=torch.long, device=k.device)
+        if staged.device != k.device:  # a CUDA cache over gloo: a synchronous copy to host
+            staged[0].copy_(k[layer, idx])
+            staged[1].copy_(v[layer, idx])
+            return None
+        torch.index_select(k[layer], 0, idx, out=staged[0])
+        torch.index_select(v[layer], 0, idx, out=staged[1])
+        if k.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()  # on this thread's stream; the pair's thread makes its own stream wait for it
+        return event
+
+    def _send(self, peer: _Peer, buf: torch.Tensor, packed: Any) -> None:
+        if packed is not None:
+            torch.cuda.current_stream(buf.device).wait_event(packed)
+        p2p(peer.worker.group, "send", buf, RECEIVER_RANK)
+
+    # --- per peer -------------------------------------------------------------------------------------
+    async def _peer(self, endpoint: str) -> _Peer:
+        async with self._connecting.setdefault(endpoint, asyncio.Lock()):
+            if endpoint in self._refused:
+                raise PreflightError(self._refused[endpoint])
+            if endpoint not in self._peers:
+                self._peers[endpoint] = await self._connect(endpoint)
+            return self._peers[endpoint]
+
+    async def _connect(self, endpoint: str) -> _Peer:
+        host, port = parse_endpoint(endpoint)
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                reader, writer = await asyncio.open_connection(host, port)
+                offered = group_backends(self.kv)
+                write_msg(writer, KVTorchDistHello(dataclasses.asdict(self.compat), self.sender_id, offered))
+                await writer.drain()
+                reply = await read_msg(reader)
+            if reply is None:
+                raise ConnectionError("connection closed during the preflight")
+            if not isinstance(reply, KVTorchDistHelloReply):
+                raise ProtocolError(f"expected 'kv_torch_dist_hello_reply', got {reply.kind!r}")
+            if reply.ok and reply.backend not in offered:
+                raise ProtocolError(f"the receiver chose backend {reply.backend!r}; we offered {offered}")
+        except (OSError, TimeoutError, ValueError) as e:
+            if writer is not None:
+                writer.close()
+            raise TransferError(f"cannot open a KV control connection to {endpoint}: {e}") from e
+        if not reply.ok:
+            writer.close()
+            self._refused[endpoint] = f"{endpoint} refused the KV transfer: {reply.error}"
+            raise PreflightError(self._refused[endpoint])
+        local = writer.get_extra_info("sockname")[0]  # the address the receiver sees us at
+        peer = _Peer(
+            reader,
+            writer,
+            PairWorker(f"kv-torch-dist-tx-{endpoint}"),
+            staging_device(self.kv, reply.backend),
+            reply.num_blocks,
+        )
+        self._workers.add(peer.worker)
+
+        def build() -> None:
+            store = dist.TCPStore(
+                host, reply.store_port, None, False, timeout=datetime.timedelta(seconds=self.connect_timeout)
+            )
+            group_store = dist.PrefixStore(reply.group, store)
+            peer.worker.group = make_group(reply.backend, group_store, SENDER_RANK, local, self.op_timeout_s)
+
+        try:
+            await asyncio.shield(peer.worker.submit(build))
+        except BaseException as e:  # TransferError, or cancelled: the half-built pair is useless either way
+            peer.worker.stop()
+            writer.close()
+            if isinstance(e, TransferError):
+                raise TransferError(f"cannot build the process group with {endpoint}: {e}") from e
+            raise
+        peer.task = asyncio.get_running_loop().create_task(self._read_loop(endpoint, peer))
+        return peer
+
+    async def _read_loop(self, endpoint: str, peer: _Peer) -> None:
+        """The receiver sends nothing after its hello reply: anything else, or the end, ends the pair."""
+        why = "connection closed by the receiver"
+        try:
+            if (msg := await read_msg(peer.reader)) is not None:
+                why = f"unexpected {msg.kind!r} message from the receiver"
+        except (OSError, ValueError) as e:
+            why = str(e)
+        self._drop(endpoint, peer, why)
+
+    async def _drain(self, endpoint: str, peer: _Peer) -> None:
+        if peer.broken:
+            raise TransferError(f"KV control connection to {endpoint} is gone: {peer.broken}")
+        try:
+            await peer.writer.drain()
+        except OSError as e:
+            self._drop(endpoint, peer, str(e))
+            raise TransferError(f"KV control connection to {endpoint} broke: {e}") from e
+
+    def _drop(self, endpoint: str, peer: _Peer, why: str) -> None:
+        """Forget a peer: its queued sends fail, its group closes after the running one; the next call
+        to this endpoint builds a new pair."""
+        if peer.broken:
+            return
+        peer.broken = why
+        if why != "sender closed":
+            log.warning("kv torch_dist: dropping the pair with %s: %s", endpoint, why)
+        peer.writer.close()
+        peer.worker.stop()
+        if peer.task is not None and peer.task is not asyncio.current_task():
+            peer.task.cancel()
+        if self._peers.get(endpoint) is peer:
+            del self._peers[endpoint]
