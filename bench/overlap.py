@@ -1,0 +1,180 @@
+"""How much of the KV transfer hides behind the prefill compute when each layer is sent as soon as it is done.
+
+The prefill side is an LLMEngine in this process (the real model, fp32, prefix caching off so that every
+run computes the whole prompt; max_num_batched_tokens = the prompt length, so the prompt is ONE chunk).
+The decode side is a receiver of `--backend` (nixl) in a spawned process with a KV cache of the same
+spec; the destination block ids are a seeded random sample of its blocks (a fragmented decode cache).
+Sends are posted exactly as prefill_service does: from `on_layer_done` on the engine thread (here the
+main thread) via asyncio.run_coroutine_threadsafe onto an event loop running in a helper thread.
+
+Two modes, best of `--reps` (3) each after one warm-up; times end at the receiver's `on_done`, read with
+time.perf_counter() in the receiver process (CLOCK_MONOTONIC: one clock for all processes on the host):
+
+    sequential: t0 step() t1 post every layer + kv_done ... t2 on_done
+                compute_ms = t1 - t0, transfer_ms = t2 - t1, ttft_after_prefill_ms = t2 - t0
+    streamed:   t0 step(on_layer_done=post layer i) ... wait the writes, post kv_done ... t2 on_done
+                ttft_streamed_ms = t2 - t0
+
+hidden_fraction = 1 - (ttft_streamed - compute) / transfer, clamped to [0, 1]: 1 means the transfer
+cost nothing beyond the compute, 0 means it was not hidden at all. On CPU the transfer is a small
+fraction of the compute, so run-to-run noise of the compute can swamp it; two parts of the streamed run
+tell the two costs apart: compute_streamed_ms (its step() alone: the compute slowed by the sender thread
+and the receiver sharing the cores and the GIL) and tail_ms (step() end -> on_done: the part of the
+transfer the compute did not hide).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.transfer import RemoteReceiver, checksum
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.sampling_params import SamplingParams
+from common.model.loader import load_model
+from common.protocol import KVDone
+from kv_transfer import KVSender, make_sender
+from kv_transfer.compat import compat_for
+
+
+class Prefill:
+    """The prefill side: an engine, a sender and the event loop thread that runs the sender."""
+
+    def __init__(self, engine: LLMEngine, backend: str, rx: RemoteReceiver, dst_ids: list[int]) -> None:
+        self.engine, self.rx, self.dst_ids = engine, rx, dst_ids
+        self.num_layers = engine.model.config.num_layers
+        self.last_src: list[int] = []  # the source blocks of the latest run (still holding its KV)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="kv-sender-loop", daemon=True)
+        self.thread.start()
+        compat = compat_for(engine.model.config, engine.kv_cache.spec)
+        self.sender: KVSender = self._call(self._make(backend, compat))
+
+    async def _make(self, backend: str, compat: Any) -> KVSender:
+        return make_sender(backend, self.engine.kv_cache, compat, sender_id="bench-prefill")
+
+    def _call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
+
+    def _post(self, rid: str, layer: int, src_ids: list[int]) -> Future[None]:
+        coro = self.sender.send_layer(self.rx.endpoint, rid, 1, layer, src_ids, self.dst_ids)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def _finish(self, rid: str, writes: list[Future[None]], prompt_len: int) -> float:
+        """Wait for the posted writes, send kv_done; the receiver's on_done time."""
+        for w in writes:
+            w.result(120)
+        self._call(self.sender.send_done(self.rx.endpoint, KVDone(rid, 1, 0, prompt_len)))
+        return self.rx.done_at(rid)
+
+    def once(self, rid: str, prompt: list[int], streamed: bool) -> tuple[float, float, float]:
+        """One prefill of `prompt` whose KV ends up at the receiver: (t0, t1, t2) as in the module doc."""
+        seq = self.engine.add_request(
+            prompt, SamplingParams(max_tokens=1, ignore_eos=True), rid, hold_blocks=True
+        )
+        src_ids: list[int] = []
+        writes: list[Future[None]] = []
+        hook: Callable[[int], None] | None = None
+        if streamed:
+
+            def hook(layer: int) -> None:  # engine thread, inside the forward pass
+                if not src_ids:
+                    src_ids.extend(seq.block_table[: len(self.dst_ids)])
+                writes.append(self._post(rid, layer, src_ids))
+
+        try:
+            t0 = time.perf_counter()
+            self.engine.step(on_layer_done=hook)
+            t1 = time.perf_counter()
+            assert seq.is_finished, "the prompt took more than one step"
+            if not streamed:
+                src_ids = seq.block_table[: len(self.dst_ids)]
+                writes = [self._post(rid, layer, src_ids) for layer in range(self.num_layers)]
+            t2 = self._finish(rid, writes, len(prompt))
+            self.last_src = src_ids
+        finally:
+            self.engine.forget(seq)
+        return t0, t1, t2
+
+    def close(self) -> None:
+        self._call(self.sender.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # read when the first agent starts; children inherit it
+    reps, n = args.reps or 3, args.prompt_tokens
+    model, tok = load_model(args.model)
+    bs = 16
+    needed = -(-(n + 1) // bs)
+    cfg = EngineConfig(
+        block_size=bs,
+        num_kv_blocks=2 * needed,
+        max_num_seqs=1,
+        max_num_batched_tokens=n,  # the whole prompt in one chunk
+        max_model_len=max(n + 1, model.config.max_position_embeddings),
+        enable_prefix_caching=False,  # every run computes every token
+    )
+    engine = LLMEngine(model, tok, cfg)
+    spec = engine.kv_cache.spec
+    rng = random.Random(args.seed)
+    dst_ids = rng.sample(range(spec.num_blocks), -(-n // bs))
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for _ in range(2 * (reps + 1))]
+    rx = RemoteReceiver(args.backend, spec, compat_for(model.config, spec))
+    side = Prefill(engine, args.backend, rx, dst_ids)
+    best = {k: float("inf") for k in ("compute", "transfer", "sequential", "streamed", "busy", "tail")}
+    try:
+        bar = tqdm(total=2 * (reps + 1), desc=f"overlap {args.backend}", unit="prefill")
+        for i in range(reps + 1):  # alternate the modes, so that drift on a shared host hits both alike
+            t0, t1, t2 = side.once(f"seq{i}", prompts[2 * i], streamed=False)
+            bar.update(1)
+            s0, s1, s2 = side.once(f"str{i}", prompts[2 * i + 1], streamed=True)
+            bar.update(1)
+            if i == 0:
+                continue  # warm-up: connection, handshake, descriptor lists, first-touch of the caches
+            times = {
+                "compute": t1 - t0,
+                "transfer": t2 - t1,
+                "sequential": t2 - t0,
+                "streamed": s2 - s0,
+                "busy": s1 - s0,
+                "tail": s2 - s1,
+            }
+            for k, v in times.items():
+                best[k] = min(best[k], v)
+        bar.close()
+        got, want = rx.checksum(dst_ids), checksum(engine.kv_cache, side.last_src)  # the last run's KV
+        assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), f"checksum {got} != {want}"
+    finally:
+        side.close()
+        rx.close()
+    hidden = 1 - (best["streamed"] - best["compute"]) / best["transfer"]
+    kv_bytes = spec.num_layers * 2 * n * spec.num_kv_heads * spec.head_dim * engine.kv_cache.k.element_size()
+    return {
+        "backend": args.backend,
+        "prompt_tokens": n,
+        "prefill_chunks": 1,
+        "kv_mb": round(kv_bytes / 1e6, 1),
+        "compute_ms": round(best["compute"] * 1e3, 1),
+        "transfer_ms": round(best["transfer"] * 1e3, 1),
+        "ttft_after_prefill_ms": round(best["sequential"] * 1e3, 1),
+        "ttft_streamed_ms": round(best["streamed"] * 1e3, 1),
+        "hidden_fraction": round(min(1.0, max(0.0, hidden)), 3),
+        "compute_streamed_ms": round(best["busy"] * 1e3, 1),
+        "tail_ms": round(best["tail"] * 1e3, 1),
+        "transfer_gb_s": round(kv_bytes / best["transfer"] / 1e9, 3),
+        "reps": reps,
+        "torch_threads": torch.get_num_threads(),
+    }
