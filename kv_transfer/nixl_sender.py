@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
@@ -41,7 +40,10 @@ from .nixl_common import (
 
 log = logging.getLogger(__name__)
 
-SPIN_S = 0.002  # poll a posted write with bare yields this long, then with 0.1 ms sleeps
+# Poll a posted write with short sleeps, never a bare-yield spin: the prefill service posts writes
+# while its forward pass runs, and a spinning event loop takes the GIL and a core from it
+# (bench overlap measured the prefill 12-40 % slower with a 2 ms spin on 2 cores).
+POLL_S = 2e-4
 
 
 @dataclasses.dataclass
@@ -131,9 +133,8 @@ class NixlSender(KVSender):
         state = "ERR"
         try:
             state = self._agent.transfer(handle)
-            start = time.monotonic()
             while state == "PROC":
-                await asyncio.sleep(0 if time.monotonic() - start < SPIN_S else 1e-4)
+                await asyncio.sleep(POLL_S)
                 state = self._agent.check_xfer_state(handle)
         finally:
             req.inflight -= 1
