@@ -25,7 +25,8 @@ from common.protocol import (
     decode,
 )
 
-from .base import AcceptFn, DoneFn, KVReceiver
+from .base import AcceptFn, DoneFn
+from .handshake import PreflightReceiver, endpoint_url
 from .layout import block_bytes
 from .nixl_common import make_agent, mem_type, read_msg, regions, write_msg
 
@@ -57,7 +58,10 @@ class _Open:
         return self.lost or (self.expected is not None and self.landed >= self.expected)
 
 
-class NixlReceiver(KVReceiver):
+class NixlReceiver(PreflightReceiver):
+    _name = "nixl"
+    _on_accept_error = "refusing"  # a failing owner callback must not open blocks it could not vouch for
+
     def __init__(
         self,
         kv: PagedKVCache,
@@ -93,8 +97,7 @@ class NixlReceiver(KVReceiver):
         self._server = await asyncio.start_server(self._serve, *self._addr)
         self._spawn(self._poll_loop())
         host, port = self._server.sockets[0].getsockname()[:2]
-        host = self._advertise or host
-        return f"nixl://[{host}]:{port}" if ":" in host else f"nixl://{host}:{port}"
+        return endpoint_url("nixl", self._advertise or host, port)
 
     async def wait_idle(self, request_id: str) -> None:
         """Revoke every open (request_id, fence) whose fence `accept` now refuses, and return once each
@@ -170,14 +173,9 @@ class NixlReceiver(KVReceiver):
             return False
         if not isinstance(msg, KVHello):
             raise ProtocolError(f"expected 'kv_hello', got {msg.kind!r}")
-        try:
-            problems = KVCompat(**msg.compat).mismatches(self.compat)
-        except TypeError as e:  # missing/unknown fields, or not a map at all
-            problems = [f"unreadable compat record ({e})"]
+        problems = self._compat_problems(msg.compat)
         if problems:
-            self.stats.preflight_refusals += 1
-            error = "KV compatibility preflight failed (sender != receiver): " + ", ".join(problems)
-            log.warning("kv nixl: refusing %s (%s): %s", conn.peer, msg.sender_id, error)
+            error = self._refusal(conn.peer, msg.sender_id, problems)
             write_msg(conn.writer, KVNixlHelloReply(ok=False, error=error))
         else:
             reply = KVNixlHelloReply(
@@ -277,16 +275,3 @@ class NixlReceiver(KVReceiver):
             self._notify_done(op.done)
         self._settled.set()
         self._settled = asyncio.Event()
-
-    def _accepts(self, request_id: str, fence: int) -> bool:
-        try:
-            return bool(self.accept(request_id, fence))
-        except Exception:  # a failing owner callback must not open blocks it could not vouch for
-            log.exception("kv nixl: accept(%r, %r) raised; refusing", request_id, fence)
-            return False
-
-    def _notify_done(self, msg: KVDone) -> None:
-        try:
-            self.on_done(msg)
-        except Exception:  # the owner's bug; the connection (and other requests on it) stays usable
-            log.exception("kv nixl: on_done(%r) raised", msg.request_id)

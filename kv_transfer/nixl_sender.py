@@ -25,7 +25,8 @@ from common.protocol import (
     encode,
 )
 
-from .base import KVSender, PreflightError, TransferError
+from .base import TransferError
+from .handshake import PreflightSender, drain_control
 from .layout import block_bytes
 from .nixl_common import (
     block_rows,
@@ -70,19 +71,14 @@ class _Peer:
     broken: str = ""
 
 
-class NixlSender(KVSender):
+class NixlSender(PreflightSender[_Peer]):
     def __init__(
         self, kv: PagedKVCache, compat: KVCompat, sender_id: str = "", connect_timeout: float = 10.0
     ) -> None:
-        super().__init__(kv, compat)
-        self.sender_id = sender_id
-        self.connect_timeout = connect_timeout
+        super().__init__(kv, compat, sender_id, connect_timeout)
         self._agent = make_agent("prefill")
         self._reg = self._agent.register_memory([kv.k, kv.v])
         self._local_dlist: Any = None
-        self._peers: dict[str, _Peer] = {}
-        self._refused: dict[str, str] = {}  # endpoint -> preflight error, so we do not retry a hopeless peer
-        self._connecting: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # revoke answers and deferred teardowns
         self.dlist_preps: Counter[str] = Counter()  # endpoint (or "local") -> descriptor lists prepared
         self.stale_skips = 0  # send_layer calls that wrote nothing: the receiver refused or revoked the fence
@@ -98,20 +94,10 @@ class NixlSender(KVSender):
         traceparent: str | None = None,
     ) -> None:
         s = self.kv.spec
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError(
-                f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
-            )
-        if not 0 <= layer < s.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {s.num_layers})")
-        if any(not 0 <= b < s.num_blocks for b in src_block_ids):
-            raise ValueError(f"source block ids out of range [0, {s.num_blocks}): {src_block_ids}")
+        self._check_source(layer, src_block_ids, dst_block_ids)
         peer = await self._peer(endpoint)
         # The receiver cannot check anything before the bytes land (one-sided WRITE): check for it.
-        if any(not 0 <= b < peer.num_blocks for b in dst_block_ids) or len(set(dst_block_ids)) != len(
-            dst_block_ids
-        ):
-            raise ValueError(f"bad destination block ids for [0, {peer.num_blocks}): {dst_block_ids}")
+        self._check_destination(peer.num_blocks, dst_block_ids)
         req = await self._begin(endpoint, peer, request_id, fence)
         if not dst_block_ids:
             return
@@ -212,36 +198,10 @@ class NixlSender(KVSender):
             self.dlist_preps["local"] += 1
         return self._local_dlist
 
-    async def _peer(self, endpoint: str) -> _Peer:
-        async with self._connecting.setdefault(endpoint, asyncio.Lock()):
-            if endpoint in self._refused:
-                raise PreflightError(self._refused[endpoint])
-            if endpoint not in self._peers:
-                self._peers[endpoint] = await self._connect(endpoint)
-            return self._peers[endpoint]
-
     async def _connect(self, endpoint: str) -> _Peer:
         host, port = parse_endpoint(endpoint)
-        writer: asyncio.StreamWriter | None = None
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                reader, writer = await asyncio.open_connection(host, port)
-                hello = KVHello(compat=dataclasses.asdict(self.compat), sender_id=self.sender_id)
-                write_msg(writer, hello)
-                await writer.drain()
-                reply = await read_msg(reader)
-            if reply is None:
-                raise ConnectionError("connection closed during the preflight")
-            if not isinstance(reply, KVNixlHelloReply):
-                raise ProtocolError(f"expected 'kv_nixl_hello_reply', got {reply.kind!r}")
-        except (OSError, TimeoutError, ValueError) as e:
-            if writer is not None:
-                writer.close()
-            raise TransferError(f"cannot open a KV control connection to {endpoint}: {e}") from e
-        if not reply.ok:
-            writer.close()
-            self._refused[endpoint] = f"{endpoint} refused the KV transfer: {reply.error}"
-            raise PreflightError(self._refused[endpoint])
+        hello = KVHello(compat=self._hello_compat(), sender_id=self.sender_id)
+        reader, writer, reply = await self._open_control(endpoint, host, port, hello, KVNixlHelloReply)
         try:
             peer = self._add_remote(reader, writer, reply)
         except Exception as e:  # NIXL raises its own exception types
@@ -284,13 +244,7 @@ class NixlSender(KVSender):
         self._drop(endpoint, peer, why)
 
     async def _drain(self, endpoint: str, peer: _Peer) -> None:
-        if peer.broken:
-            raise TransferError(f"KV control connection to {endpoint} is gone: {peer.broken}")
-        try:
-            await peer.writer.drain()
-        except OSError as e:
-            self._drop(endpoint, peer, str(e))
-            raise TransferError(f"KV control connection to {endpoint} broke: {e}") from e
+        await drain_control(endpoint, peer, self._drop)
 
     def _release(self, endpoint: str, peer: _Peer, handle: Any, state: str) -> None:
         try:

@@ -37,7 +37,8 @@ from common.protocol import (
     frame,
 )
 
-from .base import AcceptFn, DoneFn, KVReceiver, KVSender, PreflightError, TransferError
+from .base import AcceptFn, DoneFn, TransferError
+from .handshake import PreflightReceiver, PreflightSender, endpoint_url
 from .layout import block_bytes, byte_view, check_layer_header, layer_views
 from .sockio import recv_frame, recv_views, send_views
 
@@ -62,7 +63,9 @@ def _staged(kv: PagedKVCache, n: int) -> torch.Tensor:
     return torch.empty((2, n, *kv.k.shape[2:]), dtype=kv.k.dtype)
 
 
-class TcpReceiver(KVReceiver):
+class TcpReceiver(PreflightReceiver):
+    _name = "tcp"
+
     def __init__(
         self,
         kv: PagedKVCache,
@@ -87,8 +90,7 @@ class TcpReceiver(KVReceiver):
         self._listener.setblocking(False)
         self._spawn(self._accept_loop(self._listener))
         host, port = self._listener.getsockname()[:2]
-        host = self._advertise or host
-        return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        return endpoint_url("tcp", self._advertise or host, port)
 
     async def wait_idle(self, request_id: str) -> None:
         async with self._idle:
@@ -145,15 +147,8 @@ class TcpReceiver(KVReceiver):
         if body is None:
             return False
         hello = decode(body, expect=KVHello)
-        try:
-            problems = KVCompat(**hello.compat).mismatches(self.compat)
-        except TypeError as e:  # missing/unknown fields, or not a map at all
-            problems = [f"unreadable compat record ({e})"]
-        error = ""
-        if problems:
-            self.stats.preflight_refusals += 1
-            error = "KV compatibility preflight failed (sender != receiver): " + ", ".join(problems)
-            log.warning("kv tcp: refusing %s (%s): %s", peer, hello.sender_id, error)
+        problems = self._compat_problems(hello.compat)
+        error = self._refusal(peer, hello.sender_id, problems) if problems else ""
         reply = KVHelloReply(ok=not problems, error=error)
         await send_views(loop, conn, [memoryview(frame(reply))])
         return not problems
@@ -191,19 +186,6 @@ class TcpReceiver(KVReceiver):
         self.stats.layers_received += 1
         self.stats.bytes_received += h.nbytes
 
-    def _accepts(self, request_id: str, fence: int) -> bool:
-        try:
-            return bool(self.accept(request_id, fence))
-        except Exception:  # a failing owner callback must not write into blocks it could not vouch for
-            log.exception("kv tcp: accept(%r, %r) raised; dropping the layer", request_id, fence)
-            return False
-
-    def _notify_done(self, msg: KVDone) -> None:
-        try:
-            self.on_done(msg)
-        except Exception:  # the owner's bug; the connection (and other requests on it) stays usable
-            log.exception("kv tcp: on_done(%r) raised", msg.request_id)
-
 
 @dataclasses.dataclass
 class _Peer:
@@ -211,16 +193,11 @@ class _Peer:
     lock: asyncio.Lock  # one message at a time on the stream: header and payload must not interleave
 
 
-class TcpSender(KVSender):
+class TcpSender(PreflightSender[_Peer]):
     def __init__(
         self, kv: PagedKVCache, compat: KVCompat, sender_id: str = "", connect_timeout: float = 10.0
     ) -> None:
-        super().__init__(kv, compat)
-        self.sender_id = sender_id
-        self.connect_timeout = connect_timeout
-        self._peers: dict[str, _Peer] = {}
-        self._refused: dict[str, str] = {}  # endpoint -> preflight error, so we do not retry a hopeless peer
-        self._connecting: dict[str, asyncio.Lock] = {}
+        super().__init__(kv, compat, sender_id, connect_timeout)
 
     async def send_layer(
         self,
@@ -232,15 +209,7 @@ class TcpSender(KVSender):
         dst_block_ids: list[int],
         traceparent: str | None = None,
     ) -> None:
-        s = self.kv.spec
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError(
-                f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
-            )
-        if not 0 <= layer < s.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {s.num_layers})")
-        if any(not 0 <= b < s.num_blocks for b in src_block_ids):
-            raise ValueError(f"source block ids out of range [0, {s.num_blocks}): {src_block_ids}")
+        self._check_source(layer, src_block_ids, dst_block_ids)
         nbytes = len(dst_block_ids) * 2 * block_bytes(self.kv)
         header = KVLayerHeader(request_id, fence, layer, list(dst_block_ids), nbytes, traceparent)
         if self.kv.k.device.type == "cpu":
@@ -278,14 +247,6 @@ class TcpSender(KVSender):
         if self._peers.get(endpoint) is peer:
             del self._peers[endpoint]
 
-    async def _peer(self, endpoint: str) -> _Peer:
-        async with self._connecting.setdefault(endpoint, asyncio.Lock()):
-            if endpoint in self._refused:
-                raise PreflightError(self._refused[endpoint])
-            if endpoint not in self._peers:
-                self._peers[endpoint] = await self._connect(endpoint)
-            return self._peers[endpoint]
-
     async def _connect(self, endpoint: str) -> _Peer:
         loop = asyncio.get_running_loop()
         host, port = parse_endpoint(endpoint)
@@ -299,7 +260,7 @@ class TcpSender(KVSender):
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 await loop.sock_connect(sock, addr)
-                hello = KVHello(compat=dataclasses.asdict(self.compat), sender_id=self.sender_id)
+                hello = KVHello(compat=self._hello_compat(), sender_id=self.sender_id)
                 await send_views(loop, sock, [memoryview(frame(hello))])
                 body = await recv_frame(loop, sock, MAX_HEADER)
             if body is None:
@@ -311,6 +272,5 @@ class TcpSender(KVSender):
             raise TransferError(f"cannot open a KV connection to {endpoint}: {e}") from e
         if not reply.ok:
             sock.close()
-            self._refused[endpoint] = f"{endpoint} refused the KV transfer: {reply.error}"
-            raise PreflightError(self._refused[endpoint])
+            raise self._refuse(endpoint, reply.error)
         return _Peer(sock, asyncio.Lock())

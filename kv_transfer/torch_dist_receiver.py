@@ -26,7 +26,8 @@ from common.protocol import (
     ProtocolError,
 )
 
-from .base import AcceptFn, DoneFn, KVReceiver, TransferError
+from .base import AcceptFn, DoneFn, TransferError
+from .handshake import PreflightReceiver, endpoint_url
 from .layout import check_layer_header
 from .nixl_common import read_msg, write_msg
 from .torch_dist_common import (
@@ -58,7 +59,9 @@ class _Pair:
     broken: str = ""
 
 
-class TorchDistReceiver(KVReceiver):
+class TorchDistReceiver(PreflightReceiver):
+    _name = "torch_dist"
+
     def __init__(
         self,
         kv: PagedKVCache,
@@ -89,8 +92,7 @@ class TorchDistReceiver(KVReceiver):
         self._store = dist.TCPStore(self._addr[0], 0, None, True, timeout=timeout, wait_for_workers=False)
         self._server = await asyncio.start_server(self._serve, *self._addr)
         host, port = self._server.sockets[0].getsockname()[:2]
-        host = self._advertise or host
-        return f"torch_dist://[{host}]:{port}" if ":" in host else f"torch_dist://{host}:{port}"
+        return endpoint_url("torch_dist", self._advertise or host, port)
 
     async def wait_idle(self, request_id: str) -> None:
         """Return once no accepted layer of `request_id` is still to be received or scattered. Layers
@@ -160,18 +162,13 @@ class TorchDistReceiver(KVReceiver):
             return None
         if not isinstance(msg, KVTorchDistHello):
             raise ProtocolError(f"expected 'kv_torch_dist_hello', got {msg.kind!r}")
-        try:
-            problems = KVCompat(**msg.compat).mismatches(self.compat)
-        except TypeError as e:  # missing/unknown fields, or not a map at all
-            problems = [f"unreadable compat record ({e})"]
+        problems = self._compat_problems(msg.compat)
         offered = msg.backends if isinstance(msg.backends, list) else []
         backend = next((b for b in group_backends(self.kv) if b in offered), None)
         if not problems and backend is None:
             problems = [f"no common process-group backend (sender {offered!r}, receiver 'gloo')"]
         if problems or backend is None:
-            self.stats.preflight_refusals += 1
-            error = "KV compatibility preflight failed (sender != receiver): " + ", ".join(problems)
-            log.warning("kv torch_dist: refusing %s (%s): %s", peer, msg.sender_id, error)
+            error = self._refusal(peer, msg.sender_id, problems)
             write_msg(writer, KVTorchDistHelloReply(ok=False, error=error))
             await writer.drain()
             return None
@@ -244,16 +241,3 @@ class TorchDistReceiver(KVReceiver):
             pair.broken = why
             log.warning("kv torch_dist: pair with %s broke: %s", pair.peer, why)
             pair.writer.close()  # the reader sees EOF; the sender drops the pair and reconnects later
-
-    def _accepts(self, request_id: str, fence: int) -> bool:
-        try:
-            return bool(self.accept(request_id, fence))
-        except Exception:  # a failing owner callback must not write into blocks it could not vouch for
-            log.exception("kv torch_dist: accept(%r, %r) raised; dropping the layer", request_id, fence)
-            return False
-
-    def _notify_done(self, msg: KVDone) -> None:
-        try:
-            self.on_done(msg)
-        except Exception:  # the owner's bug; the connection (and other requests on it) stays usable
-            log.exception("kv torch_dist: on_done(%r) raised", msg.request_id)

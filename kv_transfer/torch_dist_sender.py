@@ -23,7 +23,8 @@ from common.protocol import (
     ProtocolError,
 )
 
-from .base import KVSender, PreflightError, TransferError
+from .base import TransferError
+from .handshake import PreflightSender, drain_control
 from .layout import block_bytes
 from .nixl_common import read_msg, write_msg
 from .torch_dist_common import (
@@ -64,7 +65,7 @@ class _Peer:
         self.free.append(buf)
 
 
-class TorchDistSender(KVSender):
+class TorchDistSender(PreflightSender[_Peer]):
     def __init__(
         self,
         kv: PagedKVCache,
@@ -73,13 +74,8 @@ class TorchDistSender(KVSender):
         connect_timeout: float = 10.0,
         op_timeout_s: float = 60.0,
     ) -> None:
-        super().__init__(kv, compat)
-        self.sender_id = sender_id
-        self.connect_timeout = connect_timeout
+        super().__init__(kv, compat, sender_id, connect_timeout)
         self.op_timeout_s = op_timeout_s  # a send taking longer breaks the pair
-        self._peers: dict[str, _Peer] = {}
-        self._refused: dict[str, str] = {}  # endpoint -> preflight error, so we do not retry a hopeless peer
-        self._connecting: dict[str, asyncio.Lock] = {}
         self._workers: set[PairWorker] = set()  # every pair's thread not joined yet
 
     async def send_layer(
@@ -92,21 +88,10 @@ class TorchDistSender(KVSender):
         dst_block_ids: list[int],
         traceparent: str | None = None,
     ) -> None:
-        s = self.kv.spec
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError(
-                f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"
-            )
-        if not 0 <= layer < s.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {s.num_layers})")
-        if any(not 0 <= b < s.num_blocks for b in src_block_ids):
-            raise ValueError(f"source block ids out of range [0, {s.num_blocks}): {src_block_ids}")
+        self._check_source(layer, src_block_ids, dst_block_ids)
         peer = await self._peer(endpoint)
         # A header the receiver refuses closes the pair with our bytes already posted: check for it.
-        if any(not 0 <= b < peer.num_blocks for b in dst_block_ids) or len(set(dst_block_ids)) != len(
-            dst_block_ids
-        ):
-            raise ValueError(f"bad destination block ids for [0, {peer.num_blocks}): {dst_block_ids}")
+        self._check_destination(peer.num_blocks, dst_block_ids)
         if not dst_block_ids:
             return
         n, nbytes = len(dst_block_ids), len(dst_block_ids) * 2 * block_bytes(self.kv)
@@ -166,38 +151,18 @@ class TorchDistSender(KVSender):
         p2p(peer.worker.group, "send", buf, RECEIVER_RANK)
 
     # --- per peer -------------------------------------------------------------------------------------
-    async def _peer(self, endpoint: str) -> _Peer:
-        async with self._connecting.setdefault(endpoint, asyncio.Lock()):
-            if endpoint in self._refused:
-                raise PreflightError(self._refused[endpoint])
-            if endpoint not in self._peers:
-                self._peers[endpoint] = await self._connect(endpoint)
-            return self._peers[endpoint]
-
     async def _connect(self, endpoint: str) -> _Peer:
         host, port = parse_endpoint(endpoint)
-        writer: asyncio.StreamWriter | None = None
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                reader, writer = await asyncio.open_connection(host, port)
-                offered = group_backends(self.kv)
-                write_msg(writer, KVTorchDistHello(dataclasses.asdict(self.compat), self.sender_id, offered))
-                await writer.drain()
-                reply = await read_msg(reader)
-            if reply is None:
-                raise ConnectionError("connection closed during the preflight")
-            if not isinstance(reply, KVTorchDistHelloReply):
-                raise ProtocolError(f"expected 'kv_torch_dist_hello_reply', got {reply.kind!r}")
+        offered = group_backends(self.kv)
+
+        def check(reply: KVTorchDistHelloReply) -> None:
             if reply.ok and reply.backend not in offered:
                 raise ProtocolError(f"the receiver chose backend {reply.backend!r}; we offered {offered}")
-        except (OSError, TimeoutError, ValueError) as e:
-            if writer is not None:
-                writer.close()
-            raise TransferError(f"cannot open a KV control connection to {endpoint}: {e}") from e
-        if not reply.ok:
-            writer.close()
-            self._refused[endpoint] = f"{endpoint} refused the KV transfer: {reply.error}"
-            raise PreflightError(self._refused[endpoint])
+
+        hello = KVTorchDistHello(self._hello_compat(), self.sender_id, offered)
+        reader, writer, reply = await self._open_control(
+            endpoint, host, port, hello, KVTorchDistHelloReply, check
+        )
         local = writer.get_extra_info("sockname")[0]  # the address the receiver sees us at
         peer = _Peer(
             reader,
@@ -237,13 +202,7 @@ class TorchDistSender(KVSender):
         self._drop(endpoint, peer, why)
 
     async def _drain(self, endpoint: str, peer: _Peer) -> None:
-        if peer.broken:
-            raise TransferError(f"KV control connection to {endpoint} is gone: {peer.broken}")
-        try:
-            await peer.writer.drain()
-        except OSError as e:
-            self._drop(endpoint, peer, str(e))
-            raise TransferError(f"KV control connection to {endpoint} broke: {e}") from e
+        await drain_control(endpoint, peer, self._drop)
 
     def _drop(self, endpoint: str, peer: _Peer, why: str) -> None:
         """Forget a peer: its queued sends fail, its group closes after the running one; the next call

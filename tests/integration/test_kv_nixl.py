@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing as mp
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -18,73 +17,35 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.protocol import KVCompat, KVDone
-from kv_transfer import PreflightError, TransferError, available_backends, make_receiver, make_sender
+from common.protocol import KVDone
+from kv_transfer import TransferError, available_backends, make_receiver, make_sender
 from kv_transfer.layout import block_bytes
 from kv_transfer.nixl import NixlReceiver, NixlSender, parse_endpoint  # imports no NIXL yet
+from tests.integration.kv_helpers import (
+    DST,
+    MISMATCHED,
+    SPEC,
+    SRC,
+    LoopReceiver,
+    assert_moved,
+    assert_preflight_refused_and_cached,
+    assert_refused_untouched,
+    compat,
+    filled,
+    push,
+    received_in_another_process,
+)
 
 # UCX reads its environment when the first agent starts; spawned receivers inherit it.
 os.environ["UCX_NET_DEVICES"] = "lo"
 pytest.importorskip("nixl_cu12", reason="the nixl backend needs the nixl-cu12 package")
 
-SPEC = KVCacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
-SRC = [7, 3, 4, 5, 12]  # non-contiguous, unordered; 3-4-5 is one run
-DST = [9, 10, 2, 0, 14]  # 9-10 is one run
 
-
-def compat(spec: KVCacheSpec) -> KVCompat:
-    dtype = str(spec.dtype).removeprefix("torch.")
-    return KVCompat("tiny", "h", dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
-
-
-def filled(spec: KVCacheSpec, seed: int = 0) -> PagedKVCache:
-    kv = PagedKVCache(spec)
-    g = torch.Generator().manual_seed(seed)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
-    return kv
-
-
-def assert_moved(src: PagedKVCache, dst: PagedKVCache, layers: list[int]) -> None:
-    """dst holds src's SRC blocks at DST for `layers`, and zeros everywhere else."""
-    want_k, want_v = torch.zeros_like(dst.k), torch.zeros_like(dst.v)
-    for layer in layers:
-        want_k[layer, DST] = src.k[layer, SRC]
-        want_v[layer, DST] = src.v[layer, SRC]
-    assert torch.equal(dst.k, want_k) and torch.equal(dst.v, want_v)
-
-
-class Receiver:
+class Receiver(LoopReceiver[NixlReceiver]):
     """A NixlReceiver on the running loop that records kv_done messages."""
 
     def __init__(self, spec: KVCacheSpec, accept: Callable[[str, int], bool] = lambda r, f: True) -> None:
-        self.kv = PagedKVCache(spec)
-        self.done: list[KVDone] = []
-        self.layers_at_done: list[int] = []
-        self.rx = NixlReceiver(self.kv, compat(spec), accept, self._on_done)
-        self.endpoint = ""
-
-    def _on_done(self, msg: KVDone) -> None:
-        self.done.append(msg)
-        self.layers_at_done.append(self.rx.stats.layers_received)
-
-    async def __aenter__(self) -> Receiver:
-        self.endpoint = await self.rx.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.rx.close()
-
-    async def wait_done(self, n: int) -> None:
-        async with asyncio.timeout(10):
-            while len(self.done) < n:
-                await asyncio.sleep(0.001)
-
-
-async def push(sender: NixlSender, endpoint: str, rid: str, fence: int, layers: list[int]) -> None:
-    for layer in layers:
-        await sender.send_layer(endpoint, rid, fence, layer, SRC, DST, traceparent="00-ab-cd-01")
-    await sender.send_done(endpoint, KVDone(rid, fence, first_token=42, num_tokens=19))
+        super().__init__(NixlReceiver, spec, accept)
 
 
 def test_layers_move_byte_exact_and_done_follows_them() -> None:
@@ -106,47 +67,16 @@ def test_layers_move_byte_exact_and_done_follows_them() -> None:
     assert parse_endpoint(r.endpoint)[0] == "127.0.0.1"
 
 
-def _receiver_process(spec: KVCacheSpec, conn: object, out: str) -> None:
-    kv = PagedKVCache(spec)
-
-    async def main() -> None:
-        done = asyncio.Event()
-        rx = NixlReceiver(kv, compat(spec), lambda r, f: True, lambda m: done.set())
-        conn.send(await rx.start())  # type: ignore[attr-defined]
-        await asyncio.wait_for(done.wait(), 60)
-        await rx.close()
-
-    asyncio.run(main())
-    torch.save({"k": kv.k, "v": kv.v}, out)
-
-
 def test_layers_move_byte_exact_between_processes(tmp_path: Path) -> None:
     spec = dataclasses.replace(SPEC, dtype=torch.bfloat16)
     src = filled(spec, seed=1)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    out = tmp_path / "kv.pt"
-    proc = ctx.Process(target=_receiver_process, args=(spec, child, str(out)))
-    proc.start()
-    try:
-        assert parent.poll(60), "receiver process did not start"
-        endpoint = parent.recv()
 
-        async def main() -> None:
-            tx = NixlSender(src, compat(spec))
-            await push(tx, endpoint, "r1", 1, [0, 1, 2])
-            await tx.close()
+    async def send(endpoint: str) -> None:
+        tx = NixlSender(src, compat(spec))
+        await push(tx, endpoint, "r1", 1, [0, 1, 2])
+        await tx.close()
 
-        asyncio.run(main())
-        proc.join(60)
-        assert proc.exitcode == 0
-    finally:
-        proc.kill()
-    got = PagedKVCache(spec)
-    saved = torch.load(out)
-    got.k.copy_(saved["k"])
-    got.v.copy_(saved["v"])
-    assert_moved(src, got, [0, 1, 2])
+    assert_moved(src, received_in_another_process(NixlReceiver, spec, tmp_path, send), [0, 1, 2])
 
 
 def test_stale_fence_is_refused_before_any_write() -> None:
@@ -221,26 +151,17 @@ def test_a_lost_sender_is_waited_out_and_its_done_never_delivered() -> None:
 
 
 def test_preflight_mismatch_names_fields_is_cached_and_writes_nothing() -> None:
-    spec = dataclasses.replace(SPEC, block_size=8, dtype=torch.bfloat16)
+    spec = MISMATCHED
     src = filled(spec)
 
     async def main() -> Receiver:
         async with Receiver(SPEC) as r:
             tx = NixlSender(src, compat(spec))
-            for _ in range(2):  # the second call fails from the cache, without contacting the receiver
-                with pytest.raises(PreflightError) as e:
-                    await tx.send_layer(r.endpoint, "r", 1, 0, [0], [0])
-                msg = str(e.value)
-                assert "block_size (8 != 4)" in msg and "dtype ('bfloat16' != 'float32')" in msg
-            with pytest.raises(PreflightError):
-                await tx.send_done(r.endpoint, KVDone("r", 1, 0, 1))
-            await tx.close()
+            await assert_preflight_refused_and_cached(tx, r.endpoint)
             return r
 
     r = asyncio.run(main())
-    stats = r.rx.stats
-    assert (stats.preflight_refusals, stats.layers_received, stats.dones_received) == (1, 0, 0)
-    assert not r.kv.k.any() and not r.kv.v.any()
+    assert_refused_untouched(r.rx, r.kv)
 
 
 def test_descriptors_are_prepared_once_per_peer() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import multiprocessing as mp
 import socket
 import struct
 import threading
@@ -21,36 +20,23 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.protocol import PROTOCOL_VERSION, KVCompat, KVDone, KVHello, KVHelloReply, decode, frame
-from kv_transfer import PreflightError, TransferError
+from common.protocol import PROTOCOL_VERSION, KVDone, KVHello, KVHelloReply, decode, frame
+from kv_transfer import TransferError
 from kv_transfer.layout import block_bytes
 from kv_transfer.tcp import TcpReceiver, TcpSender, parse_endpoint
-
-SPEC = KVCacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
-SRC = [7, 3, 4, 5, 12]  # non-contiguous, unordered; 3-4-5 is one run
-DST = [9, 10, 2, 0, 14]  # 9-10 is one run
-
-
-def compat(spec: KVCacheSpec) -> KVCompat:
-    dtype = str(spec.dtype).removeprefix("torch.")
-    return KVCompat("tiny", "h", dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
-
-
-def filled(spec: KVCacheSpec, seed: int = 0) -> PagedKVCache:
-    kv = PagedKVCache(spec)
-    g = torch.Generator().manual_seed(seed)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
-    return kv
-
-
-def assert_moved(src: PagedKVCache, dst: PagedKVCache, layers: list[int]) -> None:
-    """dst holds src's SRC blocks at DST for `layers`, and zeros everywhere else."""
-    want_k, want_v = torch.zeros_like(dst.k), torch.zeros_like(dst.v)
-    for layer in layers:
-        want_k[layer, DST] = src.k[layer, SRC]
-        want_v[layer, DST] = src.v[layer, SRC]
-    assert torch.equal(dst.k, want_k) and torch.equal(dst.v, want_v)
+from tests.integration.kv_helpers import (
+    DST,
+    MISMATCHED,
+    SPEC,
+    SRC,
+    assert_moved,
+    assert_preflight_refused_and_cached,
+    assert_refused_untouched,
+    compat,
+    filled,
+    push,
+    received_in_another_process,
+)
 
 
 class ThreadReceiver:
@@ -91,12 +77,6 @@ def receiver() -> Iterator[ThreadReceiver]:
     r.close()
 
 
-async def push(sender: TcpSender, endpoint: str, rid: str, fence: int, layers: list[int]) -> None:
-    for layer in layers:
-        await sender.send_layer(endpoint, rid, fence, layer, SRC, DST, traceparent="00-ab-cd-01")
-    await sender.send_done(endpoint, KVDone(rid, fence, first_token=42, num_tokens=19))
-
-
 def test_layers_move_byte_exact_and_done_follows_them(receiver: ThreadReceiver) -> None:
     src = filled(SPEC)
 
@@ -113,47 +93,16 @@ def test_layers_move_byte_exact_and_done_follows_them(receiver: ThreadReceiver) 
     assert receiver.rx.stats.bytes_received == 2 * len(DST) * 2 * block_bytes(src)
 
 
-def _receiver_process(spec: KVCacheSpec, conn: object, out: str) -> None:
-    kv = PagedKVCache(spec)
-
-    async def main() -> None:
-        done = asyncio.Event()
-        rx = TcpReceiver(kv, compat(spec), lambda r, f: True, lambda m: done.set())
-        conn.send(await rx.start())  # type: ignore[attr-defined]
-        await asyncio.wait_for(done.wait(), 60)
-        await rx.close()
-
-    asyncio.run(main())
-    torch.save({"k": kv.k, "v": kv.v}, out)
-
-
 def test_layers_move_byte_exact_between_processes(tmp_path: Path) -> None:
     spec = dataclasses.replace(SPEC, dtype=torch.bfloat16)  # bf16 has no numpy dtype: exercises byte views
     src = filled(spec, seed=1)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    out = tmp_path / "kv.pt"
-    proc = ctx.Process(target=_receiver_process, args=(spec, child, str(out)))
-    proc.start()
-    try:
-        assert parent.poll(60), "receiver process did not start"
-        endpoint = parent.recv()
 
-        async def main() -> None:
-            tx = TcpSender(src, compat(spec))
-            await push(tx, endpoint, "r1", 1, [0, 1, 2])
-            await tx.close()
+    async def send(endpoint: str) -> None:
+        tx = TcpSender(src, compat(spec))
+        await push(tx, endpoint, "r1", 1, [0, 1, 2])
+        await tx.close()
 
-        asyncio.run(main())
-        proc.join(60)
-        assert proc.exitcode == 0
-    finally:
-        proc.kill()
-    got = PagedKVCache(spec)
-    saved = torch.load(out)
-    got.k.copy_(saved["k"])
-    got.v.copy_(saved["v"])
-    assert_moved(src, got, [0, 1, 2])
+    assert_moved(src, received_in_another_process(TcpReceiver, spec, tmp_path, send), [0, 1, 2])
 
 
 def test_stale_fence_is_drained_not_written_and_connection_stays_usable() -> None:
@@ -179,23 +128,15 @@ def test_stale_fence_is_drained_not_written_and_connection_stays_usable() -> Non
 
 
 def test_preflight_mismatch_names_fields_is_cached_and_sends_nothing(receiver: ThreadReceiver) -> None:
-    spec = dataclasses.replace(SPEC, block_size=8, dtype=torch.bfloat16)
+    spec = MISMATCHED
     src = filled(spec)
 
     async def main() -> None:
         tx = TcpSender(src, compat(spec))
-        for _ in range(2):  # the second call fails from the cache, without contacting the receiver
-            with pytest.raises(PreflightError) as e:
-                await tx.send_layer(receiver.endpoint, "r", 1, 0, [0], [0])
-            assert "block_size (8 != 4)" in str(e.value) and "dtype ('bfloat16' != 'float32')" in str(e.value)
-        with pytest.raises(PreflightError):
-            await tx.send_done(receiver.endpoint, KVDone("r", 1, 0, 1))
-        await tx.close()
+        await assert_preflight_refused_and_cached(tx, receiver.endpoint)
 
     asyncio.run(main())
-    stats = receiver.rx.stats
-    assert (stats.preflight_refusals, stats.layers_received, stats.dones_received) == (1, 0, 0)
-    assert not receiver.kv.k.any() and not receiver.kv.v.any()
+    assert_refused_untouched(receiver.rx, receiver.kv)
 
 
 def _raw_client(endpoint: str) -> socket.socket:

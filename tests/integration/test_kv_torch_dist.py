@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import multiprocessing as mp
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.protocol import KVCompat, KVDone, KVLayerHeader, frame
+from common.protocol import KVDone, KVLayerHeader, frame
 from kv_transfer import (
-    PreflightError,
     TransferError,
     available_backends,
     make_receiver,
@@ -31,69 +30,31 @@ from kv_transfer import (
 )
 from kv_transfer.layout import block_bytes
 from kv_transfer.torch_dist import TorchDistReceiver, TorchDistSender, parse_endpoint
-
-SPEC = KVCacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
-SRC = [7, 3, 4, 5, 12]  # non-contiguous, unordered; 3-4-5 is one run
-DST = [9, 10, 2, 0, 14]  # 9-10 is one run
-
-
-def compat(spec: KVCacheSpec) -> KVCompat:
-    dtype = str(spec.dtype).removeprefix("torch.")
-    return KVCompat("tiny", "h", dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
-
-
-def filled(spec: KVCacheSpec, seed: int = 0) -> PagedKVCache:
-    kv = PagedKVCache(spec)
-    g = torch.Generator().manual_seed(seed)
-    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
-    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
-    return kv
+from tests.integration.kv_helpers import (
+    DST,
+    MISMATCHED,
+    SPEC,
+    SRC,
+    LoopReceiver,
+    assert_moved,
+    assert_preflight_refused_and_cached,
+    assert_refused_untouched,
+    compat,
+    filled,
+    push,
+    received_in_another_process,
+)
 
 
-def assert_moved(src: PagedKVCache, dst: PagedKVCache, layers: list[int]) -> None:
-    """dst holds src's SRC blocks at DST for `layers`, and zeros everywhere else."""
-    want_k, want_v = torch.zeros_like(dst.k), torch.zeros_like(dst.v)
-    for layer in layers:
-        want_k[layer, DST] = src.k[layer, SRC]
-        want_v[layer, DST] = src.v[layer, SRC]
-    assert torch.equal(dst.k, want_k) and torch.equal(dst.v, want_v)
-
-
-class Receiver:
+class Receiver(LoopReceiver[TorchDistReceiver]):
     """A TorchDistReceiver on the running loop that records kv_done messages."""
 
     def __init__(self, spec: KVCacheSpec, accept: Callable[[str, int], bool] = lambda r, f: True) -> None:
-        self.kv = PagedKVCache(spec)
-        self.done: list[KVDone] = []
-        self.layers_at_done: list[int] = []
-        self.rx = TorchDistReceiver(self.kv, compat(spec), accept, self._on_done, op_timeout_s=20)
-        self.endpoint = ""
-
-    def _on_done(self, msg: KVDone) -> None:
-        self.done.append(msg)
-        self.layers_at_done.append(self.rx.stats.layers_received)
-
-    async def __aenter__(self) -> Receiver:
-        self.endpoint = await self.rx.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.rx.close()
-
-    async def wait_done(self, n: int) -> None:
-        async with asyncio.timeout(10):
-            while len(self.done) < n:
-                await asyncio.sleep(0.001)
+        super().__init__(functools.partial(TorchDistReceiver, op_timeout_s=20), spec, accept)
 
 
 def sender(spec: KVCacheSpec = SPEC, seed: int = 0) -> TorchDistSender:
     return TorchDistSender(filled(spec, seed), compat(spec), sender_id="p0", op_timeout_s=20)
-
-
-async def push(tx: TorchDistSender, endpoint: str, rid: str, fence: int, layers: list[int]) -> None:
-    for layer in layers:
-        await tx.send_layer(endpoint, rid, fence, layer, SRC, DST, traceparent="00-ab-cd-01")
-    await tx.send_done(endpoint, KVDone(rid, fence, first_token=42, num_tokens=19))
 
 
 def test_layers_move_byte_exact_and_done_follows_them() -> None:
@@ -113,46 +74,15 @@ def test_layers_move_byte_exact_and_done_follows_them() -> None:
     assert parse_endpoint(r.endpoint)[0] == "127.0.0.1"
 
 
-def _receiver_process(spec: KVCacheSpec, conn: Any, out: str) -> None:
-    kv = PagedKVCache(spec)
-
-    async def main() -> None:
-        done = asyncio.Event()
-        rx = TorchDistReceiver(kv, compat(spec), lambda r, f: True, lambda m: done.set())
-        conn.send(await rx.start())
-        await asyncio.wait_for(done.wait(), 60)
-        await rx.close()
-
-    asyncio.run(main())
-    torch.save({"k": kv.k, "v": kv.v}, out)
-
-
 def test_layers_move_byte_exact_between_processes(tmp_path: Path) -> None:
     spec = dataclasses.replace(SPEC, dtype=torch.bfloat16)  # moved as raw bytes: any dtype works
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    out = tmp_path / "kv.pt"
-    proc = ctx.Process(target=_receiver_process, args=(spec, child, str(out)))
-    proc.start()
     tx = sender(spec, seed=1)
-    try:
-        assert parent.poll(60), "receiver process did not start"
-        endpoint = parent.recv()
 
-        async def main() -> None:
-            await push(tx, endpoint, "r1", 1, [0, 1, 2])
-            await tx.close()
+    async def send(endpoint: str) -> None:
+        await push(tx, endpoint, "r1", 1, [0, 1, 2])
+        await tx.close()
 
-        asyncio.run(main())
-        proc.join(60)
-        assert proc.exitcode == 0
-    finally:
-        proc.kill()
-    got = PagedKVCache(spec)
-    saved = torch.load(out)
-    got.k.copy_(saved["k"])
-    got.v.copy_(saved["v"])
-    assert_moved(tx.kv, got, [0, 1, 2])
+    assert_moved(tx.kv, received_in_another_process(TorchDistReceiver, spec, tmp_path, send), [0, 1, 2])
 
 
 def test_stale_fence_is_received_and_dropped_and_the_pair_stays_usable() -> None:
@@ -214,25 +144,16 @@ def test_wait_idle_waits_for_an_accepted_layer_and_later_ones_are_dropped() -> N
 
 
 def test_preflight_mismatch_names_fields_is_cached_and_sends_nothing() -> None:
-    spec = dataclasses.replace(SPEC, block_size=8, dtype=torch.bfloat16)
+    spec = MISMATCHED
 
     async def main() -> Receiver:
         async with Receiver(SPEC) as r:
             tx = sender(spec)
-            for _ in range(2):  # the second call fails from the cache, without contacting the receiver
-                with pytest.raises(PreflightError) as e:
-                    await tx.send_layer(r.endpoint, "r", 1, 0, [0], [0])
-                msg = str(e.value)
-                assert "block_size (8 != 4)" in msg and "dtype ('bfloat16' != 'float32')" in msg
-            with pytest.raises(PreflightError):
-                await tx.send_done(r.endpoint, KVDone("r", 1, 0, 1))
-            await tx.close()
+            await assert_preflight_refused_and_cached(tx, r.endpoint)
             return r
 
     r = asyncio.run(main())
-    stats = r.rx.stats
-    assert (stats.preflight_refusals, stats.layers_received, stats.dones_received) == (1, 0, 0)
-    assert not r.kv.k.any() and not r.kv.v.any()
+    assert_refused_untouched(r.rx, r.kv)
 
 
 def test_concurrent_layers_then_done_and_one_pair_per_endpoint() -> None:
