@@ -4,11 +4,16 @@ updates that never take a request down, msgpack bodies and the health/metrics ro
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as ASGIMessage
 
 from common.config import EngineConfig, ServiceConfig
 from common.engine.async_engine import AsyncEngine
@@ -17,25 +22,137 @@ from common.engine.sampling_params import SamplingParams
 from common.leases import LeaseKeeper
 from common.protocol import Message, ProtocolError, decode, encode
 from common.state import Heartbeat, IllegalTransition, RequestState, StateStore, UnknownRequest
+from common.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 
 
+# Seconds. Queue waits and TTFT span a crowded queue; ITL/TPOT one engine step.
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
 class ServiceMetrics:
+    """A service's own registry: histograms and counters observed as requests go, plus the engine's
+    and the KV transport's figures, read at scrape time by `_EngineCollector` (nothing on the hot path)."""
+
     def __init__(self, role: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("splitserve_requests", "requests by outcome", ["role", "outcome"], registry=r)
-        self.running = Gauge("splitserve_running_sequences", "sequences in the running batch", registry=r)
-        self.waiting = Gauge("splitserve_waiting_sequences", "sequences waiting for KV blocks", registry=r)
-        self.blocks_free = Gauge("splitserve_kv_blocks_free", "free KV blocks (incl. evictable)", registry=r)
-        self.blocks_total = Gauge("splitserve_kv_blocks_total", "KV blocks", registry=r)
-        self.preemptions = Gauge("splitserve_preemptions", "preemptions by kind", ["kind"], registry=r)
-        self.expired_leases = Gauge(
-            "splitserve_expired_peer_leases", "transfers ended by a peer's expired lease", registry=r
-        )
         self.role = role
+        self.requests = Counter("splitserve_requests", "requests by outcome", ["role", "outcome"], registry=r)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, registry=r, buckets=buckets)
+
+        self.queue_wait = hist(
+            "splitserve_queue_wait_seconds", "arrival to admission (KV blocks granted)", _WAIT_BUCKETS
+        )
+        self.ttft = hist(
+            "splitserve_ttft_seconds",
+            "arrival to the first token known here (prefill: sampled; decode: first frame sent)",
+            _WAIT_BUCKETS,
+        )
+        self.itl = hist("splitserve_itl_seconds", "gap between token frames sent (decode)", _STEP_BUCKETS)
+        self.tpot = hist(
+            "splitserve_tpot_seconds", "per-request mean time per output token after the first", _STEP_BUCKETS
+        )
+        self.e2e = hist("splitserve_e2e_seconds", "arrival to the request's end here", _E2E_BUCKETS)
+        self.prefill_compute = hist(
+            "splitserve_prefill_compute_seconds", "first prefill chunk start to last chunk end", _WAIT_BUCKETS
+        )
+        self.transfer = hist(
+            "splitserve_kv_transfer_seconds",
+            "first layer write to kv_done delivered (prefill)",
+            _WAIT_BUCKETS,
+        )
+        self.transfer_active = hist(
+            "splitserve_kv_transfer_active_seconds",
+            "time at least one layer write was in flight (prefill); bandwidth = "
+            "rate(splitserve_kv_transfer_bytes_total) / rate(this _sum)",
+            _WAIT_BUCKETS,
+        )
+        self.transfer_failures = Counter(
+            "splitserve_kv_transfer_failures", "KV transfers that failed, by reason", ["reason"], registry=r
+        )
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine, block manager, leases and KV transport per scrape.
+    Read from the event-loop thread while the engine thread runs: approximate by nature."""
+
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.svc
+        load, bm = svc.load(), svc.engine.block_manager
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        yield gauge(
+            "splitserve_running_sequences", "sequences running or holding a reservation", load["running"]
+        )
+        yield gauge(
+            "splitserve_waiting_sequences", "queue depth: sequences waiting for KV blocks", load["waiting"]
+        )
+        yield gauge(
+            "splitserve_kv_blocks_free", "free KV blocks (incl. evictable cached ones)", load["free_blocks"]
+        )
+        yield gauge(
+            "splitserve_kv_blocks_used", "KV blocks in use", load["total_blocks"] - load["free_blocks"]
+        )
+        yield gauge("splitserve_kv_blocks_total", "KV blocks", load["total_blocks"])
+        preempt = CounterMetricFamily("splitserve_preemptions", "preemptions by kind", labels=["kind"])
+        for key, n in list(svc.engine.scheduler.stats.items()):
+            if key.startswith("preempt_"):
+                preempt.add_metric([key.removeprefix("preempt_")], n)
+        yield preempt
+        queries, hits = bm.prefix_queries, bm.prefix_hits
+        yield CounterMetricFamily(
+            "splitserve_prefix_cache_queries",
+            "full prompt blocks looked up in the prefix cache",
+            value=queries,
+        )
+        yield CounterMetricFamily(
+            "splitserve_prefix_cache_hits", "prompt blocks found in the prefix cache", value=hits
+        )
+        yield gauge(
+            "splitserve_prefix_cache_hit_rate", "hits / queries since start", hits / queries if queries else 0
+        )
+        yield CounterMetricFamily(
+            "splitserve_expired_peer_leases",
+            "transfers ended because the peer's lease expired",
+            value=svc.leases.expired if svc.leases else 0,
+        )
+        for name, doc, value in svc.transfer_counters():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class RequestIdMiddleware:
+    """x-request-id on every response: the message's request id when the handler read one
+    (`read_message` puts it in request.state), else a fresh id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+
+        async def send_with_id(message: ASGIMessage) -> None:
+            if message["type"] == "http.response.start":
+                rid = state.get("request_id") or f"req-{uuid.uuid4().hex}"
+                headers = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class Service:
@@ -49,6 +166,8 @@ class Service:
         self.heartbeat: Heartbeat | None = None
         self.leases: LeaseKeeper | None = None
         self.metrics = ServiceMetrics(cfg.role)
+        self.metrics.registry.register(_EngineCollector(self))
+        setup_tracing(cfg.role)
 
     @staticmethod
     def build_engine(engine_cfg: EngineConfig) -> LLMEngine:
@@ -63,6 +182,10 @@ class Service:
             "free_blocks": bm.num_free_blocks,
             "total_blocks": bm.num_blocks,
         }
+
+    def transfer_counters(self) -> list[tuple[str, str, int]]:
+        """(name, help, value) of the KV transport's counters, for /metrics."""
+        return []
 
     def queue_full(self) -> bool:
         sched = self.engine.scheduler
@@ -118,29 +241,26 @@ class Service:
             log.exception("could not record %s -> %s", request_id, new_state)
 
     def add_common_routes(self, app: FastAPI) -> None:
+        app.add_middleware(RequestIdMiddleware)
+
         @app.get("/health")
         async def health() -> dict[str, Any]:
             return {"status": "ok", "role": self.cfg.role, "worker_id": self.cfg.worker_name, **self.load()}
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            m, load = self.metrics, self.load()
-            m.running.set(load["running"])
-            m.waiting.set(load["waiting"])
-            m.blocks_free.set(load["free_blocks"])
-            m.blocks_total.set(load["total_blocks"])
-            m.expired_leases.set(self.leases.expired if self.leases else 0)
-            for key, n in self.engine.scheduler.stats.items():
-                if key.startswith("preempt_"):
-                    m.preemptions.labels(kind=key.removeprefix("preempt_")).set(n)
             return PlainTextResponse(
-                generate_latest(m.registry).decode(), media_type="text/plain; version=0.0.4"
+                generate_latest(self.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
             )
 
 
 async def read_message(request: Request, expect: type[Message]) -> Any:
-    """The msgpack body as `expect`; ProtocolError (-> 400) if it is anything else."""
-    return decode(await request.body(), expect)
+    """The msgpack body as `expect`; ProtocolError (-> 400) if it is anything else. Its request id
+    becomes the response's x-request-id."""
+    msg = decode(await request.body(), expect)
+    if isinstance(getattr(msg, "request_id", None), str):
+        request.state.request_id = msg.request_id
+    return msg
 
 
 def msgpack_response(msg: Message, status_code: int = 200) -> Response:

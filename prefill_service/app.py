@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -20,6 +20,8 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request, Response
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common.config import EngineConfig, ServiceConfig
 from common.engine.async_engine import AsyncEngine
@@ -35,10 +37,12 @@ from common.service import (
     sampling_from_wire,
 )
 from common.state import RequestState
+from common.telemetry import context_from, fastapi_telemetry, span_ctx, traceparent, tracer
 from kv_transfer import KVSender, TransferError, make_sender
 from kv_transfer.compat import compat_for
 
 log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
 
 
 class PeerLost(Exception):
@@ -47,12 +51,33 @@ class PeerLost(Exception):
 
 @dataclass
 class TransferJob:
-    """Where one request's KV goes, and the layer writes posted so far."""
+    """Where one request's KV goes, the layer writes posted so far, and when things happened (for the
+    request's spans and metrics, which are written once the request ends: nothing per token)."""
 
     req: PrefillRequest
+    ctx: Any = None  # the request's span context: parent of kv.transfer
     first_chunk: bool = True
     writes: list[Future[Any]] = field(default_factory=list)
     nbytes: int = 0
+    arrival_ns: int = field(default_factory=time.time_ns)
+    # (start, end, tokens) per prefill chunk, wall ns. The start is taken when layer 0 of the step is
+    # done (the engine's first hook), so it is late by one layer's compute.
+    chunks: list[list[int]] = field(default_factory=list)
+    active: list[tuple[float, float]] = field(default_factory=list)  # perf_counter spans of each write
+    dst_blocks: set[int] = field(default_factory=set)
+    layers: set[int] = field(default_factory=set)
+    xfer_span: trace.Span = trace.INVALID_SPAN
+    xfer_traceparent: str | None = None
+
+    def active_s(self) -> float:
+        """Time at least one layer write was in flight: the union of the writes' intervals. Bandwidth
+        is bytes over this, not over the wall time, which includes waiting for layers to compute."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.active):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
 
 
 class PrefillService(Service):
@@ -78,6 +103,14 @@ class PrefillService(Service):
         for sender in self.senders.values():
             await sender.close()
 
+    def transfer_counters(self) -> list[tuple[str, str, int]]:
+        stats = [s.stats for s in self.senders.values()]
+        return [
+            ("splitserve_kv_transfer_bytes", "KV bytes sent", sum(s.bytes_sent for s in stats)),
+            ("splitserve_kv_transfer_layers", "layer writes sent", sum(s.layers_sent for s in stats)),
+            ("splitserve_kv_transfer_dones", "kv_done notifications sent", sum(s.dones_sent for s in stats)),
+        ]
+
     def sender_for(self, endpoint: str) -> KVSender:
         """The sender for the backend a decode service's endpoint names ("nixl://..." or "tcp://...")."""
         backend = endpoint.split("://", 1)[0]
@@ -99,12 +132,19 @@ class PrefillService(Service):
             job = self.jobs.get(seq.seq_id)
             if job is None:
                 continue
+            if layer == 0:
+                job.chunks.append([time.time_ns(), 0, n])
+            if last_layer and job.chunks:
+                job.chunks[-1][1] = time.time_ns()
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             first = 0 if job.first_chunk else start // bs  # the first chunk also ships cached prefix blocks
             first = max(first, job.req.num_cached_tokens // bs)  # the decode side already holds these
             last = -(-end // bs)
             if first < last:
                 r = job.req
+                if not job.writes:  # the transfer starts with its first write
+                    job.xfer_span = _tracer.start_span("kv.transfer", context=job.ctx)
+                    job.xfer_traceparent = traceparent(span_ctx(job.xfer_span)) or r.traceparent
                 coro = self.sender_for(job.req.kv_endpoint).send_layer(
                     r.kv_endpoint,
                     r.request_id,
@@ -112,10 +152,12 @@ class PrefillService(Service):
                     layer,
                     seq.block_table[first:last],
                     r.block_ids[first:last],
-                    traceparent=r.traceparent,
+                    traceparent=job.xfer_traceparent,
                 )
-                job.writes.append(asyncio.run_coroutine_threadsafe(coro, self._loop))
+                job.writes.append(asyncio.run_coroutine_threadsafe(_timed(coro, job.active), self._loop))
                 job.nbytes += (last - first) * self._block_bytes
+                job.dst_blocks.update(r.block_ids[first:last])
+                job.layers.add(layer)
             if last_layer:
                 job.first_chunk = False
 
@@ -136,7 +178,13 @@ class PrefillService(Service):
             return error_response(503, "prefill queue is full", headers={"Retry-After": "1"})
         assert self.aengine is not None
         rid, t0 = req.request_id, time.perf_counter()
-        job = self.jobs[rid] = TransferJob(req)
+        span = _tracer.start_span(
+            "prefill",
+            context=context_from(req.traceparent),
+            kind=SpanKind.SERVER,
+            attributes={"splitserve.request_id": rid, "gen_ai.usage.input_tokens": len(req.token_ids)},
+        )
+        job = self.jobs[rid] = TransferJob(req, span_ctx(span))
         events = self.aengine.listen(rid)
         seq: Sequence | None = None
         if self.leases is not None:
@@ -147,13 +195,19 @@ class PrefillService(Service):
             )
             await self.record(rid, RequestState.PREFILLING, prefill_id=self.cfg.worker_name)
             out = await self._first_token(events, req.deadline)
+            self.metrics.ttft.observe(time.perf_counter() - t0)
+            self._compute_spans(job, seq)
             await self.record(rid, RequestState.TRANSFERRING)
             for w in job.writes:  # every layer write posted for this request has gone out
                 await asyncio.wrap_future(w)
             await self.sender_for(req.kv_endpoint).send_done(
                 req.kv_endpoint,
-                KVDone(rid, req.fence, out.new_token_ids[0], len(req.token_ids), req.traceparent),
-            )
+                KVDone(
+                    rid, req.fence, out.new_token_ids[0], len(req.token_ids),
+                    job.xfer_traceparent or req.traceparent,
+                ),
+            )  # fmt: skip
+            self._transfer_done(job)
             self.metrics.requests.labels(role="prefill", outcome="finished").inc()
             return msgpack_response(
                 PrefillResult(
@@ -167,15 +221,80 @@ class PrefillService(Service):
             )
         except TransferError as e:
             self.metrics.requests.labels(role="prefill", outcome="transfer_failed").inc()
+            self.metrics.transfer_failures.labels(reason=type(e).__name__).inc()
+            _fail(job.xfer_span, e)
+            _fail(span, e)
             return error_response(502, f"KV transfer to {req.kv_endpoint} failed: {e}")
-        except TimeoutError:
+        except TimeoutError as e:
+            _fail(span, e)
             return error_response(504, "deadline exceeded on the prefill service")
         except PeerLost as e:
             self.metrics.requests.labels(role="prefill", outcome="decode_lease_expired").inc()
+            self.metrics.transfer_failures.labels(reason="decode_lease_expired").inc()
+            _fail(job.xfer_span, e)
+            _fail(span, e)
             return error_response(502, str(e))
         finally:
             with anyio.CancelScope(shield=True):
                 await self._end(rid, job, seq)
+            job.xfer_span.end()  # a no-op if it ended already
+            if seq is not None and span.is_recording():
+                span.set_attribute("splitserve.num_cached_tokens", seq.num_cached_tokens)
+            span.end()
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+
+    def _compute_spans(self, job: TransferJob, seq: Sequence | None) -> None:
+        """The queue wait and per-chunk compute of a prefilled request, as spans dated after the fact
+        (the chunks ran on the engine thread), and their histograms."""
+        chunks = [c for c in job.chunks if c[1]]
+        if not chunks:
+            return
+        first, last = chunks[0][0], chunks[-1][1]
+        self.metrics.queue_wait.observe(max(0, first - job.arrival_ns) / 1e9)
+        self.metrics.prefill_compute.observe((last - first) / 1e9)
+        if not trace.get_current_span(job.ctx).is_recording():
+            return
+        _tracer.start_span("prefill.queue", context=job.ctx, start_time=job.arrival_ns).end(end_time=first)
+        compute = _tracer.start_span(
+            "prefill.compute",
+            context=job.ctx,
+            start_time=first,
+            attributes={"splitserve.chunks": len(chunks), "splitserve.tokens": sum(c[2] for c in chunks)},
+        )
+        if seq is not None:
+            compute.set_attribute("splitserve.num_cached_tokens", seq.num_cached_tokens)
+        for i, (a, b, n) in enumerate(chunks):
+            chunk = _tracer.start_span(
+                "prefill.chunk",
+                context=span_ctx(compute),
+                start_time=a,
+                attributes={"splitserve.chunk": i, "splitserve.tokens": n},
+            )
+            chunk.end(end_time=b)
+        compute.end(end_time=last)
+
+    def _transfer_done(self, job: TransferJob) -> None:
+        if not job.writes:
+            return
+        # first write out to kv_done delivered: the transfer's wall time (compute gaps included)
+        duration = time.perf_counter() - min((a for a, _ in job.active), default=time.perf_counter())
+        active = job.active_s()
+        self.metrics.transfer.observe(duration)
+        self.metrics.transfer_active.observe(active)
+        span = job.xfer_span
+        if span.is_recording():
+            span.set_attributes({
+                "splitserve.kv.backend": job.req.kv_endpoint.split("://", 1)[0],
+                "splitserve.kv.bytes": job.nbytes,
+                "splitserve.kv.blocks": len(job.dst_blocks),
+                "splitserve.kv.layers": len(job.layers),
+                "splitserve.kv.writes": len(job.writes),
+                "splitserve.kv.duration_s": duration,
+                "splitserve.kv.active_s": active,
+                "splitserve.kv.bandwidth_bytes_per_s": job.nbytes / active if active > 0 else 0.0,
+                "splitserve.kv.endpoint": job.req.kv_endpoint,
+            })  # fmt: skip
+        span.end()
 
     async def _first_token(self, events: asyncio.Queue, deadline: float | None) -> RequestOutput:
         while True:
@@ -219,7 +338,7 @@ def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig, engine: LLMEngine |
         yield
         await svc.stop()
 
-    app = FastAPI(title="splitserve prefill", lifespan=lifespan)
+    app = FastAPI(title="splitserve prefill", lifespan=lifespan, **fastapi_telemetry())
     app.state.service = svc
     install_error_handlers(app)
     svc.add_common_routes(app)
@@ -235,3 +354,18 @@ def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig, engine: LLMEngine |
         return {"aborted": msg.request_id}
 
     return app
+
+
+async def _timed(coro: Coroutine[Any, Any, None], active: list[tuple[float, float]]) -> None:
+    """Run one layer write, noting when it was in flight (for the active transfer time)."""
+    t0 = time.perf_counter()
+    try:
+        await coro
+    finally:
+        active.append((t0, time.perf_counter()))
+
+
+def _fail(span: trace.Span, e: BaseException) -> None:
+    if span.is_recording():
+        span.record_exception(e)
+        span.set_status(Status(StatusCode.ERROR, str(e)))

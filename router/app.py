@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.model.model_info import ModelInfo, load_model_info
 from common.state import StateStore
+from common.telemetry import fastapi_telemetry, setup_tracing
 from router.config import RouterConfig
 from router.errors import APIError, install_handlers
 from router.metrics import RouterMetrics
@@ -44,6 +45,7 @@ def create_app(
     config.decode_urls/prefill_urls). `http_client` is for tests (fake services behind a transport);
     by default the app makes one shared client and closes it at shutdown. With `close_state` the app
     also closes `state` at shutdown."""
+    setup_tracing("router")
     owns_client = http_client is None
     client = http_client or httpx.AsyncClient(
         # Connecting must be quick; reading must not time out (a decode stream lasts as long as the
@@ -60,7 +62,7 @@ def create_app(
         if close_state and state is not None:
             await state.close()
 
-    app = FastAPI(title="splitserve router", lifespan=lifespan)
+    app = FastAPI(title="splitserve router", lifespan=lifespan, **fastapi_telemetry())
     metrics = RouterMetrics()
     router_id = f"router-{socket.gethostname()}-{os.getpid()}"
     orch = Orchestrator(config, state, client, metrics, router_id)

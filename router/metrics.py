@@ -3,7 +3,7 @@ several apps (tests) without duplicate-metric errors."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 # Seconds; TTFT spans a queued prefill, ITL a single decode step.
@@ -61,6 +61,31 @@ class RouterMetrics:
             p + "prefill_retries", "Prefill calls retried on another worker", registry=r
         )
         self.state_errors = Counter(p + "state_errors", "Redis record writes that failed", registry=r)
+        self.inflight = Gauge(p + "inflight_requests", "Requests being served now", registry=r)
+        self.slo_met = Counter(
+            p + "goodput_requests",
+            "Finished requests that met every configured SLO (TTFT and TPOT)",
+            registry=r,
+        )
+        self.slo_judged = Counter(
+            p + "slo_judged_requests", "Finished requests judged against the SLOs", registry=r
+        )
+        self.goodput = Gauge(
+            p + "goodput_ratio",
+            "Share of finished requests meeting every configured SLO since start "
+            "(for a window: rate(goodput_requests_total) / rate(slo_judged_requests_total))",
+            registry=r,
+        )
+        self._met = self._judged = 0
+
+    def judge(self, met: bool) -> None:
+        """Count one finished request against the SLOs."""
+        self._judged += 1
+        self._met += met
+        self.slo_judged.inc()
+        if met:
+            self.slo_met.inc()
+        self.goodput.set(self._met / self._judged)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,6 +22,7 @@ import httpx
 
 from common.protocol import GenerateRequest, PrefillRequest, Reserved, TokenFrame, encode
 from common.state import IllegalTransition, RequestState, StateStore
+from common.telemetry import span_scope, traceparent, tracer
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -38,6 +39,7 @@ from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 _background: set[asyncio.Task[Any]] = set()
+_tracer = tracer(__name__)
 
 
 async def shielded(coro: Coroutine[Any, Any, None]) -> None:
@@ -110,21 +112,31 @@ class Generation:
         self._prefill: Worker | None = None  # set while a prefill call is in flight
         self._recorded = False
         self._closed = False
+        self._traceparent: str | None = None  # the root span's, for the decode service
 
     # ---- the flow --------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Pick workers, reserve on D, prefill (split) or wait for D's first tokens (local)."""
+        self._traceparent = traceparent()
         long_prompt = len(self.prompt_ids) >= self.o.config.local_prefill_threshold
-        try:
-            decodes = await self.o.pool.candidates("decode")
-            prefills = await self.o.pool.candidates("prefill") if long_prompt and decodes else []
-        except Exception as e:  # the registry (Redis) is down: nothing can be routed
-            log.exception("worker registry lookup failed")
-            raise self.o.unavailable(f"worker registry unavailable: {e!r}") from e
-        if not decodes:
-            raise self.o.unavailable("no decode service is available")
-        self.route = self.o.route(len(self.prompt_ids), prefills)
+        with span_scope(_tracer, "router.route") as span:
+            try:
+                decodes = await self.o.pool.candidates("decode")
+                prefills = await self.o.pool.candidates("prefill") if long_prompt and decodes else []
+            except Exception as e:  # the registry (Redis) is down: nothing can be routed
+                log.exception("worker registry lookup failed")
+                raise self.o.unavailable(f"worker registry unavailable: {e!r}") from e
+            if not decodes:
+                raise self.o.unavailable("no decode service is available")
+            self.route = self.o.route(len(self.prompt_ids), prefills)
+            if span.is_recording():
+                span.set_attributes({
+                    "splitserve.route": self.route.path,
+                    "splitserve.route.reason": self.route.reason,
+                    "splitserve.decode_candidates": len(decodes),
+                    "splitserve.prefill_candidates": len(prefills),
+                })  # fmt: skip
         self.o.metrics.routes.labels(self.route.path, self.route.reason).inc()
         await self._create_record()
         if self.route.path == "local":
@@ -195,13 +207,23 @@ class Generation:
 
     async def _open_decode(self, decodes: list[Worker], mode: str) -> Reserved:
         """Open a generate stream on the least loaded D that accepts it; returns its Reserved frame."""
-        body = encode(GenerateRequest(self.id, self.prompt_ids, self.sampling, mode, self.deadline))
-        try:
-            self._stream, reserved = await DecodeStream.open(self.o.client, decodes, body, self.deadline)
-        except Busy:
-            raise self.o.unavailable("every decode service is at capacity; retry later") from None
-        except Unreachable as e:
-            raise self.o.unavailable(f"no decode service could be reached ({e})") from None
+        body = encode(
+            GenerateRequest(self.id, self.prompt_ids, self.sampling, mode, self.deadline, self._traceparent)
+        )
+        with span_scope(_tracer, "router.decode_reserve") as span:
+            try:
+                self._stream, reserved = await DecodeStream.open(self.o.client, decodes, body, self.deadline)
+            except Busy:
+                raise self.o.unavailable("every decode service is at capacity; retry later") from None
+            except Unreachable as e:
+                raise self.o.unavailable(f"no decode service could be reached ({e})") from None
+            if span.is_recording():
+                span.set_attributes({
+                    "splitserve.mode": mode,
+                    "splitserve.decode_id": self._stream.worker.id,
+                    "splitserve.blocks": len(reserved.block_ids),
+                    "splitserve.num_cached_tokens": reserved.num_cached_tokens,
+                })  # fmt: skip
         self.o.pool.hold(self._stream.worker)
         return reserved
 
@@ -245,14 +267,15 @@ class Generation:
         """Send the prompt to P, which writes its KV into r.block_ids on D; returns the first token."""
         # P records PREFILLING and TRANSFERRING itself, D records RESERVED and DECODING: the router
         # writes only QUEUED and the end, keeping Redis round trips off the path to the first token.
-        req = PrefillRequest(
-            self.id, self.prompt_ids, self.sampling, r.kv_endpoint, r.block_ids, r.fence,
-            r.num_cached_tokens, self.deadline,
-        )  # fmt: skip
         self._prefill = w  # from here until it answers, a cancelled request must abort it on P
         self.o.pool.hold(w)
         try:
-            first = await call_prefill(self.o.client, w, req)
+            with span_scope(_tracer, "router.prefill", attributes={"splitserve.prefill_id": w.id}):
+                req = PrefillRequest(
+                    self.id, self.prompt_ids, self.sampling, r.kv_endpoint, r.block_ids, r.fence,
+                    r.num_cached_tokens, self.deadline, traceparent(),
+                )  # fmt: skip
+                first = await call_prefill(self.o.client, w, req)
         finally:
             self.o.pool.release(w)
         self._prefill = None

@@ -13,10 +13,13 @@ from typing import Any, TypeVar
 import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 
 from common.engine.detokenizer import IncrementalDetokenizer
 from common.model.model_info import ModelInfo
+from common.telemetry import activate, context_from_headers, tracer
 from router.config import RouterConfig
 from router.errors import APIError, invalid
 from router.metrics import RouterMetrics
@@ -31,6 +34,7 @@ from router.openai_types import (
 from router.orchestrator import Generation, Orchestrator, shielded
 
 T = TypeVar("T")
+_tracer = tracer(__name__)
 
 
 class ClientGone(Exception):
@@ -48,8 +52,10 @@ class _Run:
     output_tokens: int = 0
     finish_reason: str | None = None
     outcome: str = "cancelled"  # until proven otherwise: a cancelled task never gets to say so
+    counted_inflight: bool = False
     error: str | None = None
     done: bool = False  # _finish ran (it may be reached twice: the stream's end and its safety net)
+    span: trace.Span = trace.INVALID_SPAN  # the request's root span (a no-op one while tracing is off)
 
 
 class Server:
@@ -65,6 +71,17 @@ class Server:
     async def generate(self, request: Request, chat: bool) -> Response:
         """POST /v1/completions (chat=False) or /v1/chat/completions (chat=True)."""
         run = _Run("chat" if chat else "completions")
+        op = "chat" if chat else "text_completion"  # gen_ai.operation.name values
+        run.span = span = _tracer.start_span(
+            f"{op} {self.model_name}",
+            context=_parent(request),
+            kind=SpanKind.SERVER,
+            attributes={
+                "gen_ai.operation.name": op,
+                "gen_ai.provider.name": "splitserve",
+                "http.route": request.url.path,
+            },
+        )
         try:
             req = parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
             if req.model not in self.model_aliases:
@@ -74,15 +91,31 @@ class Server:
                 )  # fmt: skip
             prompt_ids = self._tokenize(req)
             max_tokens = self._max_tokens(req, len(prompt_ids))
-        except APIError:
+        except APIError as e:
             self.metrics.requests.labels(run.endpoint, "rejected").inc()
+            span.set_status(Status(StatusCode.ERROR, e.message))
+            span.end()
             raise
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request.state.request_id = request_id  # for the x-request-id middleware
+        if span.is_recording():
+            span.set_attributes({
+                "gen_ai.request.model": req.model,
+                "gen_ai.request.max_tokens": max_tokens,
+                "gen_ai.usage.input_tokens": len(prompt_ids),
+                "gen_ai.response.id": request_id,
+                "gen_ai.response.model": self.model_name,
+                "splitserve.request_id": request_id,
+                "splitserve.stream": bool(req.stream),
+            })  # fmt: skip
         gen = self.orch.generation(request_id, prompt_ids, req.sampling(max_tokens), self.model_name)
         headers = {"x-request-id": request_id}
+        self.metrics.inflight.inc()
+        run.counted_inflight = True
         try:
-            await _until_disconnected(request, gen.start())
+            # the task start() runs in copies this context: its spans are children of the root
+            with activate(span):
+                await _until_disconnected(request, gen.start())
         except BaseException as e:
             await self._finish(gen, run, e)
             if gen.route is not None:
@@ -221,15 +254,42 @@ class Server:
         status = run.outcome if not isinstance(error, APIError) or error.status >= 500 else "rejected"
         self.metrics.requests.labels(run.endpoint, status).inc()
         self.metrics.output_tokens.inc(run.output_tokens)
+        if run.counted_inflight:
+            run.counted_inflight = False
+            self.metrics.inflight.dec()
+        try:
+            self._judge(gen, run)
+        finally:
+            self._end_span(gen, run, error)
+
+    def _judge(self, gen: Generation, run: _Run) -> None:
         if run.outcome != "finished" or run.t_first is None or run.t_last is None:
             return
         path = _path(gen)
         self.metrics.e2e.labels(path).observe(run.t_last - run.t0)
+        met = self.config.slo_ttft_ms is None or (run.t_first - run.t0) * 1000 <= self.config.slo_ttft_ms
         if run.output_tokens > 1:
             tpot = (run.t_last - run.t_first) / (run.output_tokens - 1)
             self.metrics.tpot.labels(path).observe(tpot)
             if self.config.slo_tpot_ms is not None and tpot * 1000 > self.config.slo_tpot_ms:
                 self.metrics.slo_misses.labels("tpot").inc()
+                met = False
+        self.metrics.judge(met)
+
+    def _end_span(self, gen: Generation, run: _Run, error: BaseException | None) -> None:
+        span = run.span
+        if span.is_recording():
+            span.set_attributes({
+                "gen_ai.usage.output_tokens": run.output_tokens,
+                "gen_ai.response.finish_reasons": [run.finish_reason or run.outcome],
+                "splitserve.outcome": run.outcome,
+                "splitserve.route": gen.route.record if gen.route else "none",
+            })  # fmt: skip
+            if run.t_first is not None:
+                span.set_attribute("splitserve.ttft_s", run.t_first - run.t0)
+            if run.outcome == "failed":
+                span.set_status(Status(StatusCode.ERROR, run.error or ""))
+        span.end()
 
     def _observe_ttft(self, gen: Generation, run: _Run) -> None:
         assert run.t_first is not None
@@ -248,6 +308,14 @@ def _answer_failure(e: BaseException, headers: dict[str, str]) -> Response:
     if isinstance(e, ClientGone):
         return JSONResponse(APIError(499, "client disconnected").body(), 499, headers)
     raise e
+
+
+def _parent(request: Request) -> Any:
+    """The current context when FastAPI's own server span is in it (it read the caller's traceparent
+    header); else the header's context, if the caller sent one."""
+    if trace.get_current_span().get_span_context().is_valid:
+        return None
+    return context_from_headers(request.headers)
 
 
 def _path(gen: Generation) -> str:

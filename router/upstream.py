@@ -28,6 +28,7 @@ from common.protocol import (
     decode,
     encode,
 )
+from common.telemetry import inject_headers
 from router.errors import APIError
 from router.workers import Worker
 
@@ -74,7 +75,8 @@ class DecodeStream:
         """
         busy, errors = False, []
         for w in decodes:
-            req = client.build_request("POST", f"{w.url}/internal/generate", content=body, headers=MSGPACK)
+            headers = inject_headers(dict(MSGPACK))  # W3C trace context on every HTTP hop
+            req = client.build_request("POST", f"{w.url}/internal/generate", content=body, headers=headers)
             try:
                 resp = await until_deadline(client.send(req, stream=True), deadline)
             except httpx.TransportError as e:
@@ -127,7 +129,10 @@ async def call_prefill(client: httpx.AsyncClient, w: Worker, req: PrefillRequest
     """POST /internal/prefill; P writes the prompt's KV into D's blocks. Returns the first token."""
     try:
         resp = await until_deadline(
-            client.post(f"{w.url}/internal/prefill", content=encode(req), headers=MSGPACK), req.deadline
+            client.post(
+                f"{w.url}/internal/prefill", content=encode(req), headers=inject_headers(dict(MSGPACK))
+            ),
+            req.deadline,
         )
     except httpx.TransportError as e:
         raise PrefillFailed(f"{w.id}: {e!r}") from e

@@ -42,15 +42,19 @@ class Cluster:
     log_dir: str
     procs: list[Proc] = field(default_factory=list)
 
-    def start(self, role: str, *flags: str, timeout_s: float = 120.0) -> Proc:
+    def start(
+        self, role: str, *flags: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+    ) -> Proc:
+        """Start a service process and wait until it is healthy; `env` adds to its environment."""
         port = free_port()
         cmd = [sys.executable, "-m", "common.cli", role, "--port", str(port), *flags]
         if self.redis_url:
             cmd += ["--redis-url", self.redis_url]
         log_path = f"{self.log_dir}/{role}-{port}.log"
         log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
-        env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}  # NIXL: loopback
-        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # NIXL: loopback
+        full_env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})}
+        popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
         proc = Proc(role, f"http://127.0.0.1:{port}", popen, log_path)
         self.procs.append(proc)
         deadline = time.monotonic() + timeout_s
