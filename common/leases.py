@@ -28,6 +28,7 @@ class LeaseKeeper:
         self.state, self.side, self.owner, self.ttl_s = state, side, owner, ttl_s
         self.on_peer_lost = on_peer_lost  # called with the request id (event-loop thread)
         self.held: dict[str, list[int]] = {}
+        self._token: dict[str, int] = {}  # request id -> which holder (e.g. fence) took the lease
         self._watch_since: dict[str, float] = {}  # request id -> when the peer was last seen alive
         self._task: asyncio.Task[None] | None = None
         self.expired = 0  # peer leases found expired (a metric)
@@ -43,14 +44,20 @@ class LeaseKeeper:
         for rid in list(self.held):
             await self.release(rid)
 
-    async def acquire(self, request_id: str, blocks: list[int]) -> None:
-        """Lease our blocks for this request and start watching the peer's side of it."""
+    async def acquire(self, request_id: str, blocks: list[int], token: int = 0) -> None:
+        """Lease our blocks for this request and start watching the peer's side of it. `token` names
+        the holder (a reservation's fence): a retry may reuse the request id while the previous
+        holder is still being cleaned up, and only the holder's own release may drop the lease."""
         await self.state.acquire_lease(request_id, self.side, self.owner, self.ttl_s, blocks)
         self.held[request_id] = blocks
+        self._token[request_id] = token
         self._watch_since[request_id] = time.monotonic()
 
-    async def release(self, request_id: str) -> None:
+    async def release(self, request_id: str, token: int | None = None) -> None:
+        if token is not None and self._token.get(request_id) != token:
+            return  # a newer holder of this request id owns the lease now
         self._watch_since.pop(request_id, None)
+        self._token.pop(request_id, None)
         if self.held.pop(request_id, None) is not None:
             with contextlib.suppress(Exception):
                 await self.state.release_lease(request_id, self.side, self.owner)

@@ -286,7 +286,7 @@ class DecodeService(Service):
         fence = next(self._fence_counter)
         self.fences[rid] = fence
         if self.leases is not None:
-            await self.leases.acquire(rid, ev.block_ids)
+            await self.leases.acquire(rid, ev.block_ids, token=fence)
         return Reserved(
             rid, ev.block_ids, fence, ev.num_cached_tokens, self.kv_endpoint, self.cfg.worker_name
         )
@@ -299,8 +299,8 @@ class DecodeService(Service):
         self.aengine.unlisten(rid, events)
         if fence and self.fences.get(rid) == fence:
             del self.fences[rid]
-            if self.leases is not None:
-                await self.leases.release(rid)
+        if fence and self.leases is not None:
+            await self.leases.release(rid, token=fence)  # also after peer_lost made the fence stale
         if fence:
             # a layer accepted just before may still be landing in the blocks: let it finish first
             with contextlib.suppress(Exception):
@@ -311,13 +311,13 @@ class DecodeService(Service):
 
     def peer_lost(self, request_id: str) -> None:
         """The prefill side of a reservation stopped renewing its lease (died or hung): make the fence
-        stale and end the stream; its clean-up frees the blocks."""
+        stale and end the stream; its clean-up frees the blocks. The router, reading the ErrorFrame,
+        applies its transfer-failure policy and records the outcome (it owns the terminal states)."""
         if request_id not in self.fences or self.aengine is None:
             return
         del self.fences[request_id]
         reason = "prefill service lease expired before the KV arrived"
         self.aengine.emit(request_id, ErrorFrame(request_id, reason, 502))
-        asyncio.get_running_loop().create_task(self.record(request_id, RequestState.FAILED, error=reason))
 
     async def abort(self, request_id: str) -> None:
         """Abort and forget the id at once (a retry may reuse it before this stream notices)."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from common.protocol import GenerateRequest, PrefillRequest, Reserved, TokenFrame, encode
+from common.protocol import ErrorFrame, GenerateRequest, PrefillRequest, Reserved, TokenFrame, encode
 from common.state import IllegalTransition, RequestState, StateStore
 from common.telemetry import span_scope, traceparent, tracer
 from router.config import RouterConfig
@@ -275,11 +275,34 @@ class Generation:
                     self.id, self.prompt_ids, self.sampling, r.kv_endpoint, r.block_ids, r.fence,
                     r.num_cached_tokens, self.deadline, traceparent(),
                 )  # fmt: skip
-                first = await call_prefill(self.o.client, w, req)
+                first = await self._prefill_or_decode_error(call_prefill(self.o.client, w, req))
         finally:
             self.o.pool.release(w)
         self._prefill = None
         return first
+
+    async def _prefill_or_decode_error(self, call: Coroutine[Any, Any, int]) -> int:
+        """Await the prefill call, but give up on it if the decode stream ends the reservation first
+        (its lease watch saw the prefill service die or hang): that is a prefill failure too, and
+        goes through the transfer-failure policy instead of waiting for the deadline."""
+        assert self._stream is not None
+        prefill = asyncio.ensure_future(call)
+        while True:
+            frame = asyncio.ensure_future(self._stream.next_frame())
+            done, _ = await asyncio.wait({prefill, frame}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done:
+                frame.cancel()
+                return prefill.result()
+            try:
+                got = frame.result()
+            except BaseException:
+                prefill.cancel()
+                raise
+            if isinstance(got, ErrorFrame):
+                prefill.cancel()
+                raise PrefillFailed(f"the decode service ended the reservation: {got.error}")
+            self._stream.push_back(got)  # D already has the KV and streams tokens: P will answer
+            return await prefill
 
     async def _abort(self, w: Worker) -> None:
         if w is self._prefill:

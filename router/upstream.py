@@ -64,6 +64,31 @@ class DecodeStream:
         self.worker, self.deadline = worker, deadline
         self._resp, self._raw = resp, resp.aiter_raw()
         self._reader, self._frames = FrameReader(), deque[Any]()
+        # One task reads the response and queues its frames, so that waiting for a frame can be
+        # cancelled safely (racing the prefill call, see Generation._run_prefill): cancelling a read
+        # of the HTTP stream itself would close it.
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pump = asyncio.create_task(self._read_frames())
+
+    async def _read_frames(self) -> None:
+        try:
+            while True:
+                chunk = await anext(self._raw, b"")
+                if not chunk:
+                    await self._queue.put(
+                        APIError(502, "decode service closed the stream before the request finished")
+                    )
+                    return
+                for frame in self._reader.feed(chunk):
+                    await self._queue.put(frame)
+        except httpx.HTTPError as e:
+            await self._queue.put(APIError(502, f"decode stream broke: {e!r}"))
+        except ProtocolError as e:
+            await self._queue.put(APIError(502, f"decode stream: {e}"))
+
+    def push_back(self, frame: Any) -> None:
+        """Return a frame taken early (while racing the prefill call) to the front of the stream."""
+        self._frames.appendleft(frame)
 
     @classmethod
     async def open(
@@ -107,21 +132,17 @@ class DecodeStream:
         raise Unreachable("; ".join(errors))
 
     async def next_frame(self) -> Any:
-        while not self._frames:
-            try:
-                chunk = await until_deadline(anext(self._raw, b""), self.deadline)
-            except httpx.HTTPError as e:
-                raise APIError(502, f"decode stream broke: {e!r}") from e
-            if not chunk:
-                raise APIError(502, "decode service closed the stream before the request finished")
-            try:
-                self._frames.extend(self._reader.feed(chunk))
-            except ProtocolError as e:
-                raise APIError(502, f"decode stream: {e}") from e
-        return self._frames.popleft()
+        if self._frames:
+            return self._frames.popleft()
+        item = await until_deadline(self._queue.get(), self.deadline)
+        if isinstance(item, APIError):
+            self._queue.put_nowait(item)  # the stream is over: every later read says so too
+            raise item
+        return item
 
     async def aclose(self) -> None:
         """Closing the stream early is how the decode service learns to abort and free the blocks."""
+        self._pump.cancel()
         await self._resp.aclose()
 
 
