@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -20,9 +21,9 @@ from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
 from common.leases import LeaseKeeper
-from common.protocol import Message, ProtocolError, decode, encode
+from common.protocol import AbortRequest, Message, ProtocolError, decode, encode
 from common.state import Heartbeat, IllegalTransition, RequestState, StateStore, UnknownRequest
-from common.telemetry import setup_tracing
+from common.telemetry import fastapi_telemetry, setup_tracing
 
 log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
@@ -239,6 +240,33 @@ class Service:
             log.debug("record %s -> %s skipped: %s", request_id, new_state, e)
         except Exception:
             log.exception("could not record %s -> %s", request_id, new_state)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request and free what it holds (POST /internal/abort)."""
+        raise NotImplementedError
+
+    def make_app(self) -> FastAPI:
+        """The FastAPI app both services start from: lifespan (start/stop), error handlers, request
+        ids, /health, /metrics and /internal/abort; each service adds its own routes."""
+
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            await self.start()
+            yield
+            await self.stop()
+
+        app = FastAPI(title=f"splitserve {self.cfg.role}", lifespan=lifespan, **fastapi_telemetry())
+        app.state.service = self
+        install_error_handlers(app)
+        self.add_common_routes(app)
+
+        @app.post("/internal/abort")
+        async def abort(request: Request) -> dict[str, Any]:
+            msg = await read_message(request, AbortRequest)
+            await self.abort(msg.request_id)
+            return {"aborted": msg.request_id}
+
+        return app
 
     def add_common_routes(self, app: FastAPI) -> None:
         app.add_middleware(RequestIdMiddleware)

@@ -16,7 +16,6 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,16 +29,15 @@ from common.config import EngineConfig, ServiceConfig
 from common.engine.async_engine import Admitted, AsyncEngine
 from common.engine.llm_engine import LLMEngine, RequestOutput
 from common.engine.sequence import Sequence
-from common.protocol import AbortRequest, ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
+from common.protocol import ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
 from common.service import (
     Service,
     error_response,
-    install_error_handlers,
     read_message,
     sampling_from_wire,
 )
 from common.state import RequestState
-from common.telemetry import context_from, fastapi_telemetry, span_ctx, span_scope, tracer
+from common.telemetry import context_from, span_ctx, span_scope, tracer
 from kv_transfer import make_receiver, resolve_backend
 from kv_transfer.compat import compat_for
 
@@ -336,27 +334,11 @@ class DecodeService(Service):
 
 def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig, engine: LLMEngine | None = None) -> FastAPI:
     svc = DecodeService(cfg, engine or Service.build_engine(engine_cfg))
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await svc.start()
-        yield
-        await svc.stop()
-
-    app = FastAPI(title="splitserve decode", lifespan=lifespan, **fastapi_telemetry())
-    app.state.service = svc
-    install_error_handlers(app)
-    svc.add_common_routes(app)
+    app = svc.make_app()
 
     @app.post("/internal/generate")
     async def generate(request: Request) -> Response:
         return await svc.generate(await read_message(request, GenerateRequest))
-
-    @app.post("/internal/abort")
-    async def abort(request: Request) -> dict[str, Any]:
-        msg = await read_message(request, AbortRequest)
-        await svc.abort(msg.request_id)
-        return {"aborted": msg.request_id}
 
     @app.get("/internal/kv")
     async def kv_info() -> dict[str, Any]:

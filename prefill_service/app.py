@@ -12,9 +12,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,17 +26,16 @@ from common.config import EngineConfig, ServiceConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine, RequestOutput
 from common.engine.sequence import Sequence
-from common.protocol import AbortRequest, ErrorFrame, KVDone, PrefillRequest, PrefillResult
+from common.protocol import ErrorFrame, KVDone, PrefillRequest, PrefillResult
 from common.service import (
     Service,
     error_response,
-    install_error_handlers,
     msgpack_response,
     read_message,
     sampling_from_wire,
 )
 from common.state import RequestState
-from common.telemetry import context_from, fastapi_telemetry, span_ctx, traceparent, tracer
+from common.telemetry import context_from, span_ctx, traceparent, tracer
 from kv_transfer import KVSender, TransferError, make_sender
 from kv_transfer.compat import compat_for
 
@@ -331,27 +329,11 @@ class PrefillService(Service):
 
 def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig, engine: LLMEngine | None = None) -> FastAPI:
     svc = PrefillService(cfg, engine or Service.build_engine(engine_cfg))
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await svc.start()
-        yield
-        await svc.stop()
-
-    app = FastAPI(title="splitserve prefill", lifespan=lifespan, **fastapi_telemetry())
-    app.state.service = svc
-    install_error_handlers(app)
-    svc.add_common_routes(app)
+    app = svc.make_app()
 
     @app.post("/internal/prefill")
     async def prefill(request: Request) -> Response:
         return await svc.prefill(await read_message(request, PrefillRequest))
-
-    @app.post("/internal/abort")
-    async def abort(request: Request) -> dict[str, Any]:
-        msg = await read_message(request, AbortRequest)
-        await svc.abort(msg.request_id)
-        return {"aborted": msg.request_id}
 
     return app
 
