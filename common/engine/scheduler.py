@@ -185,10 +185,9 @@ class Scheduler:
             if self.bm.blocks_needed(seq.num_tokens) > self.bm.num_free_blocks:
                 break
             self.swapped.popleft()
-            n_saved = len(seq.block_table)
-            seq.block_table = []
             self.bm.allocate(seq, use_prefix_cache=False)
-            self.swap_blocks_used -= n_saved
+            self.swap_blocks_used -= seq.num_swapped_blocks
+            seq.num_swapped_blocks = 0
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.swap_in.append(seq)
@@ -282,10 +281,9 @@ class Scheduler:
         out.preempted.append(seq)
         if kind == "swap":
             out.swap_out.append((seq, list(seq.block_table)))
-            self.swap_blocks_used += len(seq.block_table)
-            blocks = list(seq.block_table)
-            self.bm.free(seq)
-            seq.block_table = blocks  # remembered only for the count; reallocated on swap-in
+            seq.num_swapped_blocks = len(seq.block_table)
+            self.swap_blocks_used += seq.num_swapped_blocks
+            self.bm.free(seq)  # its block table is empty while it is out: fresh blocks on swap-in
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
         else:
@@ -344,8 +342,8 @@ class Scheduler:
             self.bm.free(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-            self.swap_blocks_used -= len(seq.block_table)
-            seq.block_table = []
+            self.swap_blocks_used -= seq.num_swapped_blocks
+            seq.num_swapped_blocks = 0
         elif seq.status is SequenceStatus.WAITING:
             (self.reserving if seq in self.reserving else self.waiting).remove(seq)
         seq.status = SequenceStatus.FINISHED

@@ -41,6 +41,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
         self.num_hashed_blocks = 0
+        self.num_swapped_blocks = 0  # blocks of KV held in host memory while SWAPPED
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.padding = False  # static batching: finished but still occupying its slot
