@@ -10,7 +10,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class EngineConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPLITSERVE_", frozen=True, extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="SPLITSERVE_", frozen=True, extra="forbid", env_ignore_empty=True
+    )
 
     model: str | None = Field(None, description="GGUF file or safetensors folder; default SmolLM2-135M")
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -31,12 +33,19 @@ class EngineConfig(BaseSettings):
 class ServiceConfig(BaseSettings):
     """A prefill or decode service process: where it listens and whom it tells."""
 
-    model_config = SettingsConfigDict(env_prefix="SPLITSERVE_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SPLITSERVE_", frozen=True, extra="ignore", env_ignore_empty=True
+    )
 
     role: Literal["prefill", "decode"]
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8100, ge=0, le=65535)
-    worker_id: str | None = Field(None, description="default: <role>-<host>-<port>")
+    advertise_host: str | None = Field(
+        None,
+        description="the address other processes reach this one at, registered in Redis (service URL, "
+        "KV endpoint); default: host. Set it when host is 0.0.0.0 (containers: service name or pod IP)",
+    )
+    worker_id: str | None = Field(None, description="default: <role>-<advertised host>-<port>")
     redis_url: str | None = Field(None, description="worker registry and request records; none: standalone")
     kv_backend: Literal["auto", "nixl", "tcp", "torch_dist"] = Field(
         "auto",
@@ -50,9 +59,15 @@ class ServiceConfig(BaseSettings):
     )
 
     @property
+    def public_host(self) -> str:
+        """The host other processes reach this one at."""
+        return self.advertise_host or self.host
+
+    @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        h = self.public_host
+        return f"http://[{h}]:{self.port}" if ":" in h else f"http://{h}:{self.port}"
 
     @property
     def worker_name(self) -> str:
-        return self.worker_id or f"{self.role}-{self.host}-{self.port}"
+        return self.worker_id or f"{self.role}-{self.public_host}-{self.port}"

@@ -27,6 +27,11 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field
 def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=default_port)
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address registered for other services to reach this one (default: --host)",
+    )
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="Redis for the registry and request records")
     p.add_argument("--kv-port", type=int, default=None, help="decode: KV receiver port (default: any free)")
@@ -63,7 +68,18 @@ def run_service(args: argparse.Namespace) -> int:
     svc_fields = {
         k: v
         for k, v in _given(args).items()
-        if k in {"host", "port", "worker_id", "redis_url", "kv_port", "max_queue", "kv_backend", "lease_s"}
+        if k
+        in {
+            "host",
+            "advertise_host",
+            "port",
+            "worker_id",
+            "redis_url",
+            "kv_port",
+            "max_queue",
+            "kv_backend",
+            "lease_s",
+        }
     }
     cfg = ServiceConfig(role=args.command, **svc_fields)
     engine_cfg = EngineConfig(**_given(args, "engine_"))

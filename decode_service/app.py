@@ -76,6 +76,7 @@ class DecodeService(Service):
             self._on_done,
             host=cfg.host,
             port=cfg.kv_port,
+            advertise_host=cfg.advertise_host,
         )
         self.kv_endpoint = ""
 

@@ -11,7 +11,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 class RouterConfig(BaseSettings):
     """One router process. Worker lists, when given, replace the Redis registry (tests, fixed setups)."""
 
-    model_config = SettingsConfigDict(env_prefix="SPLITSERVE_ROUTER_", frozen=True, extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="SPLITSERVE_ROUTER_", frozen=True, extra="forbid", env_ignore_empty=True
+    )
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
