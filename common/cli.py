@@ -19,7 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        engine = LLMEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype))
+        engine = LLMEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=_generate)
 

@@ -15,10 +15,22 @@ class EngineConfig(BaseSettings):
     )
 
     model: str | None = Field(None, description="GGUF file or safetensors folder; default SmolLM2-135M")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when a GPU is visible")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 on a GPU, float32 on the CPU"
+    )
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto: the Triton kernels on a GPU, the torch reference on the CPU"
+    )
     block_size: int = Field(16, ge=1)
-    kv_cache_memory_mb: int = Field(512, ge=1, description="memory for the paged KV cache")
+    kv_cache_memory_mb: int | None = Field(
+        None, ge=1, description="paged KV cache size; default 512 on the CPU, from free memory on a GPU"
+    )
     num_kv_blocks: int | None = Field(None, ge=1, description="overrides kv_cache_memory_mb")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="GPU: share of the card's memory for weights, activations and KV"
+    )
+    cuda_graphs: bool = Field(True, description="GPU: replay decode-only steps from captured CUDA graphs")
     swap_space_mb: int = Field(256, ge=0, description="host memory for swapped-out sequences")
     max_num_seqs: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1, description="per-step token budget")

@@ -11,9 +11,13 @@ import time
 import urllib.request
 from typing import Any
 
+INT_FIELDS = {"block_size", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "num_threads"}
 ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--model": "model",
+    "--device": "device",
     "--dtype": "dtype",
+    "--attention-backend": "attention_backend",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
     "--block-size": "block_size",
     "--kv-cache-mb": "kv_cache_memory_mb",
     "--max-num-seqs": "max_num_seqs",
@@ -44,12 +48,11 @@ def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         help="decode: how prefill services write KV here (default auto: nixl where it imports)",
     )
     for flag, field in ENGINE_FLAGS.items():
-        kind = (
-            int
-            if field
-            in {"block_size", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "num_threads"}
-            else str
-        )
+        kind: type = str
+        if field in INT_FIELDS:
+            kind = int
+        elif field == "gpu_memory_utilization":
+            kind = float
         p.add_argument(flag, dest=f"engine_{field}", type=kind, default=None)
 
 

@@ -273,7 +273,13 @@ class Service:
 
         @app.get("/health")
         async def health() -> dict[str, Any]:
-            return {"status": "ok", "role": self.cfg.role, "worker_id": self.cfg.worker_name, **self.load()}
+            return {
+                "status": "ok",
+                "role": self.cfg.role,
+                "worker_id": self.cfg.worker_name,
+                "engine": self.engine.placement.describe(),
+                **self.load(),
+            }
 
         @app.get("/metrics")
         async def metrics() -> Response:

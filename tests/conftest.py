@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run under Triton's interpreter (numpy on the CPU), so every kernel is
+# checked against the torch reference in `make test`. Must be set before triton.jit sees a kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common.model.llama import LlamaForCausalLM
 from common.model.tokenizer import Tokenizer

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -10,6 +12,7 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.device import CPU_KV_CACHE_MB, Placement, graph_batch_sizes, kv_blocks_for_gpu
 from common.engine.model_runner import ModelRunner
 from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -20,7 +23,7 @@ from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.model.tokenizer import Tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger("splitserve.engine")
 
 
 @dataclass
@@ -44,20 +47,31 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        placement: Placement | None = None,
+    ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        placement = placement or Placement.from_config(config)
+        if model.dtype != placement.dtype:
+            if config.dtype != "auto":
+                raise ValueError(f"the model is {model.dtype} but the config asks for dtype={config.dtype}")
+            placement = dataclasses.replace(placement, dtype=model.dtype)  # a model built by the caller
+        self.placement = placement
+        device = placement.device
+        self.model, self.tokenizer, self.config = model.to(device), tokenizer, config
         mc = model.config
-        dtype = DTYPES[config.dtype]
-        probe = KVCacheSpec(mc.num_layers, 1, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory_mb * 2**20 // probe.bytes_per_block
-        )
-        spec = KVCacheSpec(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        self.kv_cache = PagedKVCache(spec)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        dtype = self.placement.dtype
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        probe = KVCacheSpec(mc.num_layers, 1, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        num_blocks = config.num_kv_blocks or self._kv_blocks(probe.bytes_per_block)
+        spec = KVCacheSpec(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        self.kv_cache = PagedKVCache(spec, device=device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -67,7 +81,17 @@ class LLMEngine:
             aging_s=config.aging_s,
         )
         self.scheduler = Scheduler(sched_cfg, self.block_manager, tuple(mc.eos_token_ids))
-        self.runner = ModelRunner(model, self.kv_cache)
+        self.runner = ModelRunner(model, self.kv_cache, self.placement.attention_backend)
+        if self.placement.cuda_graphs:
+            t0 = time.monotonic()
+            sizes = graph_batch_sizes(config.max_num_seqs)
+            self.runner.enable_graphs(sizes, self.max_model_len)
+            log.info("captured CUDA graphs for decode batches %s in %.1f s", sizes, time.monotonic() - t0)
+        log.info(
+            "engine on %s: %d KV blocks of %d tokens (%.0f MiB)",
+            ", ".join(f"{k}={v}" for k, v in self.placement.describe().items()),
+            num_blocks, config.block_size, num_blocks * spec.bytes_per_block / 2**20,
+        )  # fmt: skip
         self._swapped_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -75,8 +99,48 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        model, tokenizer = load_model(config.model, dtype=DTYPES[config.dtype])
-        return cls(model, tokenizer, config)
+        placement = Placement.from_config(config)
+        model, tokenizer = load_model(config.model, dtype=placement.dtype)
+        return cls(model, tokenizer, config, placement)
+
+    def _kv_blocks(self, bytes_per_block: int) -> int:
+        """KV blocks from kv_cache_memory_mb, or on a GPU (by default) from what is free after a
+        profiling step at the full token budget."""
+        cfg = self.config
+        if cfg.kv_cache_memory_mb is not None or self.placement.device.type != "cuda":
+            mb = cfg.kv_cache_memory_mb or CPU_KV_CACHE_MB
+            return max(1, mb * 2**20 // bytes_per_block)
+        peak = self._profile_activations()
+        free, total = torch.cuda.mem_get_info(self.placement.device)
+        return kv_blocks_for_gpu(total, free, peak, cfg.gpu_memory_utilization, bytes_per_block)
+
+    @torch.inference_mode()
+    def _profile_activations(self) -> int:
+        """Peak bytes one forward of max_num_batched_tokens needs beyond the weights, measured with a
+        throwaway KV cache just big enough for it (its own size is subtracted)."""
+        mc, cfg, dev = self.model.config, self.config, self.placement.device
+        n = min(cfg.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-n // cfg.block_size)
+        spec = KVCacheSpec(
+            mc.num_layers, blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.placement.dtype
+        )
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        scratch = PagedKVCache(spec, device=dev)
+        meta_tables = [list(range(blocks))]
+        runner = ModelRunner(self.model, scratch, self.placement.attention_backend)
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        pos = torch.arange(n, device=dev)
+        slots = torch.arange(n, dtype=torch.long, device=dev)
+        meta = runner.attention_metadata([0, n], [n], meta_tables, slots)
+        hidden = self.model(ids, pos, scratch, meta)
+        self.model.compute_logits(hidden[-min(n, cfg.max_num_seqs) :])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base - 2 * scratch.k.numel() * scratch.k.element_size()
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return max(0, int(peak))
 
     # --- requests ---------------------------------------------------------------------------------
     def add_request(

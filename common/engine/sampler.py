@@ -37,7 +37,9 @@ class Sampler:
 
     @staticmethod
     def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-        row = row.float() / p.temperature  # (vocab,)
+        # on the host: seeded generators are CPU generators, and the same seed must draw the same
+        # token whichever device (CPU or GPU service) samples it
+        row = row.float().cpu() / p.temperature  # (vocab,)
         if p.top_k and p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

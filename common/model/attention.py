@@ -2,17 +2,65 @@
 
 Every other op of the step runs on the flattened (total_tokens, hidden) matrix; only attention needs
 to know where one sequence ends and the next begins. It reads each sequence's own blocks, never a
-padded rectangle. This torch version is the CPU reference; GPU kernels must match it.
+padded rectangle. This torch version is the CPU reference; the Triton kernels
+(common/kernels/paged_attention.py) must match it, and run instead when the metadata carries
+`kernel` tensors (the model runner builds them for the Triton backend).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from common.kv.kv_cache import PagedKVCache
+
+
+@dataclass
+class KernelMetadata:
+    """The same step as device tensors, for the Triton kernels (see common/kernels/paged_attention.py).
+
+    Sequences are split into two launches: decode (one new token) and prefill (a chunk of several).
+    Host-side ints size the grids, so a step needs no device-to-host read.
+    """
+
+    query_start_loc: torch.Tensor  # (S + 1,) int32
+    context_lens: torch.Tensor  # (S,) int32
+    block_tables: torch.Tensor  # (S, max_blocks) int32, padded with block 0
+    decode_ids: torch.Tensor  # (D,) int32: sequences with one new token
+    prefill_ids: torch.Tensor  # (P,) int32: the others
+    max_prefill_tokens: int  # the most new tokens among prefill_ids
+
+    @classmethod
+    def build(
+        cls,
+        query_start_loc: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        device: torch.device,
+        max_blocks: int | None = None,
+    ) -> KernelMetadata:
+        n_new = [b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)]
+        width = max_blocks or max((len(t) for t in block_tables), default=1) or 1
+        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        decode = [i for i, n in enumerate(n_new) if n == 1]
+        prefill = [i for i, n in enumerate(n_new) if n != 1]
+
+        def dev(x: list[int] | torch.Tensor) -> torch.Tensor:
+            t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=torch.int32)
+            return t.to(device, non_blocking=True)
+
+        return cls(
+            dev(query_start_loc),
+            dev(context_lens),
+            dev(table),
+            dev(decode),
+            dev(prefill),
+            max((n_new[i] for i in prefill), default=0),
+        )
 
 
 @dataclass
@@ -29,6 +77,7 @@ class AttentionMetadata:
     context_lens: list[int]
     block_tables: list[torch.Tensor]
     slot_mapping: torch.Tensor
+    kernel: KernelMetadata | None = field(default=None)
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +93,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (T, n_heads, hd)
+    if meta.kernel is not None:
+        return _triton_paged_attention(q, k, v, layer, kv_cache, meta.kernel, meta.slot_mapping, scale)
     kv_cache.write(layer, meta.slot_mapping, k, v)
     n_heads, n_kv = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
@@ -65,4 +116,25 @@ def paged_attention(
             qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=n_heads != n_kv
         )
         out[start:end] = oi.transpose(0, 1)
+    return out
+
+
+def _triton_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    kv_cache: PagedKVCache,
+    km: KernelMetadata,
+    slot_mapping: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    from common.kernels.paged_attention import paged_attention_launch, store_kv
+
+    kc, vc = kv_cache.k[layer], kv_cache.v[layer]
+    store_kv(k, v, kc, vc, slot_mapping)
+    out = torch.empty_like(q)
+    common = (q, kc, vc, out, km.block_tables, km.query_start_loc, km.context_lens)
+    paged_attention_launch(*common, km.decode_ids, scale, 1, decode=True)
+    paged_attention_launch(*common, km.prefill_ids, scale, km.max_prefill_tokens, decode=False)
     return out

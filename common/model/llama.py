@@ -116,6 +116,10 @@ class LlamaForCausalLM(nn.Module):
         def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
             out = paged_attention(q, k, v, layer, kv_cache, meta, self.scale)
             if on_layer_done is not None:
+                if q.is_cuda:
+                    # the layer's K/V writes are queued on the stream; the callback hands their memory
+                    # to a transport (NIXL, NCCL) that must see them finished
+                    torch.cuda.current_stream(q.device).synchronize()
                 on_layer_done(layer)
             return out
 

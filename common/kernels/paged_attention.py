@@ -1,0 +1,256 @@
+"""Triton kernels for attention over the paged KV cache, and for writing new K/V into it.
+
+One attention kernel, compiled in two specializations:
+
+* **decode** (`BLOCK_Q = 1`): one program per (sequence, KV head) holds the one new query of every query
+  head that shares that KV head (grouped-query attention reads each KV block once for the whole group)
+  and walks the sequence's block table;
+* **varlen prefill** (`BLOCK_Q > 1`): one program per (sequence, KV head, tile of BLOCK_Q new tokens):
+  the rows of its tile are (token, head-of-group) pairs, so a chunk's queries attend to the paged prefix
+  and causally to themselves in one pass, whatever the chunk's length.
+
+Both read K/V only from the paged cache (new tokens are written there first by `store_kv`), in tiles
+of TILE_N token positions that may span several pages: each position's page is looked up in the block
+table, so any block size works. Softmax is online (running max and sum per row, fp32).
+
+Layouts (as in common/kv/kv_cache.py, one layer's slice):
+    q, out          (T, n_heads, head_dim)        rows of the flattened step
+    k_cache,v_cache (num_blocks, block_size, n_kv_heads, head_dim)
+    block_tables    (S, max_blocks) int32         padded with any valid id
+    query_start_loc (S + 1,) int32                new tokens of seq i are rows [qsl[i], qsl[i+1])
+    context_lens    (S,) int32                    tokens in KV after this step (cached + new)
+    seq_ids         (N,) int32                    which sequences this launch covers
+A sequence with context length 0 (CUDA-graph padding) produces zeros, and `store_kv` skips slot < 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+# tl.dot needs every dimension >= 16 on the GPU: tiles are padded (and masked) up to that.
+MIN_DOT = 16
+TILE_N = 64  # key positions per inner iteration
+PREFILL_ROWS = 64  # (token, head) rows per prefill program
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_ptr,
+    context_lens_ptr,
+    seq_ids_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_Q: tl.constexpr,  # new tokens per program
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV page
+    TILE: tl.constexpr,  # key positions per iteration
+    IEEE: tl.constexpr,  # fp32 dots in full precision (no TF32)
+    UPCAST: tl.constexpr,  # compute the dots in fp32 (the interpreter's bf16 dot is wrong)
+):
+    seq = tl.load(seq_ids_ptr + tl.program_id(0))
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+
+    q_start = tl.load(query_start_ptr + seq)
+    n_new = tl.load(query_start_ptr + seq + 1) - q_start
+    ctx = tl.load(context_lens_ptr + seq)
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD  # which new token of the sequence
+    g = rows % GROUP_PAD
+    head = kv_head * GROUP + g
+    row_ok = (q_idx < n_new) & (g < GROUP)
+    q_pos = ctx - n_new + q_idx  # absolute position: sees keys 0 .. q_pos
+
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_M, HEAD_PAD)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # keys this tile can see: up to the last valid query's position
+    last_q = tl.minimum(n_new, (q_tile + 1) * BLOCK_Q) - 1
+    kv_len = tl.maximum(ctx - n_new + last_q + 1, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    offs_n = tl.arange(0, TILE)
+    for start in range(0, kv_len, TILE):
+        k_pos = start + offs_n
+        k_ok = k_pos < kv_len
+        page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        page = page.to(tl.int64)
+        within = k_pos % BLOCK_SIZE
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(
+            k_cache_ptr
+            + page[:, None] * stride_kb
+            + within[:, None] * stride_ks
+            + kv_head * stride_kh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )  # (TILE, HEAD_PAD)
+        v = tl.load(
+            v_cache_ptr
+            + page[:, None] * stride_vb
+            + within[:, None] * stride_vs
+            + kv_head * stride_vh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:  # noqa: SIM108 (a constexpr branch: each specialization compiles one dot)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale  # (BLOCK_M, TILE) fp32
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:  # noqa: SIM108
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_vt,
+    stride_cb,
+    stride_cs,
+    ROW: tl.constexpr,  # n_kv_heads * head_dim, contiguous in both source and cache
+    ROW_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs = tl.arange(0, ROW_PAD)
+    ok = (offs < ROW) & ((offs * 0 + slot) >= 0)  # slot < 0: a padding row, nothing to write
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + offs
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + offs, mask=ok), mask=ok)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + offs, mask=ok), mask=ok)
+
+
+def store_kv(
+    k: torch.Tensor,  # (T, n_kv, hd)
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, n_kv, hd), one layer
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (T,) int; slot < 0: skip (padding)
+) -> None:
+    T, n_kv, hd = k.shape
+    if T == 0:
+        return
+    for name, t in (("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != hd:
+            raise ValueError(f"store_kv: {name} rows must be contiguous (T, n_kv, hd)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.stride() != v_cache.stride():
+        raise ValueError("store_kv: the K and V caches must be contiguous and of one layout")
+    row = n_kv * hd
+    _store_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
+        ROW=row, ROW_PAD=_pow2(row), BLOCK_SIZE=k_cache.shape[1],
+    )  # fmt: skip
+
+
+def paged_attention_launch(
+    q: torch.Tensor,  # (T, n_heads, hd)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, n_kv, hd)
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # (T, n_heads, hd), written for the covered sequences' rows
+    block_tables: torch.Tensor,  # (S, max_blocks) int32
+    query_start_loc: torch.Tensor,  # (S + 1,) int32
+    context_lens: torch.Tensor,  # (S,) int32
+    seq_ids: torch.Tensor,  # (N,) int32
+    scale: float,
+    max_new_tokens: int,  # the most new tokens any covered sequence has (sizes the grid)
+    decode: bool,  # every covered sequence has exactly one new token
+) -> None:
+    n_seqs = seq_ids.numel()
+    if n_seqs == 0:
+        return
+    n_heads, hd = q.shape[1], q.shape[2]
+    n_kv = k_cache.shape[2]
+    if n_heads % n_kv:
+        raise ValueError(f"{n_heads} query heads do not divide into {n_kv} KV heads")
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("paged attention: the head dimension must be contiguous")
+    group = n_heads // n_kv
+    # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (it works on their raw bits), so
+    # interpreted runs compute half-precision dots in fp32; compiled GPU runs use the bf16 tensor cores.
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if decode:
+        group_pad, block_q, q_tiles = _pow2(group, MIN_DOT), 1, 1
+    else:
+        group_pad = _pow2(group)
+        block_q = max(1, PREFILL_ROWS // group_pad)
+        q_tiles = triton.cdiv(max_new_tokens, block_q)
+    _paged_attention_kernel[(n_seqs, n_kv, q_tiles)](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens, seq_ids, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+        HEAD_DIM=hd, HEAD_PAD=_pow2(hd, MIN_DOT), BLOCK_SIZE=k_cache.shape[1], TILE=TILE_N,
+        IEEE=q.dtype == torch.float32 or interpreted,
+        UPCAST=interpreted and q.dtype != torch.float32,
+    )  # fmt: skip

@@ -1,0 +1,197 @@
+"""The Triton kernels against the torch reference (`paged_attention` without kernel metadata).
+
+On a machine without a GPU these run under TRITON_INTERPRET=1 (set in tests/conftest.py): the same
+kernel source, interpreted by Triton on the CPU. Shapes are small; what varies is what the kernels
+index by: GQA ratios, head sizes that are not powers of two, block sizes smaller and larger than a
+key tile and not powers of two, ragged context lengths and chunk lengths, shuffled block tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from common.kernels.paged_attention import paged_attention_launch, store_kv  # noqa: E402
+from common.kv.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from common.model.attention import AttentionMetadata, KernelMetadata, paged_attention  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclasses.dataclass
+class Step:
+    """A random step: sequences with (new tokens, context after the step), their blocks, and q/k/v."""
+
+    cache: PagedKVCache
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    qsl: list[int]
+    ctx: list[int]
+    tables: list[list[int]]
+    slots: torch.Tensor
+
+
+def make_step(
+    seqs: list[tuple[int, int]],  # (new tokens, context length after the step)
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> Step:
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // block_size) for _, c in seqs]
+    num_blocks = sum(need) + spare_blocks
+    spec = KVCacheSpec(2, num_blocks, block_size, n_kv, head_dim, dtype)
+    cache = PagedKVCache(spec, device=DEVICE)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(dtype))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(dtype))
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # blocks scattered over the cache
+    tables, slots, qsl = [], [], [0]
+    for (n, c), nb in zip(seqs, need, strict=True):
+        table, perm = perm[:nb], perm[nb:]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c - n, c)]
+        qsl.append(qsl[-1] + n)
+    T = qsl[-1]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
+
+    return Step(
+        cache,
+        rand(T, n_heads, head_dim),
+        rand(T, n_kv, head_dim),
+        rand(T, n_kv, head_dim),
+        qsl,
+        [c for _, c in seqs],
+        tables,
+        torch.tensor(slots, dtype=torch.long, device=DEVICE),
+    )
+
+
+def run_both(step: Step, layer: int = 1, scale: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """(torch reference output, kernel output); each on its own copy of the cache, compared after."""
+    ref_cache = PagedKVCache(step.cache.spec, device=DEVICE)
+    ref_cache.k.copy_(step.cache.k)
+    ref_cache.v.copy_(step.cache.v)
+    tables_t = [torch.tensor(t, dtype=torch.long, device=DEVICE) for t in step.tables]
+    ref_meta = AttentionMetadata(step.qsl, step.ctx, tables_t, step.slots)
+    ref = paged_attention(step.q, step.k, step.v, layer, ref_cache, ref_meta, scale)
+    km = KernelMetadata.build(step.qsl, step.ctx, step.tables, DEVICE)
+    meta = AttentionMetadata(step.qsl, step.ctx, [], step.slots, kernel=km)
+    out = paged_attention(step.q, step.k, step.v, layer, step.cache, meta, scale)
+    assert torch.equal(step.cache.k, ref_cache.k) and torch.equal(step.cache.v, ref_cache.v), (
+        "store_kv wrote the cache differently from the reference"
+    )
+    return ref, out
+
+
+def tol(dtype: torch.dtype) -> float:
+    return 2e-5 if dtype == torch.float32 else 2e-2
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv,head_dim",
+    [(4, 4, 16), (4, 2, 16), (6, 2, 16), (9, 3, 64), (8, 1, 32), (16, 2, 24)],
+    ids=["mha", "gqa2", "gqa3", "smollm2", "mqa8", "hd24"],
+)
+@pytest.mark.parametrize("block_size", [4, 16, 5, 128])
+def test_decode_matches_reference(n_heads: int, n_kv: int, head_dim: int, block_size: int) -> None:
+    seqs = [(1, c) for c in (1, 7, 16, 17, 70, 3)]  # ragged: shorter and longer than a tile / a block
+    step = make_step(seqs, n_heads, n_kv, head_dim, block_size, seed=block_size + n_heads)
+    ref, out = run_both(step)
+    assert (ref - out).abs().max().item() <= tol(torch.float32)
+
+
+@pytest.mark.parametrize(
+    "n_heads,n_kv,head_dim",
+    [(4, 4, 16), (6, 2, 16), (9, 3, 64), (8, 1, 32)],
+    ids=["mha", "gqa3", "smollm2", "mqa8"],
+)
+@pytest.mark.parametrize("block_size", [4, 16, 7])
+def test_varlen_prefill_with_paged_prefix_matches_reference(
+    n_heads: int, n_kv: int, head_dim: int, block_size: int
+) -> None:
+    # whole prompts (new == context), chunks after a cached prefix, and chunks longer than a query tile
+    seqs = [(5, 5), (3, 20), (40, 40), (17, 90), (2, 2)]
+    step = make_step(seqs, n_heads, n_kv, head_dim, block_size, seed=7 * block_size + n_kv)
+    ref, out = run_both(step)
+    assert (ref - out).abs().max().item() <= tol(torch.float32)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mixed_step_decode_and_chunks_together(seed: int) -> None:
+    """Selective batching: one step holds decode tokens and prefill chunks; two launches cover it."""
+    g = torch.Generator().manual_seed(100 + seed)
+    seqs = []
+    for _ in range(7):
+        ctx = int(torch.randint(1, 60, (1,), generator=g))
+        new = (
+            1
+            if torch.rand(1, generator=g).item() < 0.5
+            else int(torch.randint(1, ctx + 1, (1,), generator=g))
+        )
+        seqs.append((new, ctx))
+    step = make_step(seqs, 6, 2, 32, 8, seed=seed)
+    ref, out = run_both(step)
+    assert (ref - out).abs().max().item() <= tol(torch.float32)
+
+
+def test_bfloat16_matches_reference_within_bf16_precision() -> None:
+    step = make_step([(1, 33), (12, 40), (1, 5)], 9, 3, 64, 16, dtype=torch.bfloat16, seed=3)
+    ref, out = run_both(step)
+    assert out.dtype == torch.bfloat16
+    assert (ref.float() - out.float()).abs().max().item() <= tol(torch.bfloat16)
+
+
+def test_padding_rows_give_zeros_and_write_nothing() -> None:
+    """CUDA-graph padding: context length 0 and slot -1. Zeros out, and no block of the cache changes."""
+    step = make_step([(1, 9), (1, 1)], 4, 2, 16, 4, seed=5)
+    before_k, before_v = step.cache.k.clone(), step.cache.v.clone()
+    slots = step.slots.clone()
+    slots[1] = -1
+    kc, vc = step.cache.k[1], step.cache.v[1]
+    store_kv(step.k, step.v, kc, vc, slots)
+    changed = (step.cache.k != before_k).flatten(2).any(-1)  # (layers, blocks)
+    first = int(step.slots[0]) // 4
+    assert changed.nonzero().tolist() == [[1, first]], "only the one real token's block may change"
+    assert torch.equal(step.cache.v[0], before_v[0])
+    km = KernelMetadata.build([0, 1, 2], [9, 0], step.tables, DEVICE)
+    out = torch.full_like(step.q, 7.0)
+    common = (step.q, kc, vc, out, km.block_tables, km.query_start_loc, km.context_lens)
+    paged_attention_launch(*common, km.decode_ids, 0.25, 1, decode=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isfinite(out[0]).all() and not torch.equal(out[0], torch.full_like(out[0], 7.0))
+
+
+def test_launch_covers_only_the_sequences_it_is_given() -> None:
+    step = make_step([(1, 9), (4, 12)], 4, 2, 16, 4, seed=6)
+    km = KernelMetadata.build(step.qsl, step.ctx, step.tables, DEVICE)
+    out = torch.full_like(step.q, 7.0)
+    kc, vc = step.cache.k[1], step.cache.v[1]
+    common = (step.q, kc, vc, out, km.block_tables, km.query_start_loc, km.context_lens)
+    paged_attention_launch(*common, km.decode_ids, 0.25, 1, decode=True)
+    assert km.decode_ids.tolist() == [0] and km.prefill_ids.tolist() == [1] and km.max_prefill_tokens == 4
+    assert not torch.equal(out[0], torch.full_like(out[0], 7.0))
+    assert torch.equal(out[1:], torch.full_like(out[1:], 7.0)), "the prefill sequence's rows were touched"
+
+
+def test_bad_shapes_are_refused_with_a_reason() -> None:
+    step = make_step([(1, 4)], 4, 2, 16, 4)
+    km = KernelMetadata.build(step.qsl, step.ctx, step.tables, DEVICE)
+    kc = step.cache.k[1]
+    with pytest.raises(ValueError, match="do not divide"):
+        q = torch.zeros(1, 3, 16, device=DEVICE)
+        args = (q, kc, kc, q.clone(), km.block_tables, km.query_start_loc, km.context_lens, km.decode_ids)
+        paged_attention_launch(*args, 1.0, 1, decode=True)
+    with pytest.raises(ValueError, match="contiguous"):
+        k = torch.zeros(1, 16, 2, device=DEVICE).transpose(1, 2)  # head dim strided
+        store_kv(k, k, kc, kc, torch.zeros(1, dtype=torch.long, device=DEVICE))
