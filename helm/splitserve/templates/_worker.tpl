@@ -1,0 +1,153 @@
+{{/*
+A prefill or decode Deployment: (dict "root" $ "role" "prefill").
+Each pod binds 0.0.0.0 and registers its pod IP (SPLITSERVE_ADVERTISE_HOST) and pod name (worker id)
+in Redis, where the router and the other role find it.
+*/}}
+{{- define "splitserve.worker" -}}
+{{- $root := .root -}}
+{{- $role := .role -}}
+{{- $c := index $root.Values $role -}}
+{{- $ctx := dict "root" $root "component" $role -}}
+{{- $res := deepCopy ($c.resources | default dict) -}}
+{{- $limits := deepCopy (get $res "limits" | default dict) -}}
+{{- if gt (int $c.gpus) 0 }}{{- $_ := set $limits "nvidia.com/gpu" (int $c.gpus) -}}{{- end -}}
+{{- if $c.rdma.enabled }}{{- $_ := set $limits $c.rdma.resourceName (int $c.rdma.count) -}}{{- end -}}
+{{- if $limits }}{{- $_ := set $res "limits" $limits -}}{{- end -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "splitserve.fullname" $root }}-{{ $role }}
+  labels:
+    {{- include "splitserve.componentLabels" $ctx | nindent 4 }}
+spec:
+  replicas: {{ $c.replicas }}
+  strategy:
+    {{- toYaml $c.updateStrategy | nindent 4 }}
+  selector:
+    matchLabels:
+      {{- include "splitserve.componentSelector" $ctx | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "splitserve.componentLabels" $ctx | nindent 8 }}
+      annotations:
+        checksum/config: {{ include (print $root.Template.BasePath "/configmap.yaml") $root | sha256sum }}
+        {{- with $c.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      serviceAccountName: {{ include "splitserve.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      {{- with $root.Values.image.pullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- if $c.hostIPC }}
+      hostIPC: true
+      {{- end }}
+      {{- if $c.hostNetwork }}
+      hostNetwork: true
+      dnsPolicy: ClusterFirstWithHostNet
+      {{- end }}
+      terminationGracePeriodSeconds: {{ $c.terminationGracePeriodSeconds }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "splitserve.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          args: [{{ $role | quote }}]
+          securityContext:
+            {{- $sc := deepCopy $root.Values.securityContext }}
+            {{- if $c.rdma.enabled }}
+            {{- $caps := deepCopy ($sc.capabilities | default dict) }}
+            {{- $_ := set $caps "add" (list "IPC_LOCK") }}
+            {{- $_ := set $sc "capabilities" $caps }}
+            {{- end }}
+            {{- toYaml $sc | nindent 12 }}
+          ports:
+            - name: http
+              containerPort: {{ $c.port }}
+              protocol: TCP
+            {{- if eq $role "decode" }}
+            - name: kv
+              containerPort: {{ $c.kvPort }}
+              protocol: TCP
+            {{- end }}
+          envFrom:
+            - configMapRef:
+                name: {{ include "splitserve.fullname" $root }}-workers
+          env:
+            - name: SPLITSERVE_HOST
+              value: "0.0.0.0"
+            - name: SPLITSERVE_PORT
+              value: {{ $c.port | quote }}
+            {{- if eq $role "decode" }}
+            - name: SPLITSERVE_KV_PORT
+              value: {{ $c.kvPort | quote }}
+            {{- end }}
+            - name: SPLITSERVE_ADVERTISE_HOST
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            - name: SPLITSERVE_WORKER_ID
+              valueFrom:
+                fieldRef:
+                  fieldPath: metadata.name
+            - name: OTEL_SERVICE_NAME
+              value: splitserve-{{ $role }}
+            {{- with include "splitserve.redisEnv" (dict "root" $root "name" "SPLITSERVE_REDIS_URL") | trim }}{{ . | nindent 12 }}{{ end }}
+            {{- with include "splitserve.settingsEnv" (dict "prefix" "SPLITSERVE_" "map" $c.engine) | trim }}{{ . | nindent 12 }}{{ end }}
+            {{- with $c.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          startupProbe:
+            httpGet: {path: /health, port: http}
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: {{ max 1 (div (int $c.startupTimeoutSeconds) 10) }}
+          readinessProbe:
+            httpGet: {path: /health, port: http}
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: 3
+          livenessProbe:
+            httpGet: {path: /health, port: http}
+            periodSeconds: 20
+            timeoutSeconds: 10
+            failureThreshold: 6
+          {{- with $res }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          volumeMounts:
+            {{- if not $c.hostIPC }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
+            - name: tmp
+              mountPath: /tmp
+            {{- with include "splitserve.modelVolumeMount" $root | trim }}{{ . | nindent 12 }}{{ end }}
+      volumes:
+        {{- if not $c.hostIPC }}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $c.shmSize }}
+        {{- end }}
+        - name: tmp
+          emptyDir: {}
+        {{- with include "splitserve.modelVolume" $root | trim }}{{ . | nindent 8 }}{{ end }}
+      {{- with $c.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $c.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $c.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end -}}
