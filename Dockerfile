@@ -2,7 +2,8 @@
 # One image for every role: `splitserve router|prefill|decode|up` (the entrypoint is `splitserve`).
 #
 #   GPU (default): docker build -t splitserve:cuda .
-#                  CUDA runtime base, torch's CUDA 12 build (PyPI's Linux wheel), nixl-cu12 (UCX inside)
+#                  CUDA runtime base, torch's CUDA 12 build (PyPI's Linux wheel), nixl-cu12 (UCX inside),
+#                  triton (the paged-attention kernels); the engine picks the GPU by itself (device auto)
 #   CPU:           docker build --build-arg DEVICE=cpu -t splitserve:cpu .
 #                  python:3.11-slim, torch's CPU wheel; nixl-cu12 still installs (NIXL moves DRAM there)
 #
@@ -14,13 +15,15 @@ ARG DEVICE=cuda
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
-# ---- GPU base: CUDA runtime, rdma-core user-space libraries for UCX's InfiniBand/RoCE transports ----
+# ---- GPU base: CUDA runtime, rdma-core user-space libraries for UCX's InfiniBand/RoCE transports, and
+# a C compiler with Python headers: Triton builds its small launcher module on first use ----
 FROM ${CUDA_IMAGE} AS base-cuda
 ARG TORCH_VERSION=2.13.0
 ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
-        python3 python3-venv ca-certificates ibverbs-providers libibverbs1 librdmacm1 \
+        python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
+        ibverbs-providers libibverbs1 librdmacm1 \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv \
     && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \

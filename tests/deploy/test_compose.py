@@ -161,6 +161,15 @@ def test_gpus_model_and_settings_come_from_the_environment() -> None:
     assert c["services"]["decode"]["environment"]["SPLITSERVE_MAX_NUM_SEQS"] == "64"
 
 
+def test_every_engine_setting_passes_through(gpu: dict[str, Any]) -> None:
+    from common.config import EngineConfig
+
+    for role in WORKERS:
+        env = gpu["services"][role]["environment"]
+        missing = {f"SPLITSERVE_{f.upper()}" for f in EngineConfig.model_fields} - set(env)
+        assert not missing, f"add {missing} to x-engine-env in compose.yaml"
+
+
 def test_unset_settings_stay_unset(gpu: dict[str, Any]) -> None:
     env = gpu["services"]["prefill"]["environment"]
     # a bare name passes the variable through only when the shell has it; the model's `${...:-}`

@@ -167,9 +167,14 @@ def test_schema_settings_are_config_fields() -> None:
     assert set(defs["settings"]["properties"]) <= service_fields
     assert set(defs["routerSettings"]["properties"]) <= set(RouterConfig.model_fields)
     # what the chart sets itself stays out of the user's settings
-    assert not {"host", "port", "redis_url", "advertise_host", "worker_id"} & set(
-        defs["settings"]["properties"]
-    )
+    settings = set(defs["settings"]["properties"])
+    assert not {"host", "port", "redis_url", "advertise_host", "worker_id"} & settings
+    # and every setting a user may want is there (model: model.path; kv_backend: kvBackend)
+    missing = set(EngineConfig.model_fields) - {"model"} - settings
+    assert not missing, f"add {missing} to definitions.settings in helm/splitserve/values.schema.json"
+    chart_owned = {"host", "port", "redis_url", "model", "decode_urls", "prefill_urls"}
+    missing = set(RouterConfig.model_fields) - chart_owned - set(defs["routerSettings"]["properties"])
+    assert not missing, f"add {missing} to definitions.routerSettings in helm/splitserve/values.schema.json"
 
 
 # ---- what the renders contain ----
