@@ -117,11 +117,10 @@ def test_workers_pinned_to_their_gpus_with_ucx_limits(gpu: dict[str, Any]) -> No
         env = s["environment"]
         # binds every interface, registers the service name other containers resolve
         assert (env["SPLITSERVE_HOST"], env["SPLITSERVE_ADVERTISE_HOST"]) == ("0.0.0.0", role)
-        assert env["SPLITSERVE_PORT"] == str(port)
         assert env["SPLITSERVE_REDIS_URL"] == "redis://redis:6379/0"
         assert env["SPLITSERVE_KV_BACKEND"] == "nixl"
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
-        assert s["command"] == [role]
+        assert s["command"] == [role, "--port", str(port)]  # the flag's default would beat SPLITSERVE_PORT
         (vol,) = s["volumes"]
         assert (vol["type"], vol["source"], vol["target"], vol["read_only"]) == (
             "volume",
@@ -219,8 +218,11 @@ def test_mounted_files_exist_and_prometheus_scrapes_the_compose_services(gpu: di
     for target in targets:
         host, port = target.split(":")
         assert host in gpu["services"]
-        env = gpu["services"][host]["environment"]
-        assert env.get("SPLITSERVE_PORT", env.get("SPLITSERVE_ROUTER_PORT")) == port
+        s = gpu["services"][host]
+        listens = (
+            s["environment"].get("SPLITSERVE_ROUTER_PORT") or s["command"][s["command"].index("--port") + 1]
+        )
+        assert listens == port
 
 
 def test_otel_collector_forwards_to_jaeger(gpu: dict[str, Any]) -> None:

@@ -197,10 +197,10 @@ def test_default_render(rendered: dict[str, dict[str, str]]) -> None:
         d = m[("Deployment", f"{FULL}-{role}")]
         assert d["spec"]["replicas"] == 1
         c = container(m, role)
-        assert c["args"] == [role]
+        assert c["args"] == [role, "--port", str(port)]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         e = env(c)
-        assert e["SPLITSERVE_HOST"] == "0.0.0.0" and e["SPLITSERVE_PORT"] == str(port)
+        assert e["SPLITSERVE_HOST"] == "0.0.0.0"
         # pods register their own IP and name in Redis (common/config.py ServiceConfig.advertise_host)
         assert e["SPLITSERVE_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert e["SPLITSERVE_WORKER_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
@@ -380,3 +380,12 @@ def test_cpu_only_pods_request_no_gpu_and_host_network_knob() -> None:
     assert "nvidia.com/gpu" not in container(m, "prefill")["resources"].get("limits", {})
     pod = m[("Deployment", f"{FULL}-decode")]["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+
+
+def test_a_changed_port_reaches_the_command_probes_and_service() -> None:
+    m = objects(render({"decode": {"port": 9201}}))
+    c = container(m, "decode")
+    assert c["args"] == ["decode", "--port", "9201"]
+    assert {"name": "http", "containerPort": 9201, "protocol": "TCP"} in c["ports"]
+    assert c["readinessProbe"]["httpGet"]["port"] == "http"
+    assert m[("Service", f"{FULL}-decode")]["spec"]["ports"][0]["port"] == 9201

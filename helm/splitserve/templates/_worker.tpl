@@ -56,7 +56,8 @@ spec:
         - name: {{ $role }}
           image: {{ include "splitserve.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          args: [{{ $role | quote }}]
+          # --port: the command's default (8101/8201) would win over SPLITSERVE_PORT
+          args: [{{ $role | quote }}, "--port", {{ $c.port | quote }}]
           securityContext:
             {{- $sc := deepCopy $root.Values.securityContext }}
             {{- if $c.rdma.enabled }}
@@ -80,8 +81,6 @@ spec:
           env:
             - name: SPLITSERVE_HOST
               value: "0.0.0.0"
-            - name: SPLITSERVE_PORT
-              value: {{ $c.port | quote }}
             {{- if eq $role "decode" }}
             - name: SPLITSERVE_KV_PORT
               value: {{ $c.kvPort | quote }}
