@@ -10,9 +10,12 @@ from tqdm import tqdm
 
 from bench.workload import Request, make_workload
 from common.config import EngineConfig
+from common.engine.device import Placement
 from common.engine.llm_engine import LLMEngine
 from common.engine.sampling_params import SamplingParams
+from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
+from common.model.tokenizer import Tokenizer
 
 
 def run_engine(engine: LLMEngine, workload: list[Request], label: str) -> dict[str, float]:
@@ -57,21 +60,37 @@ def run_engine(engine: LLMEngine, workload: list[Request], label: str) -> dict[s
     }
 
 
+def bench_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The engine config benchmarks share: on --device (default auto), with a KV cache of a fixed size
+    (on a GPU too: two engines live in one process, so neither may take the card's free memory)."""
+    return EngineConfig(
+        device=getattr(args, "device", "auto"),
+        kv_cache_memory_mb=getattr(args, "kv_cache_mb", None) or 1024,
+        max_num_seqs=args.max_batch,
+        max_num_batched_tokens=1024,
+        **overrides,
+    )
+
+
+def load_for_bench(args: argparse.Namespace) -> tuple[LlamaForCausalLM, Tokenizer, Placement]:
+    placement = Placement.from_config(bench_config(args))
+    model, tok = load_model(args.model, dtype=placement.dtype)
+    return model, tok, placement
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model, tok = load_model(args.model)
+    model, tok, placement = load_for_bench(args)
     workload = make_workload(tok, n=args.requests, seed=args.seed)
     res = {}
     for policy in ("continuous", "static"):
-        cfg = EngineConfig(
-            max_num_seqs=args.max_batch,
-            policy="static" if policy == "static" else "fcfs",
-            max_num_batched_tokens=1024,
-        )
-        engine = LLMEngine(model, tok, cfg)
+        cfg = bench_config(args, policy="static" if policy == "static" else "fcfs")
+        engine = LLMEngine(model, tok, cfg, placement)
         run_engine(engine, workload[:2], f"warmup {policy}")
         res[policy] = run_engine(engine, workload, policy)
+        del engine
     c, s = res["continuous"], res["static"]
     return {
+        **placement.describe(),
         "requests": len(workload),
         "output_tokens": sum(r.max_tokens for r in workload),
         "max_batch": args.max_batch,

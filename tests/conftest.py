@@ -19,10 +19,10 @@ from common.model.tokenizer import Tokenizer
 
 @pytest.fixture(scope="session")
 def smollm() -> tuple[LlamaForCausalLM, Tokenizer]:
-    """The default SmolLM2-135M-Instruct GGUF, fp32, in eval mode: (model, tokenizer)."""
+    """The default SmolLM2-135M-Instruct GGUF (or $SPLITSERVE_MODEL), fp32, in eval mode."""
     from common.model.loader import load_model
 
-    return load_model(dtype=torch.float32)
+    return load_model(os.environ.get("SPLITSERVE_MODEL") or None, dtype=torch.float32)
 
 
 # ---- Redis (integration tests run against a real server) ----

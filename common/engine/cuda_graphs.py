@@ -47,6 +47,7 @@ class DecodeGraphs:
         self.no_seqs = i32(0)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # steps served from a captured graph (for tests and /health)
         if capture:
             self.capture()
 
@@ -117,4 +118,5 @@ class DecodeGraphs:
         if graph is None:
             return self._forward(b)[:n]
         graph.replay()
+        self.replays += 1
         return self.outputs[b][:n]

@@ -1,0 +1,110 @@
+"""The engine on a CUDA GPU: defaults (bf16, Triton kernels, CUDA graphs, KV sized from free memory),
+graph replay against eager steps, and KV transports moving VRAM blocks. Skipped where torch sees no
+GPU; `scripts/gpu_check.sh` runs them (with the kernel tests, compiled instead of interpreted)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.engine.sampling_params import SamplingParams
+from common.kv.kv_cache import PagedKVCache
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "Explain photosynthesis to a child in simple words.",
+    "Hi",
+]
+
+
+def chat(tok, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def test_default_engine_is_bf16_triton_with_graphs_and_kv_from_free_memory() -> None:
+    util = 0.5
+    model_path = os.environ.get("SPLITSERVE_MODEL") or None
+    engine = LLMEngine.from_config(EngineConfig(model=model_path, gpu_memory_utilization=util))
+    tok = engine.tokenizer
+    try:
+        p = engine.placement
+        assert (p.device.type, p.dtype, p.attention_backend, p.cuda_graphs) == (
+            "cuda",
+            torch.bfloat16,
+            "triton",
+            True,
+        )
+        _, total = torch.cuda.mem_get_info()
+        kv_bytes = engine.kv_cache.spec.num_blocks * engine.kv_cache.spec.bytes_per_block
+        assert kv_bytes > 0.2 * util * total, "the KV cache should take most of the share"
+        assert torch.cuda.memory_allocated() <= util * total
+        out = engine.generate([chat(tok, "What is the capital of France?")], SamplingParams(max_tokens=16))
+        assert "Paris" in out[0].text
+        assert engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    finally:
+        del engine
+        torch.cuda.empty_cache()
+
+
+def test_graph_replay_gives_the_tokens_of_eager_steps(smollm) -> None:  # type: ignore[no-untyped-def]
+    model, tok = smollm
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = [chat(tok, p) for p in PROMPTS]
+    outs = {}
+    for graphs in (False, True):
+        cfg = EngineConfig(dtype="float32", num_kv_blocks=512, cuda_graphs=graphs, max_num_seqs=8)
+        engine = LLMEngine(model, tok, cfg)
+        outs[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+        if graphs:
+            assert engine.runner.graphs is not None and engine.runner.graphs.replays >= 10
+        del engine
+    assert outs[True] == outs[False]
+
+
+def _filled_cuda(spec, seed: int) -> PagedKVCache:  # type: ignore[no-untyped-def]
+    kv = PagedKVCache(spec, device="cuda")
+    g = torch.Generator().manual_seed(seed)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    return kv
+
+
+@pytest.mark.parametrize("backend", ["nixl", "tcp"])
+def test_transports_move_vram_blocks_byte_exact(backend: str) -> None:
+    """Both caches in VRAM: NIXL registers them as VRAM (UCX moves them GPU to GPU), tcp stages them
+    through host memory. NCCL (torch_dist) needs two GPUs, one per rank: not checked on one card."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    if backend == "nixl":
+        pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed on this GPU machine")
+    from kv_transfer import make_receiver, make_sender
+    from tests.integration.kv_helpers import DST, SPEC, SRC, compat
+
+    src = _filled_cuda(SPEC, 1)
+    dst = PagedKVCache(SPEC, device="cuda")
+    done: list[object] = []
+
+    async def main() -> None:
+        rx = make_receiver(backend, dst, compat(SPEC), lambda r, f: True, done.append)
+        endpoint = await rx.start()
+        tx = make_sender(backend, src, compat(SPEC), sender_id="p0")
+        from tests.integration.kv_helpers import push
+
+        await push(tx, endpoint, "r1", 1, [0, 1, 2])
+        async with asyncio.timeout(20):
+            while not done:
+                await asyncio.sleep(0.001)
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())
+    torch.cuda.synchronize()
+    assert torch.equal(dst.k[:, DST], src.k[:, SRC]) and torch.equal(dst.v[:, DST], src.v[:, SRC])
