@@ -4,12 +4,16 @@ deployment (`splitserve up`): embedded Redis, N prefill, M decode and the router
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.config import EngineConfig, ServiceConfig
 
 INT_FIELDS = {"block_size", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "num_threads"}
 ENGINE_FLAGS = {  # flag -> EngineConfig field
@@ -30,7 +34,8 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field
 
 def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--port", type=int, default=None, help=f"default: $SPLITSERVE_PORT, else {default_port}")
+    p.set_defaults(role_port=default_port)
     p.add_argument(
         "--advertise-host",
         default=None,
@@ -62,10 +67,9 @@ def _given(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     }
 
 
-def run_service(args: argparse.Namespace) -> int:
-    """`splitserve prefill|decode`: one service in this process (flags override SPLITSERVE_* env)."""
-    import uvicorn
-
+def service_configs(args: argparse.Namespace) -> tuple[ServiceConfig, EngineConfig]:
+    """The service and engine configs of `splitserve prefill|decode`: flags, then SPLITSERVE_* env,
+    then defaults (the port's default depends on the role)."""
     from common.config import EngineConfig, ServiceConfig
 
     svc_fields = {
@@ -84,8 +88,16 @@ def run_service(args: argparse.Namespace) -> int:
             "lease_s",
         }
     }
-    cfg = ServiceConfig(role=args.command, **svc_fields)
-    engine_cfg = EngineConfig(**_given(args, "engine_"))
+    if "port" not in svc_fields and not os.environ.get("SPLITSERVE_PORT"):
+        svc_fields["port"] = args.role_port  # the role's own port (8101 prefill, 8201 decode)
+    return ServiceConfig(role=args.command, **svc_fields), EngineConfig(**_given(args, "engine_"))
+
+
+def run_service(args: argparse.Namespace) -> int:
+    """`splitserve prefill|decode`: one service in this process (flags override SPLITSERVE_* env)."""
+    import uvicorn
+
+    cfg, engine_cfg = service_configs(args)
     if args.command == "decode":
         from decode_service.app import create_app
     else:

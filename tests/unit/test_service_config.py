@@ -60,3 +60,28 @@ def test_decode_kv_endpoint_carries_the_advertised_host() -> None:
             await rx.close()
 
     assert asyncio.run(endpoint()).startswith("tcp://decode-0:")
+
+
+def _service_args(argv: list[str]):  # type: ignore[no-untyped-def]
+    import argparse
+
+    from common.launch import add_parsers
+
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_port_comes_from_the_flag_then_the_environment_then_the_role(monkeypatch: pytest.MonkeyPatch) -> None:
+    from common.launch import service_configs
+
+    monkeypatch.delenv("SPLITSERVE_PORT", raising=False)
+    assert service_configs(_service_args(["prefill"]))[0].port == 8101
+    assert service_configs(_service_args(["decode"]))[0].port == 8201
+    monkeypatch.setenv("SPLITSERVE_PORT", "9300")
+    assert service_configs(_service_args(["decode"]))[0].port == 9300
+    assert service_configs(_service_args(["decode", "--port", "9400"]))[0].port == 9400
+    cfg, engine = service_configs(
+        _service_args(["prefill", "--device", "cpu", "--gpu-memory-utilization", "0.5"])
+    )
+    assert (cfg.role, engine.device, engine.gpu_memory_utilization) == ("prefill", "cpu", 0.5)

@@ -95,7 +95,7 @@ def run_both(step: Step, layer: int = 1, scale: float = 0.3) -> tuple[torch.Tens
 
 
 def tol(dtype: torch.dtype) -> float:
-    return 2e-5 if dtype == torch.float32 else 2e-2
+    return 2e-5 if dtype == torch.float32 else 4e-2
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,7 @@ spec:
         - name: {{ $role }}
           image: {{ include "splitserve.image" $root }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-          # --port: the command's default (8101/8201) would win over SPLITSERVE_PORT
+          # --port explicitly: the container port and the probes use the same value
           args: [{{ $role | quote }}, "--port", {{ $c.port | quote }}]
           securityContext:
             {{- $sc := deepCopy $root.Values.securityContext }}
