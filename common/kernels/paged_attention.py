@@ -2,9 +2,11 @@
 
 One attention kernel, compiled in two specializations:
 
-* **decode** (`BLOCK_Q = 1`): one program per (sequence, KV head) holds the one new query of every query
-  head that shares that KV head (grouped-query attention reads each KV block once for the whole group)
-  and walks the sequence's block table;
+* **decode** (`BLOCK_Q = 1`): one program per (sequence, KV head, split) holds the one new query of every
+  query head that shares that KV head (grouped-query attention reads each KV block once for the whole
+  group) and walks its share of the sequence's block table. With few sequences the context is split
+  over several programs (as flash-decoding does) so the GPU's multiprocessors all get work; each split
+  leaves an unnormalized partial result and `_combine_splits_kernel` merges them;
 * **varlen prefill** (`BLOCK_Q > 1`): one program per (sequence, KV head, tile of BLOCK_Q new tokens):
   the rows of its tile are (token, head-of-group) pairs, so a chunk's queries attend to the paged prefix
   and causally to themselves in one pass, whatever the chunk's length.
@@ -52,6 +54,10 @@ def _paged_attention_kernel(
     query_start_ptr,
     context_lens_ptr,
     seq_ids_ptr,
+    part_acc_ptr,  # split decode: (N, n_heads, num_splits, head_dim) fp32 unnormalized outputs
+    part_ml_ptr,  # split decode: (2, N, n_heads, num_splits) fp32 running max, running sum
+    num_splits,
+    n_heads,
     scale,
     stride_qt,
     stride_qh,
@@ -73,10 +79,17 @@ def _paged_attention_kernel(
     TILE: tl.constexpr,  # key positions per iteration
     IEEE: tl.constexpr,  # fp32 dots in full precision (no TF32)
     UPCAST: tl.constexpr,  # compute the dots in fp32 (the interpreter's bf16 dot is wrong)
+    SPLIT: tl.constexpr,  # decode with num_splits > 1: axis 2 is the split, results are partial
 ):
-    seq = tl.load(seq_ids_ptr + tl.program_id(0))
+    launch_idx = tl.program_id(0)
+    seq = tl.load(seq_ids_ptr + launch_idx)
     kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2)
+    if SPLIT:
+        q_tile = 0
+        split = tl.program_id(2)
+    else:
+        q_tile = tl.program_id(2)
+        split = 0
 
     q_start = tl.load(query_start_ptr + seq)
     n_new = tl.load(query_start_ptr + seq + 1) - q_start
@@ -108,7 +121,11 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     offs_n = tl.arange(0, TILE)
-    for start in range(0, kv_len, TILE):
+    # this program's share of the key tiles (all of them unless SPLIT)
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, TILE), num_splits)
+    lo = split * tiles_per_split * TILE
+    hi = tl.minimum(lo + tiles_per_split * TILE, kv_len)
+    for start in range(lo, hi, TILE):
         k_pos = start + offs_n
         k_ok = k_pos < kv_len
         page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
@@ -156,12 +173,58 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        out_ptr + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
+    if SPLIT:
+        part = (launch_idx * n_heads + head) * num_splits + split  # (BLOCK_M,)
+        ml_stride = tl.num_programs(0) * n_heads * num_splits
+        tl.store(part_ml_ptr + part, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + ml_stride + part, l_i, mask=row_ok)
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :]
+        )
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    query_start_ptr,
+    seq_ids_ptr,
+    num_splits,
+    n_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    """One program per (sequence, query head): out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s."""
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(query_start_ptr + tl.load(seq_ids_ptr + i))
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < num_splits
+    part = (i * n_heads + head) * num_splits + s
+    ml_stride = tl.num_programs(0) * n_heads * num_splits
+    m = tl.load(part_ml_ptr + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_ml_ptr + ml_stride + part, mask=s_ok, other=0.0)  # noqa: E741
+    m_all = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # empty splits (m = -inf) weigh 0
+    total = tl.sum(l * w, axis=0)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_DIM
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
     )
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -223,6 +286,7 @@ def paged_attention_launch(
     scale: float,
     max_new_tokens: int,  # the most new tokens any covered sequence has (sizes the grid)
     decode: bool,  # every covered sequence has exactly one new token
+    num_splits: int | None = None,  # decode: programs per (sequence, KV head); None: decode_splits()
 ) -> None:
     n_seqs = seq_ids.numel()
     if n_seqs == 0:
@@ -237,14 +301,22 @@ def paged_attention_launch(
     # Triton's CPU interpreter multiplies bf16 tiles wrongly in tl.dot (it works on their raw bits), so
     # interpreted runs compute half-precision dots in fp32; compiled GPU runs use the bf16 tensor cores.
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    splits = 1
     if decode:
-        group_pad, block_q, q_tiles = _pow2(group, MIN_DOT), 1, 1
+        group_pad, block_q = _pow2(group, MIN_DOT), 1
+        splits = num_splits or decode_splits(n_seqs, n_kv, q.device)
+        axis2 = splits
     else:
         group_pad = _pow2(group)
         block_q = max(1, PREFILL_ROWS // group_pad)
-        q_tiles = triton.cdiv(max_new_tokens, block_q)
-    _paged_attention_kernel[(n_seqs, n_kv, q_tiles)](
-        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens, seq_ids, scale,
+        axis2 = triton.cdiv(max_new_tokens, block_q)
+    part_acc = part_ml = out  # unused unless split
+    if splits > 1:
+        part_acc = torch.empty((n_seqs, n_heads, splits, hd), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((2, n_seqs, n_heads, splits), dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(n_seqs, n_kv, axis2)](
+        q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens, seq_ids,
+        part_acc, part_ml, splits, n_heads, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -252,5 +324,24 @@ def paged_attention_launch(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=hd, HEAD_PAD=_pow2(hd, MIN_DOT), BLOCK_SIZE=k_cache.shape[1], TILE=TILE_N,
         IEEE=q.dtype == torch.float32 or interpreted,
-        UPCAST=interpreted and q.dtype != torch.float32,
+        UPCAST=interpreted and q.dtype != torch.float32, SPLIT=splits > 1,
     )  # fmt: skip
+    if splits > 1:
+        _combine_splits_kernel[(n_seqs, n_heads)](
+            part_acc, part_ml, out, query_start_loc, seq_ids, splits, n_heads,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=hd, HEAD_PAD=_pow2(hd, MIN_DOT), SPLITS_PAD=_pow2(splits),
+        )  # fmt: skip
+
+
+MAX_SPLITS = 16
+
+
+def decode_splits(n_seqs: int, n_kv_heads: int, device: torch.device) -> int:
+    """How many programs share one sequence's context in a decode launch: enough for about two
+    programs per multiprocessor, at most MAX_SPLITS. Depends on the batch alone, never on context
+    lengths (which live on the device), so a CUDA graph captured for a batch size stays valid."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, (2 * sms) // (n_seqs * n_kv_heads)))

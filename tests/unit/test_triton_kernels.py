@@ -195,3 +195,44 @@ def test_bad_shapes_are_refused_with_a_reason() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         k = torch.zeros(1, 16, 2, device=DEVICE).transpose(1, 2)  # head dim strided
         store_kv(k, k, kc, kc, torch.zeros(1, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("n_heads,n_kv", [(9, 3), (8, 1)], ids=["smollm2", "mqa8"])
+def test_split_context_decode_matches_reference(num_splits: int, n_heads: int, n_kv: int) -> None:
+    """Flash-decoding style: each sequence's context spread over num_splits programs, partials merged.
+    Contexts from 1 token (most splits empty) to 300 (several key tiles per split)."""
+    seqs = [(1, c) for c in (1, 40, 64, 65, 300, 129)]
+    step = make_step(seqs, n_heads, n_kv, 32, 16, seed=num_splits)
+    ref, _ = run_both(step)  # also writes the new K/V into step.cache
+    km = KernelMetadata.build(step.qsl, step.ctx, step.tables, DEVICE)
+    out = torch.full_like(step.q, 7.0)
+    common = (
+        step.q,
+        step.cache.k[1],
+        step.cache.v[1],
+        out,
+        km.block_tables,
+        km.query_start_loc,
+        km.context_lens,
+    )
+    paged_attention_launch(*common, km.decode_ids, 0.3, 1, decode=True, num_splits=num_splits)
+    assert (ref - out).abs().max().item() <= tol(torch.float32)
+    # a padding row (context 0): every split empty, the merge must give zeros, not NaN
+    km0 = KernelMetadata.build([0, 1], [0], [[0]], DEVICE)
+    out0 = torch.full_like(step.q[:1], 7.0)
+    args0 = (step.q[:1], step.cache.k[1], step.cache.v[1], out0, km0.block_tables, km0.query_start_loc)
+    paged_attention_launch(
+        *args0, km0.context_lens, km0.decode_ids, 0.3, 1, decode=True, num_splits=num_splits
+    )
+    assert torch.equal(out0, torch.zeros_like(out0))
+
+
+def test_decode_splits_depend_on_the_batch_only() -> None:
+    from common.kernels.paged_attention import MAX_SPLITS, decode_splits
+
+    assert decode_splits(4, 3, torch.device("cpu")) == 1
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        assert decode_splits(1, 1, dev) == MAX_SPLITS
+        assert decode_splits(256, 8, dev) == 1
