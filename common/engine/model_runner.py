@@ -11,6 +11,7 @@ also goes over as device tensors (`KernelMetadata`); decode-only steps on a GPU 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +21,19 @@ from common.engine.scheduler import SchedulerOutput
 from common.kv.kv_cache import PagedKVCache
 from common.model.attention import AttentionMetadata, KernelMetadata
 from common.model.llama import LlamaForCausalLM
+
+
+@dataclass
+class StepInputs:
+    """One step flattened on the host (see ModelRunner.prepare)."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -33,7 +47,6 @@ class ModelRunner:
         self.device = kv_cache.k.device
         self.use_kernels = attention_backend == "triton"
         self.graphs: DecodeGraphs | None = None
-        self._host_tables: list[list[int]] = []
 
     def enable_graphs(self, batch_sizes: list[int], max_model_len: int, capture: bool = True) -> None:
         """Serve decode-only steps of up to max(batch_sizes) sequences from captured CUDA graphs."""
@@ -41,37 +54,25 @@ class ModelRunner:
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_cache, batch_sizes, max_blocks, capture=capture)
 
-    def prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flatten the step: (input_ids, positions, attention metadata, rows that sample)."""
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Flatten the step on the host: token ids, positions, slots, and per sequence its new-token
+        offsets, context length and block table."""
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        qsl = [0]
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
+        step = StepInputs()
         for seq, n in out.scheduled:
             # padding (static baseline) recomputes its last token in place: same cost, no new KV
             start = seq.num_tokens - 1 if seq.padding else seq.num_computed_tokens
             end = start + n
-            ids.extend(seq.token_ids[start:end])
-            pos.extend(range(start, end))
+            step.ids.extend(seq.token_ids[start:end])
+            step.positions.extend(range(start, end))
             bt = seq.block_table
-            slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + n)
-            ctx_lens.append(end)
-            tables.append(bt[: -(-end // bs)])
+            step.slots.extend(bt[p // bs] * bs + p % bs for p in range(start, end))
+            step.query_start_loc.append(step.query_start_loc[-1] + n)
+            step.context_lens.append(end)
+            step.block_tables.append(bt[: -(-end // bs)])
             if end == seq.num_tokens:
-                sample_rows.append(qsl[-1] - 1)
-        self._host_tables = tables  # the block tables as lists, for the CUDA-graph path
-        dev = self.device
-        meta = self.attention_metadata(qsl, ctx_lens, tables, torch.tensor(slots, dtype=torch.long))
-        ids_t = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        pos_t = torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True)
-        return ids_t, pos_t, meta, sample_rows
+                step.sample_rows.append(step.query_start_loc[-1] - 1)
+        return step
 
     def attention_metadata(
         self, qsl: list[int], ctx_lens: list[int], tables: list[list[int]], slots: torch.Tensor
@@ -90,19 +91,29 @@ class ModelRunner:
         self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
     ) -> list[int | None]:
         """Forward the step and sample; one entry per scheduled sequence (None: chunk mid-prompt)."""
-        input_ids, positions, meta, sample_rows = self.prepare(out)
-        if self.graphs is not None and on_layer_done is None and self._decode_only(meta):
-            hidden = self.graphs.run(
-                input_ids, positions, meta.slot_mapping, meta.context_lens, self._host_tables
-            )
+        step = self.prepare(out)
+        ids = torch.tensor(step.ids, dtype=torch.long)
+        positions = torch.tensor(step.positions, dtype=torch.long)
+        slots = torch.tensor(step.slots, dtype=torch.long)
+        if self.graphs is not None and on_layer_done is None and self._decode_only(step):
+            # the graph's static buffers take the host tensors directly: no per-step metadata to build
+            hidden = self.graphs.run(ids, positions, slots, step.context_lens, step.block_tables)
         else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, on_layer_done=on_layer_done)
+            meta = self.attention_metadata(step.query_start_loc, step.context_lens, step.block_tables, slots)
+            dev = self.device
+            hidden = self.model(
+                ids.to(dev, non_blocking=True),
+                positions.to(dev, non_blocking=True),
+                self.kv_cache,
+                meta,
+                on_layer_done=on_layer_done,
+            )
         result: list[int | None] = [None] * len(out.scheduled)
-        if not sample_rows:
+        if not step.sample_rows:
             return result
-        logits = self.model.compute_logits(hidden[sample_rows])  # (N, vocab)
+        logits = self.model.compute_logits(hidden[step.sample_rows])  # (N, vocab)
         sampling = [
-            (i, seq) for i, (seq, n) in enumerate(out.scheduled) if meta.context_lens[i] == seq.num_tokens
+            (i, seq) for i, (seq, n) in enumerate(out.scheduled) if step.context_lens[i] == seq.num_tokens
         ]
         tokens = self.sampler(
             logits, [s.params for _, s in sampling], [s.num_output_tokens for _, s in sampling]
@@ -111,7 +122,7 @@ class ModelRunner:
             result[i] = tok
         return result
 
-    def _decode_only(self, meta: AttentionMetadata) -> bool:
+    def _decode_only(self, step: StepInputs) -> bool:
         assert self.graphs is not None
-        n = meta.num_seqs
-        return meta.query_start_loc[-1] == n and self.graphs.size_for(n) is not None
+        n = len(step.context_lens)
+        return step.query_start_loc[-1] == n and self.graphs.size_for(n) is not None

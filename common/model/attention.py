@@ -39,10 +39,9 @@ class KernelMetadata:
         context_lens: list[int],
         block_tables: list[list[int]],
         device: torch.device,
-        max_blocks: int | None = None,
     ) -> KernelMetadata:
         n_new = [b - a for a, b in zip(query_start_loc, query_start_loc[1:], strict=False)]
-        width = max_blocks or max((len(t) for t in block_tables), default=1) or 1
+        width = max((len(t) for t in block_tables), default=1) or 1
         table = torch.zeros((len(block_tables), width), dtype=torch.int32)
         for i, t in enumerate(block_tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
