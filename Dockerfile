@@ -46,6 +46,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY splitserve ./splitserve
 COPY common ./common
 COPY router ./router
 COPY prefill_service ./prefill_service

@@ -12,10 +12,10 @@ from bench.workload import Request, make_workload
 from common.config import EngineConfig
 from common.engine.device import Placement
 from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.model.tokenizer import Tokenizer
+from common.sampling_params import SamplingParams
+from common.text.tokenizer import Tokenizer
 
 
 def run_engine(engine: LLMEngine, workload: list[Request], label: str) -> dict[str, float]:
@@ -33,19 +33,16 @@ def run_engine(engine: LLMEngine, workload: list[Request], label: str) -> dict[s
     bar = tqdm(total=len(workload), desc=label, unit="req", leave=False)
     t0 = time.perf_counter()
     while engine.has_unfinished():
-        waiting = len(engine.scheduler.waiting)
-        outs = engine.step()
-        step = engine.last_step
-        assert step is not None
-        useful = sum(1 for s, _ in step.scheduled if not s.padding)
+        waiting = engine.scheduler.num_waiting
+        step = engine.step()
+        useful = step.num_scheduled - step.num_padding
         useful_all, steps_all = useful_all + useful, steps_all + 1
         if waiting:
             useful_sat, steps_sat = useful_sat + useful, steps_sat + 1
-        for o in outs:
-            tokens += len(o.new_token_ids)
+        for o in step.outputs:
+            tokens += len(o.token_ids)
             if o.finished:
                 bar.update(1)
-                engine.pop_finished(o.request_id)
     elapsed = time.perf_counter() - t0
     bar.close()
     expected = sum(r.max_tokens for r in workload)

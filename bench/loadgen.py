@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.workload import QUESTIONS, lognormal_lengths
-from common.model.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

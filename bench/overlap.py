@@ -4,22 +4,23 @@ The prefill side is an LLMEngine in this process (the real model, fp32, prefix c
 run computes the whole prompt; max_num_batched_tokens = the prompt length, so the prompt is ONE chunk).
 The decode side is a receiver of `--backend` (nixl) in a spawned process with a KV cache of the same
 spec; the destination block ids are a seeded random sample of its blocks (a fragmented decode cache).
-Sends are posted exactly as prefill_service does: from `on_layer_done` on the engine thread (here the
-main thread) via asyncio.run_coroutine_threadsafe onto an event loop running in a helper thread.
+The streamed sends are the prefill service's own: its KV connector posts each layer from the engine
+thread (here the main thread) onto an event loop running in a helper thread.
 
-Two modes, best of `--reps` (3) each after one warm-up; times end at the receiver's `on_done`, read with
+Two modes, best of `--reps` (3) each after one warm-up; times end at the receiver's `kv_done`, read with
 time.perf_counter() in the receiver process (CLOCK_MONOTONIC: one clock for all processes on the host):
 
-    sequential: t0 step() t1 post every layer + kv_done ... t2 on_done
+    sequential: t0 step() t1 post every layer + kv_done ... t2 kv_done received
                 compute_ms = t1 - t0, transfer_ms = t2 - t1, ttft_after_prefill_ms = t2 - t0
-    streamed:   t0 step(on_layer_done=post layer i) ... wait the writes, post kv_done ... t2 on_done
+    streamed:   t0 step() (the connector posts layer i as it is done) ... wait the writes, post
+                kv_done ... t2 kv_done received
                 ttft_streamed_ms = t2 - t0
 
 hidden_fraction = 1 - (ttft_streamed - compute) / transfer, clamped to [0, 1]: 1 means the transfer
 cost nothing beyond the compute, 0 means it was not hidden at all. On CPU the transfer is a small
 fraction of the compute, so run-to-run noise of the compute can swamp it; two parts of the streamed run
 tell the two costs apart: compute_streamed_ms (its step() alone: the compute slowed by the sender thread
-and the receiver sharing the cores and the GIL) and tail_ms (step() end -> on_done: the part of the
+and the receiver sharing the cores and the GIL) and tail_ms (step() end -> kv_done received: the part of the
 transfer the compute did not hide).
 """
 
@@ -31,7 +32,6 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -40,26 +40,27 @@ from tqdm import tqdm
 
 from bench.transfer import RemoteReceiver, checksum
 from common.config import EngineConfig
+from common.connector.prefill import PrefillConnector
 from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
 from common.model.loader import load_model
-from common.protocol import KVDone
+from common.protocol import KVDone, PrefillRequest
+from common.sampling_params import SamplingParams
 from kv_transfer import KVSender, make_sender
-from kv_transfer.compat import compat_for
 
 
 class Prefill:
-    """The prefill side: an engine, a sender and the event loop thread that runs the sender."""
+    """The prefill side: an engine with the prefill service's KV connector, a sender, and the event loop
+    thread that runs the sender and the connector's event-loop half."""
 
-    def __init__(self, engine: LLMEngine, backend: str, rx: RemoteReceiver, dst_ids: list[int]) -> None:
-        self.engine, self.rx, self.dst_ids = engine, rx, dst_ids
+    def __init__(self, engine: LLMEngine, connector: PrefillConnector, backend: str, rx: RemoteReceiver,
+                 dst_ids: list[int]) -> None:  # fmt: skip
+        self.engine, self.connector, self.rx, self.dst_ids = engine, connector, rx, dst_ids
         self.num_layers = engine.model.config.num_layers
         self.last_src: list[int] = []  # the source blocks of the latest run (still holding its KV)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="kv-sender-loop", daemon=True)
         self.thread.start()
-        compat = compat_for(engine.model.config, engine.kv_cache.spec)
-        self.sender: KVSender = self._call(self._make(backend, compat))
+        self.sender: KVSender = self._call(self._make(backend, engine.kv_compat()))
 
     async def _make(self, backend: str, compat: Any) -> KVSender:
         return make_sender(backend, self.engine.kv_cache, compat, sender_id="bench-prefill")
@@ -67,45 +68,39 @@ class Prefill:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
 
+    def once(self, rid: str, prompt: list[int], streamed: bool) -> tuple[float, float, float]:
+        """One prefill of `prompt` whose KV ends up at the receiver: (t0, t1, t2) as in the module doc."""
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        req = PrefillRequest(rid, prompt, params, self.rx.endpoint, self.dst_ids, fence=1)
+        rkv = self._call(self.connector.add(req))
+        if not streamed:
+            self.connector.stop(rkv)  # it holds the blocks but ships nothing by itself
+        self.engine.add_request(prompt, params, rid, remote_kv="send")
+        try:
+            t0 = time.perf_counter()
+            result = self.engine.step()
+            t1 = time.perf_counter()
+            assert result.finished, "the prompt took more than one step"
+            token = result.outputs[0].token_ids[0]
+            src_ids = self.engine.scheduler.parked[rid].block_table[: len(self.dst_ids)]
+            if streamed:
+                self._call(self.connector.finish_sending(rkv, token, len(prompt)))
+            else:
+                writes = [self._post(rid, layer, src_ids) for layer in range(self.num_layers)]
+                for w in writes:
+                    w.result(120)
+                done = KVDone(rid, 1, token, len(prompt), self.num_layers)
+                self._call(self.sender.send_done(self.rx.endpoint, done))
+            t2 = self.rx.done_at(rid)
+            self.last_src = list(src_ids)
+        finally:
+            self._call(self.connector.settle(rkv))
+            self.engine.finish(rid, "sent")
+        return t0, t1, t2
+
     def _post(self, rid: str, layer: int, src_ids: list[int]) -> Future[None]:
         coro = self.sender.send_layer(self.rx.endpoint, rid, 1, layer, src_ids, self.dst_ids)
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def _finish(self, rid: str, writes: list[Future[None]], prompt_len: int) -> float:
-        """Wait for the posted writes, send kv_done; the receiver's on_done time."""
-        for w in writes:
-            w.result(120)
-        self._call(self.sender.send_done(self.rx.endpoint, KVDone(rid, 1, 0, prompt_len)))
-        return self.rx.done_at(rid)
-
-    def once(self, rid: str, prompt: list[int], streamed: bool) -> tuple[float, float, float]:
-        """One prefill of `prompt` whose KV ends up at the receiver: (t0, t1, t2) as in the module doc."""
-        seq = self.engine.add_request(
-            prompt, SamplingParams(max_tokens=1, ignore_eos=True), rid, hold_blocks=True
-        )
-        src_ids: list[int] = []
-        writes: list[Future[None]] = []
-        hook: Callable[[int], None] | None = None
-        if streamed:
-
-            def hook(layer: int) -> None:  # engine thread, inside the forward pass
-                if not src_ids:
-                    src_ids.extend(seq.block_table[: len(self.dst_ids)])
-                writes.append(self._post(rid, layer, src_ids))
-
-        try:
-            t0 = time.perf_counter()
-            self.engine.step(on_layer_done=hook)
-            t1 = time.perf_counter()
-            assert seq.is_finished, "the prompt took more than one step"
-            if not streamed:
-                src_ids = seq.block_table[: len(self.dst_ids)]
-                writes = [self._post(rid, layer, src_ids) for layer in range(self.num_layers)]
-            t2 = self._finish(rid, writes, len(prompt))
-            self.last_src = src_ids
-        finally:
-            self.engine.forget(seq)
-        return t0, t1, t2
 
     def close(self) -> None:
         self._call(self.sender.close())
@@ -127,13 +122,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=max(n + 1, model.config.max_position_embeddings),
         enable_prefix_caching=False,  # every run computes every token
     )
-    engine = LLMEngine(model, tok, cfg)
+    side: Prefill | None = None
+    connector = PrefillConnector(lambda endpoint: side.sender if side else _no_sender(), _failed)
+    engine = LLMEngine(model, tok, cfg, connector=connector)
     spec = engine.kv_cache.spec
     rng = random.Random(args.seed)
     dst_ids = rng.sample(range(spec.num_blocks), -(-n // bs))
     prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for _ in range(2 * (reps + 1))]
-    rx = RemoteReceiver(args.backend, spec, compat_for(model.config, spec))
-    side = Prefill(engine, args.backend, rx, dst_ids)
+    rx = RemoteReceiver(args.backend, spec, engine.kv_compat())
+    side = Prefill(engine, connector, args.backend, rx, dst_ids)
     best = {k: float("inf") for k in ("compute", "transfer", "sequential", "streamed", "busy", "tail")}
     try:
         bar = tqdm(total=2 * (reps + 1), desc=f"overlap {args.backend}", unit="prefill")
@@ -178,3 +175,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reps": reps,
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def _no_sender() -> KVSender:
+    raise AssertionError("the sender is made before the first request")
+
+
+def _failed(rkv: Any, why: str) -> None:
+    raise RuntimeError(f"transfer of {rkv.request_id} failed: {why}")

@@ -10,8 +10,8 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
 from common.model.loader import load_model
+from common.sampling_params import SamplingParams
 
 
 def memory_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:

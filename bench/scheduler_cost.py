@@ -7,10 +7,10 @@ import argparse
 import time
 from typing import Any
 
-from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.sequence import Sequence
 from common.kv.block_manager import BlockManager
+from common.sampling_params import SamplingParams
 
 
 def _fake_tokens(out: SchedulerOutput) -> list[int | None]:

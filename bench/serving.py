@@ -19,10 +19,11 @@ import httpx
 import numpy as np
 
 from bench.loadgen import Result, Spec, arrival_offsets, make_specs, run_load, send, summarize
-from common.model.model_info import load_model_info
-from common.model.tokenizer import Tokenizer
-from common.protocol import ErrorFrame, FrameReader, GenerateRequest, TokenFrame, encode
-from common.redis_server import RedisServer
+from common.cluster.redis_server import RedisServer
+from common.protocol import DecodeFrame, ErrorFrame, FrameReader, GenerateRequest, TokenFrame, encode
+from common.sampling_params import SamplingParams
+from common.text.model_info import load_model_info
+from common.text.tokenizer import Tokenizer
 
 PLOT = os.path.join("docs", "img", "serving_latency.png")
 SPLIT_THRESHOLD, LOCAL_THRESHOLD = 1, 100_000  # every prompt split / none
@@ -42,7 +43,7 @@ class Stack:
             port = s.getsockname()[1]
         log_path = os.path.join(self.log_dir, f"{role}-{port}.log")
         with open(log_path, "w") as log:  # the child keeps its own descriptor
-            cmd = [sys.executable, "-m", "common.cli", role, "--port", str(port), *flags]
+            cmd = [sys.executable, "-m", "splitserve", role, "--port", str(port), *flags]
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         url = f"http://127.0.0.1:{port}"
@@ -93,10 +94,7 @@ async def router_overhead(router_url: str, decode_url: str, tok: Tokenizer, n: i
     prompt = "The quick brown fox jumps over the lazy dog. " * 2
     ids = tok.encode(prompt)  # what the router's tokenizer makes of it
     body = {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
-    sampling: dict[str, Any] = {
-        "max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None,
-        "ignore_eos": True, "stop_token_ids": [], "min_tokens": 0,
-    }  # fmt: skip
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     via_router, direct = [], []
     async with httpx.AsyncClient(timeout=30) as client:
         for i in range(n + 3):  # the first three warm both paths
@@ -118,7 +116,7 @@ async def _generate_direct(client: httpx.AsyncClient, decode_url: str, msg: Gene
     url = f"{decode_url}/internal/generate"
     async with client.stream("POST", url, content=encode(msg), headers=headers) as resp:
         resp.raise_for_status()
-        reader = FrameReader()
+        reader = FrameReader(DecodeFrame)
         async for chunk in resp.aiter_raw():
             for f in reader.feed(chunk):
                 if isinstance(f, ErrorFrame):

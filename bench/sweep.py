@@ -11,8 +11,8 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
 from common.model.loader import load_model
+from common.sampling_params import SamplingParams
 
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 
@@ -30,7 +30,7 @@ def decode_tok_s(engine: LLMEngine, batch: int, steps: int = 16, prompt_len: int
     t0 = time.perf_counter()
     n = 0
     while engine.has_unfinished():
-        n += len(engine.step())
+        n += len(engine.step().outputs)
     return n / (time.perf_counter() - t0)
 
 

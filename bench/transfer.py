@@ -6,7 +6,7 @@ each cache block moves K + V = 512 KiB per layer. 4 layers x (mib/2) cache block
 destination ids are shuffled even ids, so no two blocks are adjacent and no backend can merge runs.
 
 What is timed: from just before the first `send_layer` (all layers posted at once, as prefill_service
-does) to the receiver's `on_done` for that request, read with time.perf_counter() *in the receiver
+does) to the receiver's `kv_done` for that request, read with time.perf_counter() *in the receiver
 process* (CLOCK_MONOTONIC on Linux: one clock for every process on the host) and reported back over a
 pipe. Best of `--reps` (5) after one warm-up (connections, handshakes, descriptor lists). GB/s = 1e9 bytes
 of payload per second. UCX_NET_DEVICES=lo unless set. UCX_PROTO_INFO=y (run once, nixl 1.5.1) shows the
@@ -58,12 +58,25 @@ def receiver_main(backend: str, spec: KVCacheSpec, compat: KVCompat, conn: Conne
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
+class _Owner:
+    """The receiver's owner here: every fence is current, and each kv_done is timed and reported."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def may_write(self, request_id: str, fence: int) -> bool:
+        return True
+
+    def layer_arrived(self, request_id: str, fence: int, layer: int) -> None:
+        pass
+
+    def kv_done(self, msg: KVDone) -> None:
+        self.conn.send(("done", msg.request_id, time.perf_counter()))
+
+
 async def _serve(backend: str, spec: KVCacheSpec, compat: KVCompat, conn: Connection) -> None:
     kv = PagedKVCache(spec)
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
-
-    def on_done(msg: KVDone) -> None:
-        conn.send(("done", msg.request_id, time.perf_counter()))
 
     def on_command() -> None:
         try:
@@ -75,7 +88,7 @@ async def _serve(backend: str, spec: KVCacheSpec, compat: KVCompat, conn: Connec
         else:
             stop.set()
 
-    rx = kv_transfer.make_receiver(backend, kv, compat, lambda rid, fence: True, on_done)
+    rx = kv_transfer.make_receiver(backend, kv, compat, _Owner(conn))
     conn.send(("endpoint", await rx.start()))
     loop.add_reader(conn.fileno(), on_command)
     await stop.wait()
@@ -135,7 +148,7 @@ class RemoteReceiver:
 def backend_seconds(
     backend: str, src: PagedKVCache, src_ids: list[int], dst_ids: list[int], reps: int
 ) -> float:
-    """Best first-send -> on_done time of `reps` transfers after one warm-up."""
+    """Best first-send -> kv_done time of `reps` transfers after one warm-up."""
     compat = bench_compat(src.spec)
     rx = RemoteReceiver(backend, src.spec, compat)
     try:
@@ -162,7 +175,7 @@ async def _push_all(
             await asyncio.gather(
                 *[tx.send_layer(rx.endpoint, rid, 1, lay, src_ids, dst_ids) for lay in range(LAYERS)]
             )
-            await tx.send_done(rx.endpoint, KVDone(rid, 1, 0, 0))
+            await tx.send_done(rx.endpoint, KVDone(rid, 1, 0, 0, LAYERS))
             t1 = await asyncio.to_thread(rx.done_at, rid)
             if i:
                 best = min(best, t1 - t0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from common.model.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 QUESTIONS = [
     "What is the capital of France?",

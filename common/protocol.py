@@ -1,74 +1,94 @@
-"""Every message that crosses a process boundary, in one place.
+"""Every message the services exchange, in one place: typed structs (msgspec), validated when decoded.
 
-Bodies are msgpack maps carrying `protocol_version`; a peer speaking another version is refused
-with an error naming both versions. Streams are length-prefixed frames: a 4-byte big-endian length,
-then one msgpack message. Messages are small dataclasses: block ids and token counts, never objects.
+Bodies are msgpack maps tagged with their `kind` and carrying `protocol_version`; a peer speaking
+another version is refused with an error naming both versions. A field of the wrong type, a missing
+field or a value its struct refuses (`SamplingParams` checks its ranges) is a `ProtocolError` where
+the bytes are decoded, before any handler sees the message. Streams are length-prefixed frames: a
+4-byte big-endian length, then one message; a length over the reader's limit is refused before
+anything is allocated.
+
+Messages carry block ids and token counts, never objects. The KV transports' own messages (the
+preflight, per-backend control messages) live with them, under `kv_transfer/`; the two that the
+services see, `KVCompat` and `KVDone`, are here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import struct
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
-import msgpack
+import msgspec
 
-PROTOCOL_VERSION = 1
+from common.sampling_params import SamplingParams
+
+PROTOCOL_VERSION = 2
+MAX_FRAME_BYTES = 16 << 20  # one message: a 1M-token prompt is ~5 MB of msgpack ints
 _LEN = struct.Struct(">I")
 
 M = TypeVar("M", bound="Message")
 
 
 class ProtocolError(ValueError):
-    """A message that cannot be understood: wrong version, unknown kind, missing field."""
+    """A message that cannot be understood: wrong version, unknown kind, missing or mistyped field."""
 
 
-@dataclass
-class Message:
-    kind: ClassVar[str] = ""
-    _registry: ClassVar[dict[str, type[Message]]] = {}
+class Message(msgspec.Struct, tag_field="kind", kw_only=True):
+    """Base of every message; subclasses name their `kind` with `tag=`."""
 
-    def __init_subclass__(cls, **kw: Any) -> None:
-        super().__init_subclass__(**kw)
-        if cls.kind:
-            Message._registry[cls.kind] = cls
+    protocol_version: int = PROTOCOL_VERSION
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["kind"] = self.kind
-        d["protocol_version"] = PROTOCOL_VERSION
-        return d
+
+class _Envelope(msgspec.Struct):
+    """What any message has, for explaining why one did not decode."""
+
+    kind: Any = None
+    protocol_version: Any = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
+_envelope = msgspec.msgpack.Decoder(_Envelope)
 
 
 def encode(msg: Message) -> bytes:
-    return msgpack.packb(msg.to_dict(), use_bin_type=True)
+    return _encoder.encode(msg)
 
 
-def decode(data: bytes, expect: type[M] | None = None) -> Any:
-    """Decode one message; with `expect`, anything else is a ProtocolError."""
+def _decoder(expect: Any) -> msgspec.msgpack.Decoder[Any]:
+    d = _decoders.get(expect)
+    if d is None:
+        d = _decoders[expect] = msgspec.msgpack.Decoder(expect)
+    return d
+
+
+@overload
+def decode(data: bytes, expect: type[M]) -> M: ...
+@overload
+def decode(data: bytes, expect: Any) -> Any: ...
+def decode(data: bytes, expect: Any) -> Any:
+    """Decode one message of type `expect` (a Message subclass, or a Union of them for a channel that
+    carries several kinds); anything else, or anything malformed, is a ProtocolError."""
     try:
-        d = msgpack.unpackb(data, raw=False)
-    except Exception as e:  # msgpack raises several unrelated types
-        raise ProtocolError(f"undecodable message: {e}") from e
-    if not isinstance(d, dict):
-        raise ProtocolError("a message must be a map")
-    version = d.pop("protocol_version", None)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol_version {version} is not supported (this side speaks {PROTOCOL_VERSION})"
-        )
-    kind = d.pop("kind", None)
-    cls = Message._registry.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown message kind {kind!r}")
-    if expect is not None and cls is not expect:
-        raise ProtocolError(f"expected {expect.kind!r}, got {kind!r}")
-    names = {f.name for f in dataclasses.fields(cls)}
+        msg = _decoder(expect).decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError) as e:  # __post_init__ raises ValueError itself
+        raise ProtocolError(_why(data, e)) from e
+    if msg.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(_version_error(msg.protocol_version))
+    return msg
+
+
+def _why(data: bytes, e: Exception) -> str:
     try:
-        return cls(**{k: v for k, v in d.items() if k in names})
-    except TypeError as e:
-        raise ProtocolError(f"bad {kind!r} message: {e}") from e
+        env = _envelope.decode(data)
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return f"undecodable message: {e}"
+    if env.protocol_version is not None and env.protocol_version != PROTOCOL_VERSION:
+        return _version_error(env.protocol_version)
+    return f"bad {env.kind!r} message: {e}" if isinstance(env.kind, str) else f"bad message: {e}"
+
+
+def _version_error(version: Any) -> str:
+    return f"protocol_version {version!r} is not supported (this side speaks {PROTOCOL_VERSION})"
 
 
 def frame(msg: Message) -> bytes:
@@ -76,30 +96,118 @@ def frame(msg: Message) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-class FrameReader:
-    """Splits a byte stream into messages (for length-prefixed streaming responses)."""
+def frame_length(head: bytes, limit: int = MAX_FRAME_BYTES) -> int:
+    """The body length a 4-byte frame header announces; ProtocolError past `limit`."""
+    (n,) = _LEN.unpack(head)
+    if n > limit:
+        raise ProtocolError(f"frame of {n} bytes exceeds the {limit}-byte limit")
+    return int(n)
 
-    def __init__(self) -> None:
+
+class FrameReader:
+    """Splits a byte stream into messages of type `expect` (for length-prefixed streaming responses)."""
+
+    def __init__(self, expect: Any, limit: int = MAX_FRAME_BYTES) -> None:
+        self.expect, self.limit = expect, limit
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[Any]:
         self._buf += data
         out = []
         while len(self._buf) >= 4:
-            (n,) = _LEN.unpack_from(self._buf)
+            n = frame_length(bytes(self._buf[:4]), self.limit)
             if len(self._buf) < 4 + n:
                 break
-            out.append(decode(bytes(self._buf[4 : 4 + n])))
+            out.append(decode(bytes(self._buf[4 : 4 + n]), self.expect))
             del self._buf[: 4 + n]
         return out
 
 
-# --- KV transfer (data plane) ----------------------------------------------------------------------
-@dataclass
-class KVCompat:
+# --- control plane: router <-> decode service -------------------------------------------------------
+class GenerateRequest(Message, tag="generate"):
+    """POST /internal/generate on a decode service. mode "remote": reserve blocks and wait for a
+    prefill service to write the prompt's KV; mode "local": prefill here, in chunks."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    mode: Literal["remote", "local"] = "remote"
+    deadline: float | None = None  # unix time; past it every hop stops work
+    traceparent: str | None = None
+
+
+class Reserved(Message, tag="reserved"):
+    """First frame of a generate stream, once the request holds its blocks: in remote mode, where the
+    prefill service must write (local mode: no blocks to fill, fence 0)."""
+
+    request_id: str
+    block_ids: list[int]
+    fence: int
+    num_cached_tokens: int  # prompt tokens whose KV the decode service already holds (prefix cache)
+    kv_endpoint: str
+    decode_id: str
+
+
+class TokenFrame(Message, tag="tokens"):
+    """Output tokens; `index` is the output position of token_ids[0]. In remote mode the stream starts
+    at index 1: token 0 reaches the router once, from the prefill service. The last frame has a
+    finish_reason (and may carry no token: token 0 itself ended the request)."""
+
+    request_id: str
+    token_ids: list[int]
+    index: int
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class ErrorFrame(Message, tag="error"):
+    """The service ended the request itself (deadline, lost peer, incomplete KV); `code` is HTTP-like."""
+
+    request_id: str
+    error: str
+    code: int = 500
+
+
+DecodeFrame = Reserved | TokenFrame | ErrorFrame  # what a generate stream carries
+
+
+# --- control plane: router <-> prefill service ------------------------------------------------------
+class PrefillRequest(Message, tag="prefill"):
+    """POST /internal/prefill: compute the prompt, write its KV into the decode service's blocks."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    kv_endpoint: str
+    block_ids: list[int]
+    fence: int
+    num_cached_tokens: int = 0  # the decode side already has these: do not send their blocks
+    deadline: float | None = None
+    traceparent: str | None = None
+
+
+class PrefillResult(Message, tag="prefill_result"):
+    request_id: str
+    first_token: int
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prefix-cache hits on the prefill service
+    prefill_ms: float
+    transfer_bytes: int
+
+
+class AbortRequest(Message, tag="abort"):
+    """POST /internal/abort on either service: stop the request, free what it holds, answer when done."""
+
+    request_id: str
+
+
+# --- KV transfer: what the services themselves see ---------------------------------------------------
+class KVCompat(msgspec.Struct, frozen=True):
     """What two services must agree on before KV moves between them (the compatibility preflight)."""
 
-    kind: ClassVar[str] = "kv_compat"
     model_id: str
     weights_hash: str
     dtype: str
@@ -113,226 +221,20 @@ class KVCompat:
     def mismatches(self, other: KVCompat) -> list[str]:
         """Names of the fields that differ, e.g. ['block_size (16 != 32)']."""
         return [
-            f"{f.name} ({getattr(self, f.name)!r} != {getattr(other, f.name)!r})"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
+            f"{name} ({getattr(self, name)!r} != {getattr(other, name)!r})"
+            for name in self.__struct_fields__
+            if getattr(self, name) != getattr(other, name)
         ]
 
 
-@dataclass
-class KVLayerHeader(Message):
-    """One layer's K and V for a list of destination blocks; raw bytes follow (all K, then all V)."""
+class KVDone(Message, tag="kv_done"):
+    """Sender -> receiver, after a request's last layer write: the prompt's KV is in place, decode may
+    run it. `layer_writes` is how many layer writes the sender completed for (request, fence); the
+    receiver runs the request only if as many landed."""
 
-    kind: ClassVar[str] = "kv_layer"
-    request_id: str
-    fence: int
-    layer: int
-    block_ids: list[int]
-    nbytes: int
-    traceparent: str | None = None
-
-
-@dataclass
-class KVDone(Message):
-    """All layers of a request's prompt were written: decode may run it."""
-
-    kind: ClassVar[str] = "kv_done"
     request_id: str
     fence: int
     first_token: int
     num_tokens: int
+    layer_writes: int
     traceparent: str | None = None
-
-
-@dataclass
-class KVHello(Message):
-    """First message on a transport connection: the sender's compatibility record."""
-
-    kind: ClassVar[str] = "kv_hello"
-    compat: dict[str, Any] = field(default_factory=dict)
-    sender_id: str = ""
-
-
-@dataclass
-class KVHelloReply(Message):
-    kind: ClassVar[str] = "kv_hello_reply"
-    ok: bool = True
-    error: str = ""
-
-
-# --- control plane: router <-> decode service -------------------------------------------------------
-@dataclass
-class GenerateRequest(Message):
-    """POST /internal/generate on a decode service. mode "remote": reserve blocks and wait for a
-    prefill service to write the prompt's KV; mode "local": prefill here, in chunks."""
-
-    kind: ClassVar[str] = "generate"
-    request_id: str
-    token_ids: list[int]
-    sampling: dict[str, Any]  # SamplingParams fields (stop strings stay at the router)
-    mode: str = "remote"
-    deadline: float | None = None  # unix time; past it every hop stops work
-    traceparent: str | None = None
-
-
-@dataclass
-class Reserved(Message):
-    """First frame of a remote-mode generate stream: where the prefill service must write."""
-
-    kind: ClassVar[str] = "reserved"
-    request_id: str
-    block_ids: list[int]
-    fence: int
-    num_cached_tokens: int  # prompt tokens whose KV the decode service already holds (prefix cache)
-    kv_endpoint: str
-    decode_id: str
-
-
-@dataclass
-class TokenFrame(Message):
-    """Generated tokens; `index` is the output position of token_ids[0], so a reader that already
-    has some tokens (the first one comes from the prefill service) can skip them."""
-
-    kind: ClassVar[str] = "tokens"
-    request_id: str
-    token_ids: list[int]
-    index: int
-    finished: bool = False
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class ErrorFrame(Message):
-    kind: ClassVar[str] = "error"
-    request_id: str
-    error: str
-    code: int = 500
-
-
-# --- control plane: router <-> prefill service ------------------------------------------------------
-@dataclass
-class PrefillRequest(Message):
-    """POST /internal/prefill: compute the prompt, write its KV into the decode service's blocks."""
-
-    kind: ClassVar[str] = "prefill"
-    request_id: str
-    token_ids: list[int]
-    sampling: dict[str, Any]
-    kv_endpoint: str
-    block_ids: list[int]
-    fence: int
-    num_cached_tokens: int = 0  # the decode side already has these: do not send their blocks
-    deadline: float | None = None
-    traceparent: str | None = None
-
-
-@dataclass
-class PrefillResult(Message):
-    kind: ClassVar[str] = "prefill_result"
-    request_id: str
-    first_token: int
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prefix-cache hits on the prefill service
-    prefill_ms: float
-    transfer_bytes: int
-
-
-@dataclass
-class AbortRequest(Message):
-    """POST /internal/abort on either service: stop the request and free what it holds."""
-
-    kind: ClassVar[str] = "abort"
-    request_id: str
-
-
-# --- KV transfer, nixl backend: the control connection beside the one-sided writes ------------------
-# (kv_transfer/nixl.py describes the exchange; KVHello and KVDone are reused as they are.)
-@dataclass
-class KVNixlHelloReply(Message):
-    """Answer to KVHello on a nixl control connection: the receiver's agent and where its KV tensors live."""
-
-    kind: ClassVar[str] = "kv_nixl_hello_reply"
-    ok: bool = True
-    error: str = ""
-    agent_metadata: bytes = b""  # nixl_agent.get_agent_metadata(): for the sender's add_remote_agent
-    regions: list[list[int]] = field(default_factory=list)  # [[address, nbytes, device_id]] of K, then V
-    mem_type: str = "DRAM"  # "DRAM" or "VRAM"
-    num_blocks: int = 0  # blocks per layer in the receiver's tensors (the sender checks dst ids against it)
-
-
-@dataclass
-class KVNixlBegin(Message):
-    """Sender → receiver, before the first write of a request: may I write into its blocks under `fence`?"""
-
-    kind: ClassVar[str] = "kv_nixl_begin"
-    request_id: str
-    fence: int
-
-
-@dataclass
-class KVNixlBeginReply(Message):
-    kind: ClassVar[str] = "kv_nixl_begin_reply"
-    request_id: str
-    fence: int
-    ok: bool  # False: the fence is stale, write nothing for this (request, fence)
-
-
-@dataclass
-class KVNixlRevoke(Message):
-    """Receiver → sender: stop writing this request; answer with KVNixlEnd once no write is in flight."""
-
-    kind: ClassVar[str] = "kv_nixl_revoke"
-    request_id: str
-    fence: int
-
-
-@dataclass
-class KVNixlEnd(Message):
-    """Sender → receiver: no more writes for (request_id, fence); `layers` writes completed and each
-    brings its KVNixlLayer notification. Sent before the request's KVDone, or as the answer to a revoke.
-    `layers` is -1 when the sender knows nothing of the request."""
-
-    kind: ClassVar[str] = "kv_nixl_end"
-    request_id: str
-    fence: int
-    layers: int
-    revoked: bool = False
-
-
-@dataclass
-class KVNixlLayer(Message):
-    """The notification a layer's WRITE carries; NIXL delivers it after the written bytes are in place."""
-
-    kind: ClassVar[str] = "kv_nixl_layer"
-    request_id: str
-    fence: int
-    layer: int
-    num_blocks: int
-    traceparent: str | None = None
-
-
-# --- KV transfer, torch_dist backend: the control connection beside a pair's process group ---------
-# (kv_transfer/torch_dist.py describes the exchange; KVLayerHeader and KVDone are reused as they are.)
-@dataclass
-class KVTorchDistHello(Message):
-    """First message on a torch_dist control connection: KVHello plus the group backends the sender has."""
-
-    kind: ClassVar[str] = "kv_torch_dist_hello"
-    compat: dict[str, Any] = field(default_factory=dict)
-    sender_id: str = ""
-    backends: list[str] = field(default_factory=lambda: ["gloo"])  # preferred first: "nccl", "gloo"
-
-
-@dataclass
-class KVTorchDistHelloReply(Message):
-    """The preflight's answer; when ok, where to meet for this pair's two-rank process group."""
-
-    kind: ClassVar[str] = "kv_torch_dist_hello_reply"
-    ok: bool = True
-    error: str = ""
-    store_port: int = 0  # the receiver's TCPStore, on the host of the control endpoint
-    group: str = ""  # this pair's key prefix in that store
-    backend: str = "gloo"  # "nccl" when both caches are on CUDA and both sides offer it, else "gloo"
-    num_blocks: int = 0  # blocks per layer in the receiver's cache (the sender checks dst ids against it)

@@ -1,7 +1,9 @@
 """KV transfer: prefill pushes a prompt's KV cache, layer by layer, into a decode service's reserved blocks.
 
-One interface (base.KVSender / base.KVReceiver), one backend per deployment, chosen by name.
-Backends are imported on demand so that a deployment only needs the libraries of the one it uses.
+One interface (base.KVSender / base.KVReceiver), one backend per deployment, chosen by name. The control
+plane every backend shares is in `control/` (endpoint, framing, preflight); each backend has its own
+package under `backends/`, imported on demand so that a deployment only needs the libraries of the one
+it uses.
 """
 
 from __future__ import annotations
@@ -11,35 +13,34 @@ from typing import Any
 
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat
-
-from .base import (
-    AcceptFn,
-    DoneFn,
+from kv_transfer.base import (
     KVReceiver,
     KVSender,
     PreflightError,
+    ReceiverOwner,
     ReceiverStats,
     SenderStats,
     TransferError,
 )
-from .compat import compat_for
+from kv_transfer.control.endpoint import Endpoint
 
 BACKENDS = ("tcp", "nixl", "torch_dist")
 _NEEDS = {"nixl": "nixl_cu12", "torch_dist": "torch.distributed"}  # backend -> the module it needs
 
 __all__ = [
     "BACKENDS",
-    "resolve_backend",
+    "Endpoint",
     "KVReceiver",
     "KVSender",
     "PreflightError",
+    "ReceiverOwner",
     "ReceiverStats",
     "SenderStats",
     "TransferError",
     "available_backends",
-    "compat_for",
     "make_receiver",
     "make_sender",
+    "resolve_backend",
 ]
 
 
@@ -80,32 +81,34 @@ def make_sender(backend: str, kv: PagedKVCache, compat: KVCompat, **options: Any
     connect_timeout; torch_dist: op_timeout_s)."""
     _check(backend)
     if backend == "torch_dist":
-        from .torch_dist import TorchDistSender
+        from kv_transfer.backends.torch_dist import TorchDistSender
 
         return TorchDistSender(kv, compat, **options)
     if backend == "nixl":
-        from .nixl import NixlSender
+        from kv_transfer.backends.nixl import NixlSender
 
         return NixlSender(kv, compat, **options)
-    from .tcp import TcpSender
+    from kv_transfer.backends.tcp import TcpSender
 
     return TcpSender(kv, compat, **options)
 
 
 def make_receiver(
-    backend: str, kv: PagedKVCache, compat: KVCompat, accept: AcceptFn, on_done: DoneFn, **options: Any
+    backend: str, kv: PagedKVCache, compat: KVCompat, owner: ReceiverOwner, **options: Any
 ) -> KVReceiver:
-    """The decode side of `backend`; `options` go to its constructor (tcp: host, port, advertise_host;
-    nixl: those and poll_active_s, poll_idle_s, lost_peer_grace_s; torch_dist: tcp's and op_timeout_s)."""
+    """The decode side of `backend`, writing into `kv` for `owner` (who says which fences are current
+    and hears of every layer and kv_done); `options` go to its constructor (tcp: host, port,
+    advertise_host; nixl: those and poll_active_s, poll_idle_s, lost_peer_grace_s; torch_dist: tcp's
+    and op_timeout_s)."""
     _check(backend)
     if backend == "torch_dist":
-        from .torch_dist import TorchDistReceiver
+        from kv_transfer.backends.torch_dist import TorchDistReceiver
 
-        return TorchDistReceiver(kv, compat, accept, on_done, **options)
+        return TorchDistReceiver(kv, compat, owner, **options)
     if backend == "nixl":
-        from .nixl import NixlReceiver
+        from kv_transfer.backends.nixl import NixlReceiver
 
-        return NixlReceiver(kv, compat, accept, on_done, **options)
-    from .tcp import TcpReceiver
+        return NixlReceiver(kv, compat, owner, **options)
+    from kv_transfer.backends.tcp import TcpReceiver
 
-    return TcpReceiver(kv, compat, accept, on_done, **options)
+    return TcpReceiver(kv, compat, owner, **options)

@@ -1,14 +1,15 @@
 """The KV-transfer interface: a prefill-side sender pushes one layer at a time into a decode-side receiver.
 
-Every backend (tcp now; nixl = UCX WRITE + notification, torch_dist = NCCL/gloo send/recv later) implements
-these two classes with the same guarantees:
+Every backend (tcp, nixl = UCX WRITE + notification, torch_dist = NCCL/gloo send/recv) implements these two
+classes with the same guarantees:
 
 - **Preflight**: the first contact between a sender and an endpoint exchanges `KVCompat` records; a mismatch
   is a `PreflightError` naming every differing field, remembered per endpoint (no retry storm), and counted
   by the receiver. Nothing is written before the preflight passed.
-- **Fences**: before a layer lands, the receiver asks `accept(request_id, fence)`; a stale fence means the
-  destination blocks may already belong to someone else, so the data is dropped, never written.
-- **Order**: per (sender, endpoint) pair, a request's `kv_done` is delivered after all its layers.
+- **Fences**: before a layer lands, the receiver asks its owner `may_write(request_id, fence)`; a stale fence
+  means the destination blocks may already belong to someone else, so the data is dropped, never written.
+- **Arrival**: once a layer's bytes are in place the receiver tells its owner `layer_arrived(...)`; per
+  (sender, endpoint) pair, a request's `kv_done` is delivered after all its layers arrived.
 - **Ownership**: `send_layer` returns once the source blocks may be reused by the sender; it does not wait
   for the receiver to acknowledge. Delivery failure shows up as `TransferError` on a later call, or as a
   missing `kv_done` on the decode side (its lease expires).
@@ -17,16 +18,25 @@ these two classes with the same guarantees:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone
 
-AcceptFn = Callable[[str, int], bool]
-"""accept(request_id, fence) -> is this fence still current for this request's reserved blocks?"""
-DoneFn = Callable[[KVDone], None]
-"""on_done(msg): every layer of the request was written; called at most once per received kv_done."""
+
+class ReceiverOwner(Protocol):
+    """Whom a receiver asks and tells about the blocks it writes into (the decode service's KV connector).
+    Called on the event-loop thread."""
+
+    def may_write(self, request_id: str, fence: int) -> bool:
+        """Is this fence still current for the request's reserved blocks?"""
+
+    def layer_arrived(self, request_id: str, fence: int, layer: int) -> None:
+        """One layer write of (request, fence) is in place in the KV tensors."""
+
+    def kv_done(self, msg: KVDone) -> None:
+        """The sender says every layer of the request was written; at most once per received kv_done."""
 
 
 class TransferError(Exception):
@@ -41,7 +51,7 @@ class PreflightError(TransferError):
 class ReceiverStats:
     bytes_received: int = 0  # raw KV bytes written into the cache (stale drops not included)
     layers_received: int = 0
-    stale_drops: int = 0  # layers read and discarded because accept() said the fence is stale
+    stale_drops: int = 0  # layers read and discarded because may_write() said the fence is stale
     preflight_refusals: int = 0
     bad_messages: int = 0  # malformed or out-of-range headers; the connection is closed
     dones_received: int = 0
@@ -57,11 +67,10 @@ class SenderStats:
 class KVReceiver(ABC):
     """Decode side: owns the destination KV memory and lets senders write layers into reserved blocks."""
 
-    def __init__(self, kv: PagedKVCache, compat: KVCompat, accept: AcceptFn, on_done: DoneFn) -> None:
+    def __init__(self, kv: PagedKVCache, compat: KVCompat, owner: ReceiverOwner) -> None:
         self.kv = kv
         self.compat = compat
-        self.accept = accept
-        self.on_done = on_done
+        self.owner = owner
         self.stats = ReceiverStats()
 
     @abstractmethod
@@ -72,7 +81,7 @@ class KVReceiver(ABC):
     async def wait_idle(self, request_id: str) -> None:
         """Return once no layer of `request_id` is being written into the KV tensors.
 
-        A cancelled request must first make its fence stale (so `accept` refuses further layers), then
+        A cancelled request must first make its fence stale (so `may_write` refuses further layers), then
         await this, and only then free its blocks: a layer accepted just before the cancel may still be
         landing, and the blocks must not be handed to another request under it.
         """

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from common.kv.kv_cache import PagedKVCache
-from common.protocol import KVLayerHeader
+from kv_transfer.control.messages import KVLayerHeader
 
 
 def block_bytes(kv: PagedKVCache) -> int:
@@ -53,13 +53,10 @@ def layer_views(kv: PagedKVCache, layer: int, ids: list[int]) -> list[memoryview
 
 def check_layer_header(h: KVLayerHeader, kv: PagedKVCache) -> str | None:
     """Why this header must not be acted on (None when it is fine). Checked before any byte is written."""
-    s = kv.spec
-    # Fields come straight off the wire: msgpack gives whatever types the peer sent.
-    if not (isinstance(h.layer, int) and isinstance(h.nbytes, int) and isinstance(h.block_ids, list)):
-        return "layer/nbytes must be ints and block_ids a list"
+    s = kv.spec  # the header's types were checked when it was decoded; its values are checked here
     if not 0 <= h.layer < s.num_layers:
         return f"layer {h.layer} out of range [0, {s.num_layers})"
-    bad = [b for b in h.block_ids if not (isinstance(b, int) and 0 <= b < s.num_blocks)]
+    bad = [b for b in h.block_ids if not 0 <= b < s.num_blocks]
     if bad:
         return f"block ids {bad[:8]} out of range [0, {s.num_blocks})"
     if len(set(h.block_ids)) != len(h.block_ids):

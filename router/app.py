@@ -21,9 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.model.model_info import ModelInfo, load_model_info
-from common.state import StateStore
-from common.telemetry import fastapi_telemetry, setup_tracing
+from common.cluster.state import ClusterState
+from common.runtime.telemetry import fastapi_telemetry, setup_tracing
+from common.text.model_info import ModelInfo, load_model_info
 from router.config import RouterConfig
 from router.errors import APIError, install_handlers
 from router.metrics import RouterMetrics
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def create_app(
     config: RouterConfig,
-    state: StateStore | None,
+    state: ClusterState | None,
     model_info: ModelInfo,
     *,
     http_client: httpx.AsyncClient | None = None,
@@ -106,7 +106,7 @@ def create_app(
 
     @app.get("/v1/requests/{request_id}")
     async def request_record(request_id: str) -> dict[str, Any]:
-        record = await state.get(request_id) if state is not None else None
+        record = await state.records.get(request_id) if state is not None else None
         if record is None:
             kept = "" if state is not None else " (this router keeps no records: no Redis configured)"
             raise APIError(404, f"no request `{request_id}`{kept}", "request_id", "request_not_found")
@@ -156,7 +156,7 @@ def build_app(config: RouterConfig | None = None) -> FastAPI:
     config.redis_url. Usable as a uvicorn factory: `uvicorn router.app:build_app --factory`."""
     config = config or RouterConfig()
     info = load_model_info(config.model)
-    state = StateStore.from_url(config.redis_url, config.redis_prefix) if config.redis_url else None
+    state = ClusterState.from_url(config.redis_url, config.redis_prefix) if config.redis_url else None
     return create_app(config, state, info, close_state=True)
 
 

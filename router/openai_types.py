@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from common.sampling_params import SamplingParams
 from router.errors import APIError, from_validation, invalid
 
 
@@ -75,18 +76,16 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        """SamplingParams fields for the services; stop strings stay at the router."""
-        return {
-            "max_tokens": max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": max(self.top_k, 0),
-            "seed": self.seed,
-            "ignore_eos": self.ignore_eos,
-            "stop_token_ids": [],
-            "min_tokens": 0,
-        }
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """The services' sampling parameters; stop strings stay at the router (it has the text)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=max(self.top_k, 0),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
 
 
 class CompletionRequest(_Common):

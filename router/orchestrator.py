@@ -1,7 +1,7 @@
 """One request's trip through a decode service, and a prefill service on the split path.
 
     split:  D /internal/generate (mode=remote) -> Reserved -> P /internal/prefill -> first token
-            -> TokenFrames from D (index 0 is the prefill's token again: skipped)
+            -> TokenFrames from D, from index 1 (token 0 reaches the router once, from P)
     local:  D /internal/generate (mode=local)  -> Reserved (no blocks to fill) -> TokenFrames
 
 `start()` returns once the first token is known, so every failure before it (no worker, all busy,
@@ -16,13 +16,15 @@ import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
+from common.cluster.records import IllegalTransition, RequestState
+from common.cluster.state import ClusterState
 from common.protocol import ErrorFrame, GenerateRequest, PrefillRequest, Reserved, TokenFrame, encode
-from common.state import IllegalTransition, RequestState, StateStore
-from common.telemetry import span_scope, traceparent, tracer
+from common.runtime.telemetry import span_scope, traceparent, tracer
+from common.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -70,7 +72,7 @@ class Orchestrator:
     def __init__(
         self,
         config: RouterConfig,
-        state: StateStore | None,
+        state: ClusterState | None,
         client: httpx.AsyncClient,
         metrics: RouterMetrics,
         router_id: str,
@@ -87,7 +89,7 @@ class Orchestrator:
         return Route("split", "long_prompt")
 
     def generation(
-        self, request_id: str, prompt_ids: list[int], sampling: dict[str, Any], model: str
+        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, model: str
     ) -> Generation:
         return Generation(self, request_id, prompt_ids, sampling, model)
 
@@ -99,7 +101,7 @@ class Generation:
     """start() once, next() until it returns None, close() always (it is idempotent)."""
 
     def __init__(
-        self, orch: Orchestrator, request_id: str, prompt_ids: list[int], sampling: dict[str, Any], model: str
+        self, orch: Orchestrator, request_id: str, prompt_ids: list[int], sampling: SamplingParams, model: str
     ) -> None:
         self.o, self.id, self.model = orch, request_id, model
         self.prompt_ids, self.sampling = prompt_ids, sampling
@@ -205,7 +207,7 @@ class Generation:
 
     # ---- decode service --------------------------------------------------------------------------
 
-    async def _open_decode(self, decodes: list[Worker], mode: str) -> Reserved:
+    async def _open_decode(self, decodes: list[Worker], mode: Literal["remote", "local"]) -> Reserved:
         """Open a generate stream on the least loaded D that accepts it; returns its Reserved frame."""
         body = encode(
             GenerateRequest(self.id, self.prompt_ids, self.sampling, mode, self.deadline, self._traceparent)
@@ -245,13 +247,13 @@ class Generation:
                 return None
 
     def _accept(self, index: int, token_ids: list[int]) -> list[int]:
-        """Keep only tokens past what we have: frames may repeat the prefill's first token."""
-        have = len(self.out_ids)
-        if index > have:
-            raise APIError(502, f"decode stream skipped tokens (frame index {index}, expected <= {have})")
-        new = list(token_ids[have - index :])
-        self.out_ids += new
-        return new
+        """Every output token arrives once, in order (token 0 from P on the split path): a frame that
+        does not continue exactly where we are is the decode service's bug, never shown to a client."""
+        if index != len(self.out_ids):
+            want = len(self.out_ids)
+            raise APIError(502, f"decode stream out of order (frame index {index}, expected {want})")
+        self.out_ids += token_ids
+        return list(token_ids)
 
     async def _close_decode(self) -> None:
         stream, self._stream = self._stream, None
@@ -291,7 +293,10 @@ class Generation:
             frame = asyncio.ensure_future(self._stream.next_frame())
             done, _ = await asyncio.wait({prefill, frame}, return_when=asyncio.FIRST_COMPLETED)
             if prefill in done:
-                frame.cancel()
+                if not frame.done():
+                    frame.cancel()
+                elif not frame.cancelled() and frame.exception() is None:
+                    self._stream.push_back(frame.result())  # both ended at once: keep the frame
                 return prefill.result()
             try:
                 got = frame.result()
@@ -315,7 +320,7 @@ class Generation:
         if self.o.state is None or self.route is None:
             return
         try:
-            await self.o.state.create(
+            await self.o.state.records.create(
                 self.id, model=self.model, prompt_tokens=len(self.prompt_ids), router_id=self.o.router_id,
                 route=self.route.record,
             )  # fmt: skip
@@ -328,7 +333,7 @@ class Generation:
         if self.o.state is None or not self._recorded or self.route is None:
             return
         try:
-            await self.o.state.set_fields(self.id, route=self.route.record)
+            await self.o.state.records.set_fields(self.id, route=self.route.record)
         except Exception:
             log.exception("request %s: could not record the route", self.id)
 
@@ -336,7 +341,7 @@ class Generation:
         if self.o.state is None or not self._recorded:
             return
         try:
-            await self.o.state.transition(self.id, new, **fields)
+            await self.o.state.records.transition(self.id, new, **fields)
         except IllegalTransition as e:
             # A service moved the record on first (or the table forbids this end from its state):
             # the request itself is unaffected.

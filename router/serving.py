@@ -17,9 +17,9 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 
-from common.engine.detokenizer import IncrementalDetokenizer
-from common.model.model_info import ModelInfo
-from common.telemetry import activate, context_from_headers, tracer
+from common.runtime.telemetry import activate, context_from_headers, tracer
+from common.text.detokenizer import IncrementalDetokenizer
+from common.text.model_info import ModelInfo
 from router.config import RouterConfig
 from router.errors import APIError, invalid
 from router.metrics import RouterMetrics

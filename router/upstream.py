@@ -19,6 +19,7 @@ import httpx
 
 from common.protocol import (
     AbortRequest,
+    DecodeFrame,
     ErrorFrame,
     FrameReader,
     PrefillRequest,
@@ -28,7 +29,7 @@ from common.protocol import (
     decode,
     encode,
 )
-from common.telemetry import inject_headers
+from common.runtime.telemetry import inject_headers
 from router.errors import APIError
 from router.workers import Worker
 
@@ -63,7 +64,7 @@ class DecodeStream:
     def __init__(self, worker: Worker, resp: httpx.Response, deadline: float) -> None:
         self.worker, self.deadline = worker, deadline
         self._resp, self._raw = resp, resp.aiter_raw()
-        self._reader, self._frames = FrameReader(), deque[Any]()
+        self._reader, self._frames = FrameReader(DecodeFrame), deque[Any]()
         # One task reads the response and queues its frames, so that waiting for a frame can be
         # cancelled safely (racing the prefill call, see Generation._run_prefill): cancelling a read
         # of the HTTP stream itself would close it.
@@ -195,9 +196,7 @@ async def error_text(resp: httpx.Response) -> str:
     """An upstream error body as text: an ErrorFrame's or a JSON error's message, else the raw text."""
     body = await resp.aread()
     with contextlib.suppress(ProtocolError):
-        msg = decode(body)
-        if isinstance(msg, ErrorFrame):
-            return msg.error
+        return decode(body, ErrorFrame).error
     with contextlib.suppress(ValueError, TypeError, KeyError):
         return str(json.loads(body)["error"]["message"])
     return f"HTTP {resp.status_code}: {body[:300].decode('utf-8', 'replace')}"

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.state import StateStore
+from common.cluster.state import ClusterState
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class WorkerPool:
     # request buys nothing but Redis round trips on the request path.
     CACHE_S = 0.25
 
-    def __init__(self, state: StateStore | None, decode_urls: list[str], prefill_urls: list[str]) -> None:
+    def __init__(self, state: ClusterState | None, decode_urls: list[str], prefill_urls: list[str]) -> None:
         self.state = state
         self.static = {"decode": list(decode_urls), "prefill": list(prefill_urls)}
         self.in_flight: Counter[str] = Counter()  # worker url -> requests this router has on it
@@ -41,7 +41,8 @@ class WorkerPool:
         elif self.state is not None:
             at, workers = self._cache.get(role, (0.0, []))
             if time.monotonic() - at > self.CACHE_S:
-                workers = [Worker(w.id, w.url.rstrip("/"), w.load) for w in await self.state.alive(role)]
+                alive = await self.state.registry.alive(role)
+                workers = [Worker(w.id, w.url.rstrip("/"), w.load) for w in alive]
                 self._cache[role] = (time.monotonic(), workers)
         else:
             workers = []

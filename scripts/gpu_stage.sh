@@ -18,7 +18,7 @@ rm -rf .gpu && mkdir -p .gpu/wheels .gpu/model
   -d .gpu/wheels \
   gguf pydantic pydantic-core pydantic-settings python-dotenv annotated-types typing-inspection msgpack
 
-model=$("$PY" -c 'from common.model.model_info import default_model_path; print(default_model_path())')
+model=$("$PY" -c 'from common.text.model_info import default_model_path; print(default_model_path())')
 split -b 48M "$model" .gpu/model/smollm2.gguf.part-
 (cd .gpu/model && sha256sum "$model" | awk '{print $1 "  smollm2.gguf"}' > smollm2.gguf.sha256)
 du -sh .gpu/wheels .gpu/model/* >&2

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from common.model.llama import LlamaForCausalLM
-from common.model.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +36,7 @@ def redis_url() -> Iterator[str]:
     """
     import os
 
-    from common.redis_server import RedisServer
+    from common.cluster.redis_server import RedisServer
 
     existing = os.environ.get("SPLITSERVE_TEST_REDIS_URL")
     if existing:

@@ -1,49 +1,77 @@
-"""The engine: one step = schedule() -> model_runner.run() -> postprocess()."""
+"""The engine: one step = schedule() -> model_runner.run() -> postprocess().
+
+Its boundary (common/engine/api.py): commands in (`handle`), one `StepResult` out per `step()`. It
+works in token ids only; text (detokenization, stop strings) belongs to whoever shows it: the router,
+or `generate()` here for offline use.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from common.config import EngineConfig
-from common.engine.detokenizer import IncrementalDetokenizer
+from common.engine.api import (
+    AddRequest,
+    Admission,
+    Command,
+    Finish,
+    KVArrived,
+    RemoteKV,
+    StepResult,
+    TokenOutput,
+)
 from common.engine.device import CPU_KV_CACHE_MB, Placement, graph_batch_sizes, kv_blocks_for_gpu
+from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner
-from common.engine.sampling_params import SamplingParams
 from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from common.engine.sequence import Sequence, SequenceStatus
+from common.engine.sequence import Sequence
+from common.engine.static_batching import StaticBatchScheduler
 from common.kv.block_manager import BlockManager
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.model.tokenizer import Tokenizer
+from common.protocol import KVCompat
+from common.sampling_params import SamplingParams
+from common.text.detokenizer import IncrementalDetokenizer
+from common.text.tokenizer import Tokenizer
 
 log = logging.getLogger("splitserve.engine")
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-
-
-@dataclass
 class Completion:
+    """One offline request's result (`generate`)."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
     finish_reason: str
+
+
+def kv_compat(model_config: ModelConfig, spec: KVCacheSpec) -> KVCompat:
+    """The transfer preflight's record for this model and KV cache: every field the KV bytes depend on."""
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
+        model_config.num_layers,
+        model_config.num_kv_heads,
+        model_config.head_dim,
+    ), f"KV cache spec {spec} does not match the model's shape"
+    return KVCompat(
+        model_id=model_config.model_id,
+        weights_hash=model_config.weights_hash,
+        dtype=str(spec.dtype).removeprefix("torch."),  # torch.bfloat16 -> "bfloat16"
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        block_size=spec.block_size,
+    )
 
 
 class LLMEngine:
@@ -53,6 +81,7 @@ class LLMEngine:
         tokenizer: Tokenizer,
         config: EngineConfig,
         placement: Placement | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -80,8 +109,13 @@ class LLMEngine:
             num_swap_blocks=config.swap_space_mb * 2**20 // spec.bytes_per_block,
             aging_s=config.aging_s,
         )
-        self.scheduler = Scheduler(sched_cfg, self.block_manager, tuple(mc.eos_token_ids))
-        self.runner = ModelRunner(model, self.kv_cache, self.placement.attention_backend)
+        self.connector = connector or KVConnector()
+        self.connector.bind(self.kv_cache)
+        scheduler = StaticBatchScheduler if config.policy == "static" else Scheduler
+        self.scheduler = scheduler(
+            sched_cfg, self.block_manager, tuple(mc.eos_token_ids), holds_blocks=self.connector.holds_blocks
+        )
+        self.runner = ModelRunner(model, self.kv_cache, self.placement.attention_backend, self.connector)
         if self.placement.cuda_graphs:
             t0 = time.monotonic()
             sizes = graph_batch_sizes(config.max_num_seqs)
@@ -93,15 +127,13 @@ class LLMEngine:
             num_blocks, config.block_size, num_blocks * spec.bytes_per_block / 2**20,
         )  # fmt: skip
         self._swapped_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self.last_step: SchedulerOutput | None = None  # for benchmarks and tests that inspect a step
+        self._seqs: dict[str, Sequence] = {}  # every request the engine knows, until it has let go of it
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, connector: KVConnector | None = None) -> LLMEngine:
         placement = Placement.from_config(config)
         model, tokenizer = load_model(config.model, dtype=placement.dtype)
-        return cls(model, tokenizer, config, placement)
+        return cls(model, tokenizer, config, placement, connector)
 
     def _kv_blocks(self, bytes_per_block: int) -> int:
         """KV blocks from kv_cache_memory_mb, or on a GPU (by default) from what is free after a
@@ -143,6 +175,19 @@ class LLMEngine:
         return max(0, int(peak))
 
     # --- requests ---------------------------------------------------------------------------------
+    def handle(self, cmd: Command) -> TokenOutput | None:
+        """Apply one command (between steps); a KVArrived whose token 0 already ends the request
+        returns that end as an output."""
+        match cmd:
+            case AddRequest():
+                rid, remote_kv = cmd.request_id, cmd.remote_kv
+                self.add_request(cmd.token_ids, cmd.params, rid, cmd.priority, remote_kv=remote_kv)
+            case KVArrived():
+                return self.kv_arrived(cmd.request_id, cmd.first_token)
+            case Finish():
+                self.finish(cmd.request_id, cmd.reason)
+        return None
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -150,12 +195,9 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         *,
-        remote_prefill: bool = False,
-        hold_blocks: bool = False,
-    ) -> Sequence:
-        """Queue a request. remote_prefill (decode service): reserve blocks and wait for a prefill
-        service to write the prompt's KV (`kv_arrived`). hold_blocks (prefill service): keep the
-        blocks after the request finishes until `release`, so its KV can still be sent."""
+        remote_kv: RemoteKV | None = None,
+    ) -> str:
+        """Queue a request; returns its id. ValueError if it can never run here (too long, id in use)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -169,62 +211,68 @@ class LLMEngine:
             raise ValueError(
                 f"{total} tokens need more KV blocks than the cache has ({self.block_manager.num_blocks})"
             )
-        seq = Sequence(ids, params, seq_id=request_id, priority=priority, arrival_time=time.monotonic())
+        now = time.monotonic()
+        seq = Sequence(ids, params, seq_id=request_id, priority=priority, arrival_time=now)
+        seq.remote_kv = remote_kv
         if seq.seq_id in self._seqs:
             raise ValueError(f"request id {seq.seq_id} is already in use")
         self._seqs[seq.seq_id] = seq
-        self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        seq.hold_blocks = hold_blocks
-        if remote_prefill:
-            self.scheduler.add_remote(seq)
-        else:
-            self.scheduler.add(seq)
-        return seq
+        self.scheduler.add(seq)
+        return seq.seq_id
 
-    def kv_arrived(self, request_id: str, first_token: int) -> RequestOutput:
-        """A prefill service wrote the prompt's KV into this request's reserved blocks."""
+    def kv_arrived(self, request_id: str, first_token: int) -> TokenOutput | None:
+        """A prefill service wrote the prompt's KV into this request's reserved blocks and sampled
+        token 0. KeyError if the request is gone (it was finished meanwhile)."""
         seq = self._seqs[request_id]
-        self.scheduler.kv_arrived(seq, first_token)
-        return self._output(seq, first_token)
+        reason = self.scheduler.kv_arrived(seq, first_token)
+        if reason is None:
+            return None
+        self._let_go(seq)
+        return TokenOutput(request_id, [], seq.num_output_tokens, reason)
 
-    def release(self, request_id: str) -> None:
-        """Free the blocks a hold_blocks request kept, now that its KV has been sent."""
-        self.scheduler.release(self._seqs[request_id])
-
-    def abort(self, request_id: str) -> None:
+    def finish(self, request_id: str, reason: str) -> None:
+        """End the request wherever it is (see api.Finish); a no-op for an unknown id."""
         seq = self._seqs.get(request_id)
-        if seq is not None and not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            self._release(seq)
+        if seq is not None:
+            self.scheduler.finish(seq, reason)
+            self._let_go(seq)
 
-    def get(self, request_id: str) -> Sequence | None:
-        return self._seqs.get(request_id)
-
-    def forget(self, seq: Sequence) -> None:
-        """Abort seq if it still runs and drop it; a no-op if the id now names another sequence."""
-        if self._seqs.get(seq.seq_id) is not seq:
-            return
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
-            self._release(seq)
-        if seq.seq_id in self.scheduler.held:
-            self.scheduler.release(seq)
-        del self._seqs[seq.seq_id]
-        self._detok.pop(seq.seq_id, None)
+    def _let_go(self, seq: Sequence) -> None:
+        """Forget a finished sequence, unless a transfer still holds its blocks (it stays findable)."""
+        if seq.is_finished and seq.seq_id not in self.scheduler.parked:
+            self._seqs.pop(seq.seq_id, None)
+            self._swapped_kv.pop(seq.seq_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def kv_compat(self) -> KVCompat:
+        """What a peer must match before KV moves between this engine's cache and its own."""
+        return kv_compat(self.model.config, self.kv_cache.spec)
+
     # --- one iteration ----------------------------------------------------------------------------
-    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[RequestOutput]:
+    def step(self) -> StepResult:
         out = self.scheduler.schedule()
-        self.last_step = out
         self._move_swapped(out)
-        if out.is_empty:
-            return []
-        sampled = self.runner.run(out, on_layer_done)
-        finished = set(map(id, self.scheduler.postprocess(out, sampled)))
-        return self._outputs(out, sampled, finished)
+        result = StepResult(
+            admitted=[Admission(s.seq_id, list(s.block_table), s.num_cached_tokens) for s in out.admitted],
+            preempted=[s.seq_id for s in out.preempted],
+            num_scheduled=len(out.scheduled) + len(out.padding),
+            num_padding=len(out.padding),
+            num_tokens=out.num_batched_tokens + len(out.padding),
+        )
+        if out.is_empty and not out.padding:
+            return result
+        meta = self.connector.build_meta(out)
+        sampled = self.runner.run(out, meta)
+        self.scheduler.postprocess(out, sampled)
+        for (seq, _), tok in zip(out.scheduled, sampled, strict=True):
+            if tok is None:
+                continue
+            index = seq.num_output_tokens - 1
+            result.outputs.append(TokenOutput(seq.seq_id, [tok], index, seq.finish_reason))
+            self._let_go(seq)
+        return result
 
     def _move_swapped(self, out: SchedulerOutput) -> None:
         for seq, blocks in out.swap_out:
@@ -233,51 +281,6 @@ class LLMEngine:
             saved = self._swapped_kv.pop(seq.seq_id)
             self.kv_cache.copy_in(seq.block_table[: saved[0].shape[1]], saved)
 
-    def _outputs(
-        self, out: SchedulerOutput, sampled: list[int | None], finished: set[int]
-    ) -> list[RequestOutput]:
-        return [
-            self._output(seq, tok)
-            for (seq, _), tok in zip(out.scheduled, sampled, strict=True)
-            if tok is not None and (not seq.padding or id(seq) in finished)
-        ]
-
-    def _output(self, seq: Sequence, tok: int) -> RequestOutput:
-        detok = self._detok[seq.seq_id]
-        new_text = detok.add(tok)
-        if detok.stopped and not seq.is_finished:
-            self.scheduler.finish(seq, "stop")
-        if seq.is_finished:
-            new_text += detok.flush()  # text held back in case a stop string was starting
-            self._release(seq)
-        return RequestOutput(
-            seq.seq_id,
-            [tok],
-            new_text,
-            seq.is_finished,
-            seq.finish_reason,
-            seq.num_prompt_tokens,
-            seq.num_output_tokens,
-        )
-
-    def _release(self, seq: Sequence) -> None:
-        self._swapped_kv.pop(seq.seq_id, None)
-
-    def text(self, request_id: str) -> str:
-        return self._detok[request_id].text
-
-    def pop_finished(self, request_id: str) -> Completion:
-        seq = self._seqs.pop(request_id)
-        assert seq.status is SequenceStatus.FINISHED, f"{request_id} has not finished"
-        detok = self._detok.pop(request_id)
-        return Completion(
-            request_id,
-            seq.token_ids[: seq.num_prompt_tokens],
-            seq.output_token_ids,
-            detok.text,
-            seq.finish_reason or "",
-        )
-
     # --- offline convenience ----------------------------------------------------------------------
     def generate(
         self,
@@ -285,18 +288,71 @@ class LLMEngine:
         params: SamplingParams | list[SamplingParams],
         progress: bool = False,
     ) -> list[Completion]:
+        """Run prompts to completion here; stop strings apply to the text."""
         prompts = list(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp).seq_id for p, sp in zip(prompts, plist, strict=True)]
+        runs = [self._start(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generate", unit="req")
-        while self.has_unfinished():
-            for o in self.step():
-                if o.finished and bar is not None:
-                    bar.update(1)
+            bar = tqdm(total=len(runs), desc="generate", unit="req")
+        for run in self._run(runs):
+            if run.finish_reason is not None and bar is not None:
+                bar.update(1)
         if bar is not None:
             bar.close()
-        return [self.pop_finished(i) for i in ids]
+        return [r.completion() for r in runs]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
+        """One prompt's text as it is generated (what `splitserve generate` prints)."""
+        run = self._start(prompt, params)
+        for _ in self._run([run]):
+            yield run.take_text()
+
+    def _start(self, prompt: str | list[int], params: SamplingParams) -> _OfflineRun:
+        rid = self.add_request(prompt, params)
+        seq = self._seqs[rid]
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        return _OfflineRun(rid, seq.token_ids[: seq.num_prompt_tokens], detok)
+
+    def _run(self, runs: list[_OfflineRun]) -> Iterator[_OfflineRun]:
+        """Step until every run ended; yields a run each time it got new output."""
+        by_id = {r.request_id: r for r in runs}
+        while self.has_unfinished():
+            for o in self.step().outputs:
+                run = by_id.get(o.request_id)
+                if run is None:
+                    continue
+                run.add(o)
+                if run.detok.stopped and o.finish_reason is None:
+                    self.finish(run.request_id, "stop")  # a stop string: text the engine cannot see
+                    run.finish_reason = "stop"
+                yield run
+
+
+@dataclass
+class _OfflineRun:
+    request_id: str
+    prompt_token_ids: list[int]
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    _text: str = ""  # produced and not yet taken by stream()
+
+    def add(self, o: TokenOutput) -> None:
+        for tok in o.token_ids:
+            self.token_ids.append(tok)
+            self._text += self.detok.add(tok)
+        if o.finish_reason is not None:
+            self.finish_reason = o.finish_reason
+            self._text += self.detok.flush()  # text held back in case a stop string was starting
+
+    def take_text(self) -> str:
+        text, self._text = self._text, ""
+        return text
+
+    def completion(self) -> Completion:
+        return Completion(
+            self.request_id, self.prompt_token_ids, self.token_ids, self.detok.text, self.finish_reason or ""
+        )

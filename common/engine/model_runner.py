@@ -6,16 +6,20 @@ own paged KV. Logits are computed only for the rows that sample.
 
 Inputs are built on the host and moved to the KV cache's device. With the Triton backend the metadata
 also goes over as device tensors (`KernelMetadata`); decode-only steps on a GPU replay CUDA graphs.
+
+When the step has KV to ship (a prefill service's connector built transfer metadata for it), the
+connector's worker side is called once per layer, as soon as that layer's K/V are in the cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from common.engine.cuda_graphs import DecodeGraphs
+from common.engine.kv_connector import KVConnector
 from common.engine.sampler import Sampler
 from common.engine.scheduler import SchedulerOutput
 from common.kv.kv_cache import PagedKVCache
@@ -38,9 +42,14 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: PagedKVCache, attention_backend: str = "torch"
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: PagedKVCache,
+        attention_backend: str = "torch",
+        connector: KVConnector | None = None,
     ) -> None:
         self.model = model
+        self.connector = connector or KVConnector()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler()
@@ -59,9 +68,10 @@ class ModelRunner:
         offsets, context length and block table."""
         bs = self.block_size
         step = StepInputs()
-        for seq, n in out.scheduled:
-            # padding (static baseline) recomputes its last token in place: same cost, no new KV
-            start = seq.num_tokens - 1 if seq.padding else seq.num_computed_tokens
+        # padding rows (static baseline) recompute their last token in place: same cost, no new KV
+        rows = [(seq, seq.num_computed_tokens, n, True) for seq, n in out.scheduled]
+        rows += [(seq, seq.num_tokens - 1, 1, False) for seq in out.padding]
+        for seq, start, n, samples in rows:
             end = start + n
             step.ids.extend(seq.token_ids[start:end])
             step.positions.extend(range(start, end))
@@ -70,7 +80,7 @@ class ModelRunner:
             step.query_start_loc.append(step.query_start_loc[-1] + n)
             step.context_lens.append(end)
             step.block_tables.append(bt[: -(-end // bs)])
-            if end == seq.num_tokens:
+            if samples and end == seq.num_tokens:
                 step.sample_rows.append(step.query_start_loc[-1] - 1)
         return step
 
@@ -87,15 +97,21 @@ class ModelRunner:
         return AttentionMetadata(qsl, ctx_lens, table_t, slot_t)
 
     @torch.inference_mode()
-    def run(
-        self, out: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None
-    ) -> list[int | None]:
-        """Forward the step and sample; one entry per scheduled sequence (None: chunk mid-prompt)."""
+    def run(self, out: SchedulerOutput, transfer: Any | None = None) -> list[int | None]:
+        """Forward the step and sample; one entry per scheduled sequence (None: chunk mid-prompt).
+        `transfer` is the connector's metadata for this step: each layer is handed to its worker side."""
         step = self.prepare(out)
         ids = torch.tensor(step.ids, dtype=torch.long)
         positions = torch.tensor(step.positions, dtype=torch.long)
         slots = torch.tensor(step.slots, dtype=torch.long)
-        if self.graphs is not None and on_layer_done is None and self._decode_only(step):
+        on_layer_done = None
+        if transfer is not None:
+            connector = self.connector
+
+            def on_layer_done(layer: int) -> None:
+                connector.save_layer(layer, transfer)
+
+        if self.graphs is not None and transfer is None and self._decode_only(step):
             # the graph's static buffers take the host tensors directly: no per-step metadata to build
             hidden = self.graphs.run(ids, positions, slots, step.context_lens, step.block_tables)
         else:
@@ -113,7 +129,7 @@ class ModelRunner:
             return result
         logits = self.model.compute_logits(hidden[step.sample_rows])  # (N, vocab)
         sampling = [
-            (i, seq) for i, (seq, n) in enumerate(out.scheduled) if step.context_lens[i] == seq.num_tokens
+            (i, seq) for i, (seq, _) in enumerate(out.scheduled) if step.context_lens[i] == seq.num_tokens
         ]
         tokens = self.sampler(
             logits, [s.params for _, s in sampling], [s.num_output_tokens for _, s in sampling]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, index) pairs over the seed space
 

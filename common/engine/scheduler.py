@@ -5,9 +5,13 @@ Every step re-decides the batch (Orca). Order of work within one step's token bu
      a sequence that needs a new KV block and finds none preempts the least urgent running one
   2. sequences swapped out to host memory come back before anything new is admitted
   3. waiting sequences are admitted while KV blocks, `max_num_seqs` and the budget allow
-Policies: `fcfs` (arrival order), `priority` (lower value first, aged so nothing starves), and
-`static`, the baseline: a fixed batch runs until its last member finishes, finished members keeping
-their slot as padding that is still computed, as in static-batching servers.
+Policies: `fcfs` (arrival order) and `priority` (lower value first, aged so nothing starves). The
+static-batching baseline is its own scheduler (common/engine/static_batching.py).
+
+Remote KV: a decode service's request waits in `reserving` until its prompt's blocks can be reserved,
+then sits in `parked` (holding them, never scheduled) until `kv_arrived`. A prefill service's request
+that finished while its KV is still being sent keeps its blocks in `parked` too, until the engine
+finishes it again once the transfer let go (`holds_blocks`, asked of the KV connector).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class SchedulerOutput:
     swap_in: list[Sequence] = field(default_factory=list)  # then copy saved KV into seq.block_table
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # got blocks this step (incl. reservations)
+    # static baseline only: finished members still computed (their last token again), nothing sampled
+    padding: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,46 +73,45 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids: tuple[int, ...] = (),
         clock: Callable[[], float] = time.monotonic,
+        holds_blocks: Callable[[Sequence], bool] = lambda seq: False,
     ) -> None:
         self.config = config
         self.bm = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
+        self.holds_blocks = holds_blocks  # does a KV transfer still use this finished sequence's blocks?
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
-        self.reserving: deque[Sequence] = deque()  # remote prefill: waiting for a block reservation
-        self.reserved: dict[str, Sequence] = {}  # remote prefill: blocks held, KV being written
-        self.held: dict[str, Sequence] = {}  # finished, blocks kept until their KV is sent
+        self.reserving: deque[Sequence] = deque()  # remote_kv="receive": waiting for a block reservation
+        self.parked: dict[str, Sequence] = {}  # holding blocks, never scheduled (see the module doc)
         self.swap_blocks_used = 0
         self.stats: Counter[str] = Counter()
         self._arrivals = 0  # tie-break for equal arrival times: order of add()
 
     # --- queue ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self._stamp(seq)
-        self.waiting.append(seq)
-
-    def _stamp(self, seq: Sequence) -> None:
+        """Queue seq; one whose prompt KV another service writes (remote_kv="receive") needs a reservation
+        first."""
         seq.status = SequenceStatus.WAITING
         if seq.arrival_time is None:
             seq.arrival_time = self.clock()
         self._arrivals += 1
         seq.arrival_order = self._arrivals
-
-    def add_remote(self, seq: Sequence) -> None:
-        """Queue a sequence whose prompt KV a prefill service will write: it needs a reservation."""
-        seq.remote_prefill = True
-        self._stamp(seq)
-        self.reserving.append(seq)
+        (self.reserving if seq.remote_kv == "receive" else self.waiting).append(seq)
 
     def has_work(self) -> bool:
-        """Anything a step would do (sequences in `reserved` wait for KV, not for a step)."""
+        """Anything a step would do (parked sequences wait for a transfer, not for a step)."""
         return bool(self.waiting or self.running or self.swapped or self.reserving)
 
     @property
     def num_active(self) -> int:
-        return len(self.running) + len(self.reserved)
+        """Sequences counted against max_num_seqs: running, and reservations waiting for their KV."""
+        return len(self.running) + sum(s.status is SequenceStatus.PARKED for s in self.parked.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.reserving)
 
     def _effective_priority(self, seq: Sequence, now: float) -> tuple[float, float, int]:
         """Sort key, most urgent first. Aging: each `aging_s` of waiting is worth one priority level."""
@@ -118,8 +123,6 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if self.config.policy == "static":
-            return self._schedule_static()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bs = self.bm.block_size
@@ -155,15 +158,16 @@ class Scheduler:
                 break
             self.reserving.popleft()
             self.bm.allocate(seq)
-            seq.status = SequenceStatus.RESERVED
-            self.reserved[seq.seq_id] = seq
+            seq.status = SequenceStatus.PARKED
+            self.parked[seq.seq_id] = seq
             out.admitted.append(seq)
 
     def kv_arrived(self, seq: Sequence, first_token: int) -> str | None:
         """The prefill service wrote every layer of the prompt and sampled the first token: the
         sequence joins the running batch at the next step. Returns a finish reason if that token
         already ends it."""
-        assert self.reserved.pop(seq.seq_id) is seq, f"{seq.seq_id} holds no reservation"
+        assert seq.status is SequenceStatus.PARKED, f"{seq.seq_id} holds no reservation ({seq.status})"
+        del self.parked[seq.seq_id]
         seq.num_computed_tokens = seq.num_tokens
         self.bm.commit(seq, seq.num_computed_tokens)
         seq.status = SequenceStatus.RUNNING
@@ -173,11 +177,6 @@ class Scheduler:
         if reason:
             self.finish(seq, reason)
         return reason
-
-    def release(self, seq: Sequence) -> None:
-        """Free the blocks a finished sequence kept (hold_blocks) once its KV has been sent."""
-        assert self.held.pop(seq.seq_id) is seq, f"{seq.seq_id} holds no blocks"
-        self.bm.free(seq)
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and self.num_active < self.config.max_num_seqs:
@@ -224,29 +223,6 @@ class Scheduler:
         else:
             for _ in admitted:
                 self.waiting.popleft()
-
-    def _schedule_static(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        if not self.running:
-            # Reserve every member's whole lifetime up front, as static batching does.
-            while self.waiting and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting[0]
-                lifetime = seq.num_tokens + seq.params.max_tokens
-                if not self.bm.can_allocate(seq, num_tokens=lifetime):
-                    break
-                self.waiting.popleft()
-                self.bm.allocate(seq, num_tokens=lifetime)
-                seq.num_computed_tokens = seq.num_cached_tokens
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-        budget = self.config.max_num_batched_tokens
-        for seq in self.running:
-            n = 1 if seq.padding else min(seq.num_uncomputed_tokens, budget)
-            if n == 0:
-                break
-            out.scheduled.append((seq, n))
-            budget -= n if not seq.padding else 0
-        return out
 
     # --- preemption -------------------------------------------------------------------------------
     def _pick_victim(self) -> Sequence:
@@ -298,8 +274,6 @@ class Scheduler:
         """Advance computed counts, append sampled tokens, finish sequences; returns those finished."""
         finished: list[Sequence] = []
         for (seq, n), tok in zip(out.scheduled, sampled, strict=True):
-            if seq.padding:
-                continue
             seq.num_computed_tokens += n
             self.bm.commit(seq, seq.num_computed_tokens)
             if tok is None:
@@ -309,10 +283,6 @@ class Scheduler:
             if reason:
                 self.finish(seq, reason)
                 finished.append(seq)
-        if self.config.policy == "static" and self.running and all(s.padding for s in self.running):
-            for seq in self.running:
-                self.bm.free(seq)
-            self.running.clear()
         self.stats["steps"] += 1
         return finished
 
@@ -326,24 +296,32 @@ class Scheduler:
             return "stop"
         return None
 
+    # --- the end of a sequence ------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End seq (stop, length, abort) and release what it holds."""
-        seq.finish_reason = reason
-        if self.config.policy == "static" and seq.status is SequenceStatus.RUNNING:
-            seq.padding = True  # keeps its slot until the whole batch is done
-        elif seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            if seq.hold_blocks:
-                self.held[seq.seq_id] = seq
-            else:
-                self.bm.free(seq)
-        elif seq.status is SequenceStatus.RESERVED:
-            del self.reserved[seq.seq_id]
+        """End seq (stop, length, abort, ...) wherever it is. Its blocks are freed, unless a KV transfer
+        still uses them (`holds_blocks`): then they stay parked with it until finish() is called again,
+        once the transfer let go. The one way a sequence ends and the one way its blocks go back."""
+        if seq.status is not SequenceStatus.FINISHED:
+            seq.finish_reason = reason
+            self._leave(seq)
+            seq.status = SequenceStatus.FINISHED
+        if seq.block_table and self.holds_blocks(seq):
+            self.parked[seq.seq_id] = seq
+            return
+        self.parked.pop(seq.seq_id, None)
+        if seq.block_table:
             self.bm.free(seq)
-        elif seq.status is SequenceStatus.SWAPPED:
+
+    def _leave(self, seq: Sequence) -> None:
+        """Take a live seq out of whichever queue holds it (its blocks stay with it)."""
+        status = seq.status
+        if status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif status is SequenceStatus.PARKED:
+            del self.parked[seq.seq_id]
+        elif status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.swap_blocks_used -= seq.num_swapped_blocks
             seq.num_swapped_blocks = 0
-        elif seq.status is SequenceStatus.WAITING:
+        elif status is SequenceStatus.WAITING:
             (self.reserving if seq in self.reserving else self.waiting).remove(seq)
-        seq.status = SequenceStatus.FINISHED

@@ -5,14 +5,15 @@ from __future__ import annotations
 import itertools
 from enum import Enum
 
-from common.engine.sampling_params import SamplingParams
+from common.engine.api import RemoteKV
+from common.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):
     WAITING = "waiting"  # queued, or preempted by recompute (holds no blocks)
     RUNNING = "running"  # holds blocks, scheduled every step
     SWAPPED = "swapped"  # preempted by swap: its KV sits in host memory
-    RESERVED = "reserved"  # holds blocks; a prefill service is writing its prompt's KV
+    PARKED = "parked"  # holds blocks, not scheduled: a KV transfer writes (receive) or reads (send) them
     FINISHED = "finished"
 
 
@@ -27,6 +28,7 @@ class Sequence:
         seq_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        remote_kv: RemoteKV | None = None,
     ) -> None:
         assert token_ids, "a sequence needs at least one prompt token"
         self.seq_id = seq_id if seq_id is not None else str(next(Sequence._ids))
@@ -44,9 +46,7 @@ class Sequence:
         self.num_swapped_blocks = 0  # blocks of KV held in host memory while SWAPPED
         self.finish_reason: str | None = None
         self.num_preemptions = 0
-        self.padding = False  # static batching: finished but still occupying its slot
-        self.remote_prefill = False  # decode side: the prompt's KV comes from a prefill service
-        self.hold_blocks = False  # prefill side: keep blocks after finishing until the KV is sent
+        self.remote_kv = remote_kv  # the prompt's KV comes from ("receive") or goes to ("send") elsewhere
 
     def __repr__(self) -> str:
         return (

@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 
 from common.model.config import ModelConfig, weights_hash
 from common.model.llama import LlamaForCausalLM
-from common.model.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 # Architectures whose converter permutes Q/K rows for llama.cpp's interleaved RoPE (which we undo).
 # Qwen2 is converted without the permutation (llama.cpp runs it in NEOX/half-split mode).

@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from common.model.llama import LlamaForCausalLM
-from common.model.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 
 def export_hf_folder(model: LlamaForCausalLM, tokenizer: Tokenizer, out: str | Path) -> Path:

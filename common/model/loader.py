@@ -7,8 +7,8 @@ import os
 import torch
 
 from common.model.llama import LlamaForCausalLM
-from common.model.model_info import default_model_path
-from common.model.tokenizer import Tokenizer
+from common.text.model_info import default_model_path
+from common.text.tokenizer import Tokenizer
 
 __all__ = ["default_model_path", "load_model"]
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from common.model.config import ModelConfig, weights_hash
 from common.model.llama import LlamaForCausalLM
-from common.model.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 

@@ -12,8 +12,8 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
 from common.kv.kv_cache import PagedKVCache
+from common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -86,17 +86,18 @@ def test_transports_move_vram_blocks_byte_exact(backend: str) -> None:
     if backend == "nixl":
         pytest.importorskip("nixl_cu12", reason="nixl-cu12 is not installed on this GPU machine")
     from kv_transfer import make_receiver, make_sender
-    from tests.integration.kv_helpers import DST, SPEC, SRC, compat
+    from tests.support.kv_helpers import DST, SPEC, SRC, Owner, compat
 
     src = _filled_cuda(SPEC, 1)
     dst = PagedKVCache(SPEC, device="cuda")
-    done: list[object] = []
+    owner = Owner()
+    done = owner.done
 
     async def main() -> None:
-        rx = make_receiver(backend, dst, compat(SPEC), lambda r, f: True, done.append)
+        rx = make_receiver(backend, dst, compat(SPEC), owner)
         endpoint = await rx.start()
         tx = make_sender(backend, src, compat(SPEC), sender_id="p0")
-        from tests.integration.kv_helpers import push
+        from tests.support.kv_helpers import push
 
         await push(tx, endpoint, "r1", 1, [0, 1, 2])
         async with asyncio.timeout(20):

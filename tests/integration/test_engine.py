@@ -6,7 +6,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",

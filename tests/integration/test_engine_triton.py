@@ -7,7 +7,7 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 pytest.importorskip("triton")
 

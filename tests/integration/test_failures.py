@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.cluster import Cluster, Proc, get_json
+from tests.support.cluster import Cluster, Proc, get_json
 
 pytestmark = pytest.mark.slow
 LEASE_S = 2.0

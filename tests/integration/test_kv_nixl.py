@@ -18,15 +18,16 @@ import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
 from common.protocol import KVDone
-from kv_transfer import TransferError, available_backends, make_receiver, make_sender
+from kv_transfer import Endpoint, TransferError, available_backends, make_receiver, make_sender
+from kv_transfer.backends.nixl import NixlReceiver, NixlSender  # imports no NIXL yet
 from kv_transfer.layout import block_bytes
-from kv_transfer.nixl import NixlReceiver, NixlSender, parse_endpoint  # imports no NIXL yet
-from tests.integration.kv_helpers import (
+from tests.support.kv_helpers import (
     DST,
     MISMATCHED,
     SPEC,
     SRC,
     LoopReceiver,
+    Owner,
     assert_moved,
     assert_preflight_refused_and_cached,
     assert_refused_untouched,
@@ -61,10 +62,11 @@ def test_layers_move_byte_exact_and_done_follows_them() -> None:
 
     r = asyncio.run(main())
     assert_moved(src, r.kv, [0, 2])
-    assert r.done == [KVDone("r1", 3, 42, 19)]
-    assert r.layers_at_done == [2]  # on_done ran after both layers' notifications
+    assert r.done == [KVDone("r1", 3, 42, 19, 2)]
+    assert r.layers_at_done == [2]  # kv_done reached the owner after both layers' notifications
+    assert r.owner.arrived == [("r1", 3, 0), ("r1", 3, 2)]
     assert r.rx.stats.bytes_received == 2 * len(DST) * 2 * block_bytes(src)
-    assert parse_endpoint(r.endpoint)[0] == "127.0.0.1"
+    assert Endpoint.parse(r.endpoint, "nixl").host == "127.0.0.1"
 
 
 def test_layers_move_byte_exact_between_processes(tmp_path: Path) -> None:
@@ -191,7 +193,7 @@ def test_concurrent_layers_then_done() -> None:
         async with Receiver(SPEC) as r:
             tx = NixlSender(src, compat(SPEC))
             await asyncio.gather(*[tx.send_layer(r.endpoint, "r", 1, layer, SRC, DST) for layer in range(3)])
-            await tx.send_done(r.endpoint, KVDone("r", 1, 0, 1))
+            await tx.send_done(r.endpoint, KVDone("r", 1, 0, 1, 3))
             await r.wait_done(1)
             await r.rx.wait_idle("r")
             await tx.close()
@@ -225,7 +227,7 @@ def test_backend_registry() -> None:
     assert available_backends() == ["tcp", "nixl", "torch_dist"]
     kv = PagedKVCache(SPEC)
     tx = make_sender("nixl", kv, compat(SPEC))
-    rx = make_receiver("nixl", kv, compat(SPEC), lambda r, f: True, print)
+    rx = make_receiver("nixl", kv, compat(SPEC), Owner())
     assert isinstance(tx, NixlSender) and isinstance(rx, NixlReceiver)
     asyncio.run(tx.close())
     asyncio.run(rx.close())

@@ -20,15 +20,17 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.protocol import PROTOCOL_VERSION, KVDone, KVHello, KVHelloReply, decode, frame
-from kv_transfer import TransferError
+from common.protocol import PROTOCOL_VERSION, KVDone, decode, frame
+from kv_transfer import Endpoint, TransferError
+from kv_transfer.backends.tcp import TcpReceiver, TcpSender
+from kv_transfer.control.messages import KVHello, KVHelloReply
 from kv_transfer.layout import block_bytes
-from kv_transfer.tcp import TcpReceiver, TcpSender, parse_endpoint
-from tests.integration.kv_helpers import (
+from tests.support.kv_helpers import (
     DST,
     MISMATCHED,
     SPEC,
     SRC,
+    Owner,
     assert_moved,
     assert_preflight_refused_and_cached,
     assert_refused_untouched,
@@ -44,18 +46,18 @@ class ThreadReceiver:
 
     def __init__(self, spec: KVCacheSpec, accept: Callable[[str, int], bool] = lambda r, f: True) -> None:
         self.kv = PagedKVCache(spec)
-        self.done: list[KVDone] = []
         self.layers_at_done: list[int] = []
         self._cv = threading.Condition()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.rx = TcpReceiver(self.kv, compat(spec), accept, self._on_done)
+        self.owner = Owner(accept, self._on_done)
+        self.done = self.owner.done
+        self.rx = TcpReceiver(self.kv, compat(spec), self.owner)
         self.endpoint = asyncio.run_coroutine_threadsafe(self.rx.start(), self.loop).result(10)
 
     def _on_done(self, msg: KVDone) -> None:
         with self._cv:
-            self.done.append(msg)
             self.layers_at_done.append(self.rx.stats.layers_received)
             self._cv.notify_all()
 
@@ -88,8 +90,9 @@ def test_layers_move_byte_exact_and_done_follows_them(receiver: ThreadReceiver) 
     asyncio.run(main())
     receiver.wait_done(1)
     assert_moved(src, receiver.kv, [0, 2])
-    assert receiver.done == [KVDone("r1", 3, 42, 19)]
-    assert receiver.layers_at_done == [2]  # on_done ran after both layers had landed
+    assert receiver.done == [KVDone("r1", 3, 42, 19, 2)]
+    assert receiver.layers_at_done == [2]  # kv_done reached the owner after both layers had landed
+    assert receiver.owner.arrived == [("r1", 3, 0), ("r1", 3, 2)]  # and so did each layer, in order
     assert receiver.rx.stats.bytes_received == 2 * len(DST) * 2 * block_bytes(src)
 
 
@@ -121,6 +124,7 @@ def test_stale_fence_is_drained_not_written_and_connection_stays_usable() -> Non
         assert_moved(src, receiver.kv, [1])  # only the current request's layer landed
         stats = receiver.rx.stats
         assert (stats.stale_drops, stats.layers_received) == (2, 1)
+        assert receiver.owner.arrived == [("new", 2, 1)]  # a drained layer never "arrived"
         # kv_done is passed on either way; the owner ignores one with a stale fence
         assert [d.request_id for d in receiver.done] == ["old", "new"]
     finally:
@@ -141,11 +145,35 @@ def test_preflight_mismatch_names_fields_is_cached_and_sends_nothing(receiver: T
 
 def _raw_client(endpoint: str) -> socket.socket:
     """A hand-driven connection that has passed the preflight."""
-    sock = socket.create_connection(parse_endpoint(endpoint), timeout=10)
-    sock.sendall(frame(KVHello(compat=dataclasses.asdict(compat(SPEC)))))
+    ep = Endpoint.parse(endpoint, "tcp")
+    sock = socket.create_connection((ep.host, ep.port), timeout=10)
+    sock.sendall(frame(KVHello(compat=compat(SPEC))))
     (n,) = struct.unpack(">I", sock.recv(4))
-    assert decode(sock.recv(n), expect=KVHelloReply).ok
+    assert decode(sock.recv(n), KVHelloReply).ok
     return sock
+
+
+def test_hello_of_another_protocol_version_is_refused_with_the_reason(receiver: ThreadReceiver) -> None:
+    ep = Endpoint.parse(receiver.endpoint, "tcp")
+    sock = socket.create_connection((ep.host, ep.port), timeout=10)
+    hello = {"kind": "kv_hello", "protocol_version": PROTOCOL_VERSION + 1, "compat": {}, "sender_id": "x"}
+    body = msgpack.packb(hello)
+    sock.sendall(struct.pack(">I", len(body)) + body)
+    (n,) = struct.unpack(">I", sock.recv(4))
+    reply = decode(sock.recv(n), KVHelloReply)
+    assert not reply.ok and f"protocol_version {PROTOCOL_VERSION + 1} is not supported" in reply.error
+    assert sock.recv(1) == b""  # and then it hung up
+    sock.close()
+    assert receiver.rx.stats.preflight_refusals == 1
+
+
+def test_an_oversized_frame_is_refused_before_it_is_read(receiver: ThreadReceiver) -> None:
+    sock = _raw_client(receiver.endpoint)
+    sock.sendall(struct.pack(">I", 1 << 31))  # claims 2 GiB: nothing is allocated, the peer is dropped
+    with contextlib.suppress(ConnectionResetError):
+        assert sock.recv(1) == b""
+    sock.close()
+    assert receiver.rx.stats.bad_messages == 1
 
 
 @pytest.mark.parametrize("nbytes_delta, block", [(-4, 3), (0, SPEC.num_blocks)])  # short payload; bad id
@@ -187,7 +215,7 @@ def test_concurrent_sends_to_one_endpoint_do_not_interleave(receiver: ThreadRece
         tx = TcpSender(src, compat(SPEC))
         layers = [tx.send_layer(receiver.endpoint, "r", 1, layer, SRC, DST) for layer in range(3)]
         await asyncio.gather(*layers)
-        await tx.send_done(receiver.endpoint, KVDone("r", 1, 0, 1))
+        await tx.send_done(receiver.endpoint, KVDone("r", 1, 0, 1, 3))
         await tx.close()
 
     asyncio.run(main())

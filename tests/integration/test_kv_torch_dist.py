@@ -20,22 +20,25 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.protocol import KVDone, KVLayerHeader, frame
+from common.protocol import KVDone, frame
 from kv_transfer import (
+    Endpoint,
     TransferError,
     available_backends,
     make_receiver,
     make_sender,
     resolve_backend,
 )
+from kv_transfer.backends.torch_dist import TorchDistReceiver, TorchDistSender
+from kv_transfer.control.messages import KVLayerHeader
 from kv_transfer.layout import block_bytes
-from kv_transfer.torch_dist import TorchDistReceiver, TorchDistSender, parse_endpoint
-from tests.integration.kv_helpers import (
+from tests.support.kv_helpers import (
     DST,
     MISMATCHED,
     SPEC,
     SRC,
     LoopReceiver,
+    Owner,
     assert_moved,
     assert_preflight_refused_and_cached,
     assert_refused_untouched,
@@ -68,10 +71,11 @@ def test_layers_move_byte_exact_and_done_follows_them() -> None:
 
     r, tx = asyncio.run(main())
     assert_moved(tx.kv, r.kv, [0, 2])
-    assert r.done == [KVDone("r1", 3, 42, 19)]
-    assert r.layers_at_done == [2]  # on_done ran after both layers were scattered
+    assert r.done == [KVDone("r1", 3, 42, 19, 2)]
+    assert r.layers_at_done == [2]  # kv_done reached the owner after both layers were scattered
+    assert r.owner.arrived == [("r1", 3, 0), ("r1", 3, 2)]
     assert r.rx.stats.bytes_received == tx.stats.bytes_sent == 2 * len(DST) * 2 * block_bytes(tx.kv)
-    assert parse_endpoint(r.endpoint)[0] == "127.0.0.1"
+    assert Endpoint.parse(r.endpoint, "torch_dist").host == "127.0.0.1"
 
 
 def test_layers_move_byte_exact_between_processes(tmp_path: Path) -> None:
@@ -163,8 +167,8 @@ def test_concurrent_layers_then_done_and_one_pair_per_endpoint() -> None:
             for i in range(2):
                 layers = [tx.send_layer(a.endpoint, f"a{i}", 1, layer, SRC, DST) for layer in range(3)]
                 await asyncio.gather(*layers, tx.send_layer(b.endpoint, f"b{i}", 1, i, SRC, DST))
-                await tx.send_done(a.endpoint, KVDone(f"a{i}", 1, 0, 1))
-                await tx.send_done(b.endpoint, KVDone(f"b{i}", 1, 0, 1))
+                await tx.send_done(a.endpoint, KVDone(f"a{i}", 1, 0, 1, 3))
+                await tx.send_done(b.endpoint, KVDone(f"b{i}", 1, 0, 1, 1))
             await a.wait_done(2)
             await b.wait_done(2)
             await a.rx.wait_idle("a1")
@@ -219,7 +223,7 @@ def test_bad_arguments_and_a_missing_receiver() -> None:
 
     asyncio.run(main())
     with pytest.raises(ValueError, match="torch_dist://host:port"):
-        parse_endpoint("tcp://127.0.0.1:1")
+        Endpoint.parse("tcp://127.0.0.1:1", "torch_dist")
 
 
 def test_backend_registry() -> None:
@@ -228,7 +232,7 @@ def test_backend_registry() -> None:
     assert resolve_backend("torch_dist") == ("torch_dist", "configured")
     kv = PagedKVCache(SPEC)
     tx = make_sender("torch_dist", kv, compat(SPEC))
-    rx = make_receiver("torch_dist", kv, compat(SPEC), lambda r, f: True, print)
+    rx = make_receiver("torch_dist", kv, compat(SPEC), Owner())
     assert isinstance(tx, TorchDistSender) and isinstance(rx, TorchDistReceiver)
     asyncio.run(tx.close())
     asyncio.run(rx.close())

@@ -8,12 +8,15 @@ import asyncio
 import uuid
 
 import httpx
+import msgspec
 import pytest
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
 from common.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    DecodeFrame,
     FrameReader,
     GenerateRequest,
     PrefillRequest,
@@ -23,7 +26,8 @@ from common.protocol import (
     decode,
     encode,
 )
-from tests.integration.cluster import Cluster
+from common.sampling_params import SamplingParams
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
@@ -73,12 +77,12 @@ async def run_request(
     stop_after: int | None = None,
 ) -> tuple[list[int], str | None]:
     rid = uuid.uuid4().hex
-    sampling = {"max_tokens": max_tokens}
+    sampling = SamplingParams(max_tokens=max_tokens)
     req = GenerateRequest(rid, ids, sampling, mode=mode)
     tokens: list[int] = []
     async with client.stream("POST", decode_url + "/internal/generate", content=encode(req)) as r:
         assert r.status_code == 200, await r.aread()
-        reader = FrameReader()
+        reader = FrameReader(DecodeFrame)
         async for chunk in r.aiter_bytes():
             for m in reader.feed(chunk):
                 if isinstance(m, Reserved) and mode == "remote":
@@ -90,6 +94,7 @@ async def run_request(
                     assert resp.status_code == 200, resp.text
                     result = decode(resp.content, PrefillResult)
                     assert result.transfer_bytes > 0
+                    tokens.append(result.first_token)  # token 0 comes from the prefill service, once
                 elif isinstance(m, TokenFrame):
                     assert m.index == len(tokens), "token frames arrive in order, none lost or repeated"
                     tokens += m.token_ids
@@ -141,9 +146,46 @@ def test_bad_internal_requests_are_refused(services) -> None:  # type: ignore[no
     _, prefill, decode_ = services
     r = httpx.post(decode_.url + "/internal/generate", content=b"\x93not msgpack map")
     assert r.status_code == 400 and "message" in r.json()["error"]
-    bad = GenerateRequest("x", [1, 2, 3], {"max_tokens": 0})
-    r = httpx.post(decode_.url + "/internal/generate", content=encode(bad))
-    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
-    pr = PrefillRequest("y", list(range(40)), {"max_tokens": 4}, "tcp://127.0.0.1:1", [1], 1)
+    VERSION = PROTOCOL_VERSION  # noqa: N806
+    good = {"kind": "generate", "protocol_version": PROTOCOL_VERSION, "request_id": "x", "token_ids": [1, 2],
+            "sampling": {"max_tokens": 4}}  # fmt: skip
+    for change, says in [
+        ({"sampling": {"max_tokens": 0}}, "max_tokens must be at least 1"),  # the struct's own check
+        ({"token_ids": "abc"}, "token_ids"),  # a wrong type, named, before any handler runs
+        ({"sampling": {"max_tokens": 4, "top_p": "1"}}, "top_p"),
+        ({"mode": "sideways"}, "mode"),
+        ({"protocol_version": 99}, f"protocol_version 99 is not supported (this side speaks {VERSION}"),
+        ({"kind": "prefill"}, "kind"),
+    ]:
+        r = httpx.post(decode_.url + "/internal/generate", content=msgspec.msgpack.encode({**good, **change}))
+        assert r.status_code == 400 and says in r.json()["error"]["message"], (change, r.text)
+    r = httpx.post(decode_.url + "/internal/generate", content=b"\x00\x00\x00" * (6 << 20))
+    assert r.status_code == 400 and "limit" in r.json()["error"]["message"]  # larger than a frame may be
+    pr = PrefillRequest("y", list(range(40)), SamplingParams(max_tokens=4), "tcp://127.0.0.1:1", [1], 1)
     r = httpx.post(prefill.url + "/internal/prefill", content=encode(pr))
     assert r.status_code == 400 and "blocks" in r.json()["error"]["message"]
+    for proc in (prefill, decode_):
+        h = httpx.get(proc.url + "/health").json()
+        assert h["free_blocks"] == h["total_blocks"] and h["running"] == h["waiting"] == 0, h  # nothing taken
+
+
+def test_a_request_id_in_progress_is_refused(services, prompts) -> None:  # type: ignore[no-untyped-def]
+    cluster, _, decode_ = services
+    req = GenerateRequest("busy-1", prompts[0], SamplingParams(max_tokens=200), mode="local")
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=120) as c:
+            url = decode_.url + "/internal/generate"
+            async with c.stream("POST", url, content=encode(req)) as first:
+                assert first.status_code == 200
+                again = await c.post(url, content=encode(req))
+                assert again.status_code == 409 and "in progress" in again.json()["error"]["message"]
+                abort = AbortRequest("busy-1")
+                r = await c.post(decode_.url + "/internal/abort", content=encode(abort))
+                assert r.status_code == 200  # answered once the first stream is gone
+                async with c.stream("POST", url, content=encode(req)) as retry:  # the id is free again
+                    assert retry.status_code == 200
+
+    asyncio.run(main())
+    h = cluster.wait_blocks_free(decode_)
+    assert h["free_blocks"] == h["total_blocks"], h

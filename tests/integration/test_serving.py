@@ -13,8 +13,8 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.engine.sampling_params import SamplingParams
-from tests.integration.cluster import Cluster, get_json
+from common.sampling_params import SamplingParams
+from tests.support.cluster import Cluster, get_json
 
 pytestmark = pytest.mark.slow
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
@@ -189,7 +189,7 @@ def test_bad_input_gets_openai_error(stack, body, what) -> None:  # type: ignore
 
 
 def test_no_decode_service_gives_503(stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tests.integration.cluster import free_port
+    from tests.support.cluster import free_port
 
     cluster = Cluster(None, str(tmp_path))
     try:

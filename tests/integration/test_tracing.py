@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.cluster import Cluster
+from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.slow
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")

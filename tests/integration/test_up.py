@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.integration.cluster import free_port
+from tests.support.cluster import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
         [
             sys.executable,
             "-m",
-            "common.cli",
+            "splitserve",
             "up",
             "--port",
             str(port),

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
+import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.protocol import KVLayerHeader
+from common.protocol import ProtocolError, decode
+from kv_transfer.control.messages import KVLayerHeader
 from kv_transfer.layout import block_bytes, byte_view, check_layer_header, layer_views, runs
 
 SPEC = KVCacheSpec(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=4)
@@ -50,4 +53,8 @@ def test_check_layer_header() -> None:
     assert "out of range" in (check_layer_header(_header([-1]), kv) or "")
     assert "layer" in (check_layer_header(_header([0], layer=2), kv) or "")
     assert "duplicate" in (check_layer_header(_header([3, 3]), kv) or "")
-    assert check_layer_header(KVLayerHeader("r", 1, 0, "xx", 0), kv) is not None  # type: ignore[arg-type]
+    # a mistyped header never reaches the check: it does not decode
+    bad = msgspec.msgpack.encode({"kind": "kv_layer", "request_id": "r", "fence": 1, "layer": 0,
+                                  "block_ids": "xx", "nbytes": 0, "protocol_version": 2})  # fmt: skip
+    with pytest.raises(ProtocolError, match="block_ids"):
+        decode(bad, KVLayerHeader)

@@ -11,7 +11,7 @@ import torch
 from common.model.config import ModelConfig, normalize_rope_scaling, rope_inv_freq, weights_hash
 from common.model.gguf_loader import unpermute_qk
 from common.model.loader import load_model
-from common.model.tokenizer import Tokenizer
+from common.text.tokenizer import Tokenizer
 
 LLAMA3 = {
     "rope_type": "llama3",

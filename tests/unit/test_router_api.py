@@ -11,11 +11,12 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from test_router_fakes import FakeCluster, make_router, model_info
 
+from common.sampling_params import SamplingParams
 from router.app import create_app
 from router.config import RouterConfig
 from router.errors import install_handlers
+from tests.support.router_fakes import FakeCluster, make_router, model_info
 
 pytestmark = pytest.mark.anyio
 CHAT = "/v1/chat/completions"
@@ -101,8 +102,7 @@ async def test_sampling_sent_to_services_and_extras_accepted(cluster: FakeCluste
         resp = await client.post(CHAT, json=body)
     assert resp.status_code == 200, resp.text
     sampling = cluster.generate_calls[0][1].sampling
-    assert sampling == {"max_tokens": 256, "temperature": 0, "top_p": 1.0, "top_k": 5, "seed": 7,
-                        "ignore_eos": True, "stop_token_ids": [], "min_tokens": 0}  # fmt: skip
+    assert sampling == SamplingParams(max_tokens=256, temperature=0.0, top_k=5, seed=7, ignore_eos=True)
 
 
 async def test_no_decode_service_is_503_with_retry_after(cluster: FakeCluster) -> None:

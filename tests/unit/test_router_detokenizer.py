@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import random
 
-from test_router_fakes import model_info
-
-from common.engine.detokenizer import IncrementalDetokenizer
+from common.text.detokenizer import IncrementalDetokenizer
+from tests.support.router_fakes import model_info
 
 
 class CharTokenizer:

@@ -7,7 +7,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from test_router_fakes import FakeCluster, FakeState, make_router, model_info, sse_events
+
+from tests.support.router_fakes import FakeCluster, FakeState, make_router, model_info, sse_events
 
 pytestmark = pytest.mark.anyio
 TEXT = "Hello wörld 😀 and the end. More text here"

@@ -13,6 +13,7 @@ from common.kv.kv_cache import KVCacheSpec, PagedKVCache
 from common.protocol import KVCompat
 from kv_transfer import make_receiver
 from router.config import RouterConfig
+from tests.support.kv_helpers import Owner
 
 
 def test_registered_url_and_name_default_to_the_bind_host() -> None:
@@ -49,8 +50,7 @@ def test_decode_kv_endpoint_carries_the_advertised_host() -> None:
             "tcp",
             PagedKVCache(spec),
             compat,
-            lambda r, f: True,
-            lambda m: None,
+            Owner(),
             host="127.0.0.1",
             advertise_host="decode-0",
         )
@@ -65,7 +65,7 @@ def test_decode_kv_endpoint_carries_the_advertised_host() -> None:
 def _service_args(argv: list[str]):  # type: ignore[no-untyped-def]
     import argparse
 
-    from common.launch import add_parsers
+    from splitserve.launch import add_parsers
 
     parser = argparse.ArgumentParser()
     add_parsers(parser.add_subparsers(dest="command"))
@@ -73,7 +73,7 @@ def _service_args(argv: list[str]):  # type: ignore[no-untyped-def]
 
 
 def test_port_comes_from_the_flag_then_the_environment_then_the_role(monkeypatch: pytest.MonkeyPatch) -> None:
-    from common.launch import service_configs
+    from splitserve.launch import service_configs
 
     monkeypatch.delenv("SPLITSERVE_PORT", raising=False)
     assert service_configs(_service_args(["prefill"]))[0].port == 8101

@@ -1,4 +1,4 @@
-"""common/telemetry.py: off by default (nothing propagates), W3C traceparent round trips when on;
+"""common/runtime/telemetry.py: off by default (nothing propagates), W3C traceparent round trips when on;
 the KV transfer's active time is the union of its writes' intervals."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from common import telemetry
+from common.runtime import telemetry
 
 
 def test_off_by_default_sends_nothing() -> None:
@@ -40,8 +40,8 @@ def test_traceparent_round_trip(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_active_transfer_time_is_the_union_of_writes() -> None:
-    from prefill_service.app import TransferJob
+    from common.connector.remote_kv import OutgoingKV, TransferState
 
-    job = TransferJob(req=None)  # type: ignore[arg-type]
+    job = OutgoingKV("r", 1, [0], TransferState.HELD)
     job.active = [(3.0, 4.0), (0.0, 1.0), (0.5, 2.0), (0.6, 0.7)]
     assert job.active_s() == pytest.approx(3.0)  # [0, 2] and [3, 4]; the gap is compute, not link

@@ -1,0 +1,1 @@
+"""Cluster state in Redis: request records, the worker registry, the transfer ledger; an embedded server."""

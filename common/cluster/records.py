@@ -1,0 +1,181 @@
+"""Request records in Redis: one hash per request, moved through a fixed state machine atomically.
+
+    req:{id}   hash: state, t_<state> per transition, history (JSON [[state, ts], ...]), worker ids,
+               token counts, finish_reason, error, model, route; TTL once terminal
+
+Every check-then-write runs as one Lua script, so concurrent writers cannot interleave between the
+check and the write. Transition timestamps come from the Redis server's clock (TIME): one clock for
+all services, so a request's timeline is ordered even when its hops run on different machines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+
+
+class RequestState(StrEnum):
+    QUEUED = "queued"
+    RESERVED = "reserved"  # decode service holds KV blocks for the prompt
+    PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+S = RequestState
+TERMINAL = frozenset({S.FINISHED, S.FAILED, S.CANCELLED})
+ABORT = frozenset({S.FAILED, S.CANCELLED})
+# Allowed moves. The local-prefill path goes RESERVED -> DECODING (the decode service prefills).
+# Any live state may fail or be cancelled; terminal states are final.
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.QUEUED: frozenset({S.RESERVED}) | ABORT,
+    S.RESERVED: frozenset({S.PREFILLING, S.DECODING}) | ABORT,
+    # back to RESERVED: the prefill or its transfer failed and a new reservation was made (retry on
+    # another prefill service, or recompute on the decode service)
+    S.PREFILLING: frozenset({S.TRANSFERRING, S.RESERVED}) | ABORT,
+    # FINISHED straight from TRANSFERRING: the first token (sampled by prefill) already ended it
+    S.TRANSFERRING: frozenset({S.DECODING, S.FINISHED, S.RESERVED}) | ABORT,
+    S.DECODING: TERMINAL,
+    S.FINISHED: frozenset(),
+    S.FAILED: frozenset(),
+    S.CANCELLED: frozenset(),
+}
+
+# Fields a record may carry besides state/timestamps/history, with the type get() restores.
+RECORD_FIELDS: dict[str, type] = {
+    "router_id": str,
+    "prefill_id": str,
+    "decode_id": str,
+    "model": str,
+    "route": str,  # "split" or "local:<reason>"
+    "prompt_tokens": int,
+    "output_tokens": int,
+    "finish_reason": str,
+    "error": str,
+}
+
+# KEYS[1] record. ARGV: new_state, ttl_s (0 = none), n, n allowed current states ("" = no record),
+# then field/value pairs. Returns {1, ts} on success, {0, current_state_or_""} when refused.
+_TRANSITION_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'state') or ''
+local n = tonumber(ARGV[3])
+local ok = false
+for i = 4, 3 + n do if ARGV[i] == cur then ok = true end end
+if not ok then return {0, cur} end
+local t = redis.call('TIME')
+local ts = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+-- history is appended as text so the timestamp keeps all its digits (cjson would round it)
+local entry = '["' .. ARGV[1] .. '",' .. ts .. ']'
+local hist = redis.call('HGET', KEYS[1], 'history')
+if hist and hist ~= '[]' then hist = string.sub(hist, 1, -2) .. ',' .. entry .. ']'
+else hist = '[' .. entry .. ']' end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 't_' .. ARGV[1], ts, 'history', hist, unpack(ARGV, 4 + n))
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return {1, ts}
+"""
+
+# HSET only on an existing record: an update never creates a stray one
+_SET_FIELDS_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+
+class IllegalTransition(ValueError):
+    """A transition the table does not allow (including any move out of a terminal state)."""
+
+    def __init__(self, request_id: str, current: RequestState, new: RequestState):
+        super().__init__(f"request {request_id!r}: illegal transition {current.name} -> {new.name}")
+        self.request_id, self.current, self.new = request_id, current, new
+
+
+class UnknownRequest(KeyError):
+    """transition() on a request id with no record (never created, or expired)."""
+
+
+class DuplicateRequest(ValueError):
+    """create() on a request id that already has a record."""
+
+
+class RequestRecords:
+    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: int = 3600) -> None:
+        self.redis, self.prefix, self.ttl_s = client, prefix, ttl_s
+        self._transition = client.register_script(_TRANSITION_LUA)
+        self._set_fields = client.register_script(_SET_FIELDS_LUA)
+
+    def key(self, request_id: str) -> str:
+        return f"{self.prefix}req:{request_id}"
+
+    async def create(self, request_id: str, **fields: Any) -> float:
+        """New record in QUEUED; returns its timestamp. DuplicateRequest if the id exists."""
+        ok, ts = await self._apply(request_id, S.QUEUED, [""], fields)
+        if not ok:
+            raise DuplicateRequest(f"request {request_id!r} already exists (state {ts})")
+        return float(ts)
+
+    async def transition(self, request_id: str, new_state: RequestState | str, **fields: Any) -> float:
+        """Move to new_state, recording t_<state> and a history entry, and set fields, atomically.
+
+        Returns the transition's timestamp. IllegalTransition if the table forbids the move (the record
+        is left untouched); UnknownRequest if there is no record.
+        """
+        new = RequestState(new_state)
+        allowed_from = [s.value for s, targets in TRANSITIONS.items() if new in targets]
+        ok, value = await self._apply(request_id, new, allowed_from, fields)
+        if ok:
+            return float(value)
+        if value == "":
+            raise UnknownRequest(f"request {request_id!r} has no record")
+        raise IllegalTransition(request_id, RequestState(value), new)
+
+    async def _apply(
+        self, request_id: str, new: RequestState, allowed_from: list[str], fields: Mapping[str, Any]
+    ) -> tuple[bool, str]:
+        ttl = self.ttl_s if new in TERMINAL else 0
+        args = [new.value, ttl, len(allowed_from), *allowed_from, *_pairs(fields)]
+        ok, value = await self._transition(keys=[self.key(request_id)], args=args)
+        return bool(ok), str(value)
+
+    async def set_fields(self, request_id: str, **fields: Any) -> bool:
+        """Update fields of an existing record without a transition (e.g. the route changed after a
+        failed prefill). Returns False if there is no record."""
+        pairs = _pairs(fields)
+        if not pairs:
+            return True
+        return bool(await self._set_fields(keys=[self.key(request_id)], args=pairs))
+
+    async def get(self, request_id: str) -> dict[str, Any] | None:
+        """The record with types restored (state as RequestState, numbers as numbers), or None."""
+        raw = cast(dict[str, str], await self.redis.hgetall(self.key(request_id)))
+        if not raw:
+            return None
+        record: dict[str, Any] = {}
+        for name, value in raw.items():
+            if name == "state":
+                record[name] = RequestState(value)
+            elif name == "history":
+                record[name] = [(RequestState(s), float(t)) for s, t in json.loads(value)]
+            elif name.startswith("t_"):
+                record[name] = float(value)
+            else:
+                record[name] = RECORD_FIELDS.get(name, str)(value)
+        return record
+
+
+def _pairs(fields: Mapping[str, Any]) -> list[str | int]:
+    """Field/value pairs for HSET, types checked against RECORD_FIELDS; None values are left out."""
+    pairs: list[str | int] = []
+    for name, value in fields.items():
+        if name not in RECORD_FIELDS:
+            raise ValueError(f"unknown request field {name!r}; known: {sorted(RECORD_FIELDS)}")
+        if value is not None:
+            pairs += [name, RECORD_FIELDS[name](value)]
+    return pairs

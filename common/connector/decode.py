@@ -1,0 +1,103 @@
+"""The decode service's KV connector: its reservations, and what its KV receiver asks and tells.
+
+Scheduler side (event loop, driven by the engine's admissions): `reserve` turns an admitted remote
+request into an IncomingKV with a new fence and a lease; `end` makes the fence stale, waits until no
+write lands any more and drops the lease, before the engine frees the blocks.
+Worker side (the receiver's callbacks, event loop): `may_write` checks the fence before any byte
+lands, `layer_arrived` counts the writes in place, `kv_done` lets the request decode only when every
+layer write the sender made has landed; otherwise the request ends with the reason.
+Engine thread: `holds_blocks` keeps a finished request's blocks while a transfer may still write them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+
+from common.connector.base import RemoteKVConnector
+from common.connector.remote_kv import IncomingKV, TransferState
+from common.engine.api import Admission
+from common.engine.sequence import Sequence
+from common.protocol import KVDone
+
+log = logging.getLogger(__name__)
+S = TransferState
+
+
+class DecodeConnector(RemoteKVConnector[IncomingKV]):
+    peer_gone = "prefill service lease expired before the KV arrived"
+
+    def __init__(
+        self,
+        on_arrived: Callable[[IncomingKV, KVDone], None],
+        on_failed: Callable[[IncomingKV, str], None],
+    ) -> None:
+        super().__init__(on_failed)  # incomplete KV, a lost peer: the service ends the request
+        self.on_arrived = on_arrived  # every layer and kv_done are in: resume the request
+        self._fences = itertools.count(1)
+
+    # --- scheduler side -------------------------------------------------------------------------------
+    async def reserve(self, a: Admission) -> IncomingKV:
+        """The engine reserved blocks for a remote request: a new fence, a lease, and the request is
+        open for writes under that fence."""
+        rkv = IncomingKV(a.request_id, next(self._fences), a.block_ids, S.RESERVED)
+        rkv.num_cached_tokens = a.num_cached_tokens
+        self.requests[a.request_id] = rkv
+        if self.leases is not None:
+            await self.leases.acquire(rkv)
+        return rkv
+
+    async def release_lease(self, rkv: IncomingKV) -> None:
+        """The KV arrived: the transfer is over and the blocks are the request's own."""
+        if self.leases is not None:
+            await self.leases.release(rkv)
+
+    async def end(self, rkv: IncomingKV, wait_idle: Callable[[str], Awaitable[None]]) -> None:
+        """The request is over here (finished, failed or abandoned): refuse its writes from now on, wait
+        until none is landing (`wait_idle`, the receiver's), drop the lease. Only then may the engine
+        free its blocks."""
+        if rkv.open:
+            rkv.state = S.ENDED
+            with contextlib.suppress(Exception):  # a broken transport has nothing left landing
+                await wait_idle(rkv.request_id)
+        await self._forget(rkv)
+
+    # --- engine thread --------------------------------------------------------------------------------
+    def holds_blocks(self, seq: Sequence) -> bool:
+        rkv = self.requests.get(seq.seq_id)
+        return rkv is not None and rkv.open
+
+    # --- worker side: the receiver ------------------------------------------------------------------
+    def _current(self, request_id: str, fence: int) -> IncomingKV | None:
+        rkv = self.requests.get(request_id)
+        if rkv is None or rkv.fence != fence or rkv.state not in (S.RESERVED, S.RECEIVING):
+            return None
+        return rkv
+
+    def may_write(self, request_id: str, fence: int) -> bool:
+        rkv = self._current(request_id, fence)
+        if rkv is None:
+            return False
+        rkv.state = S.RECEIVING
+        return True
+
+    def layer_arrived(self, request_id: str, fence: int, layer: int) -> None:
+        rkv = self._current(request_id, fence)
+        if rkv is not None:
+            rkv.layers_arrived += 1
+
+    def kv_done(self, msg: KVDone) -> None:
+        rkv = self._current(msg.request_id, msg.fence)
+        if rkv is None:
+            log.warning("dropping kv_done for %s with stale fence %d", msg.request_id, msg.fence)
+            return
+        if rkv.layers_arrived != msg.layer_writes:
+            # Decoding now would read blocks some layer never reached: end it, never serve it.
+            rkv.state = S.ENDED
+            why = f"KV incomplete: {rkv.layers_arrived} of {msg.layer_writes} layer writes arrived"
+            self.on_failed(rkv, why)
+            return
+        rkv.state = S.ARRIVED  # any later write under this fence is stale
+        self.on_arrived(rkv, msg)

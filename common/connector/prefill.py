@@ -1,0 +1,178 @@
+"""The prefill service's KV connector: ships each request's prompt KV into a decode service's reserved
+blocks, layer by layer, while the rest of the step computes.
+
+Scheduler side. Event loop: `add` registers a request's destination (endpoint, blocks, fence) and
+takes its lease before the engine sees it; `finish_sending` waits for its writes and sends kv_done;
+`stop` and `settle` end it. Engine thread, between steps: `build_meta` turns the step's schedule into
+the block ranges each request ships this step; `holds_blocks` keeps a finished request's blocks until
+its writes are done.
+Worker side (engine thread, inside the forward pass): `save_layer(i, meta)` posts layer i's writes to
+the event loop as soon as the layer is in the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from common.connector.base import RemoteKVConnector
+from common.connector.remote_kv import OutgoingKV, TransferState
+from common.engine.scheduler import SchedulerOutput
+from common.engine.sequence import Sequence
+from common.kv.kv_cache import PagedKVCache
+from common.protocol import KVDone, PrefillRequest
+from common.runtime.telemetry import span_ctx, traceparent, tracer
+
+S = TransferState
+_tracer = tracer(__name__)
+
+
+class KVSink(Protocol):
+    """What the connector needs of a KV sender (kv_transfer.KVSender is one)."""
+
+    async def send_layer(
+        self,
+        endpoint: str,
+        request_id: str,
+        fence: int,
+        layer: int,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        traceparent: str | None = None,
+    ) -> None: ...
+
+    async def send_done(self, endpoint: str, msg: KVDone) -> None: ...
+
+
+@dataclass(frozen=True)
+class LayerWrite:
+    """One request's share of a step: these source blocks go to those destination blocks, every layer."""
+
+    rkv: OutgoingKV
+    src: list[int]
+    dst: list[int]
+    tokens: int  # tokens of the request this step computes
+
+
+@dataclass(frozen=True)
+class SaveMeta:
+    """A step's transfer work, built once before the forward pass (no Sequence is read inside it)."""
+
+    writes: list[LayerWrite]
+    last_layer: int
+
+
+class PrefillConnector(RemoteKVConnector[OutgoingKV]):
+    peer_gone = "decode service lease expired"
+
+    def __init__(
+        self, sender_for: Callable[[str], KVSink], on_failed: Callable[[OutgoingKV, str], None]
+    ) -> None:
+        super().__init__(on_failed)  # the decode side is gone: the service ends the request
+        self.sender_for = sender_for  # the sender for a decode service's endpoint (its scheme names it)
+        self.block_size = self.num_layers = self.block_bytes = 0  # from bind()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self, kv: PagedKVCache) -> None:
+        s = kv.spec
+        self.block_size, self.num_layers = s.block_size, s.num_layers
+        self.block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * kv.k.element_size()  # K and V
+
+    # --- scheduler side: event loop -------------------------------------------------------------------
+    async def add(self, req: PrefillRequest, trace_ctx: Any = None) -> OutgoingKV:
+        """Register where req's KV goes (before the engine sees the request) and lease our blocks."""
+        self._loop = asyncio.get_running_loop()
+        rkv = OutgoingKV(req.request_id, req.fence, req.block_ids, S.HELD)
+        rkv.endpoint, rkv.skip_blocks = req.kv_endpoint, req.num_cached_tokens // self.block_size
+        rkv.trace_ctx, rkv.traceparent = trace_ctx, req.traceparent
+        self.requests[req.request_id] = rkv
+        if self.leases is not None:
+            await self.leases.acquire(rkv)
+        return rkv
+
+    async def finish_sending(self, rkv: OutgoingKV, first_token: int, num_tokens: int) -> None:
+        """The prompt is computed and token 0 sampled (so every layer write is posted): wait for them,
+        then tell the decode service, ordered after the layers on the same sender. TransferError if a
+        write or the notification failed."""
+        for w in rkv.writes:
+            await asyncio.wrap_future(w)
+        msg = KVDone(rkv.request_id, rkv.fence, first_token, num_tokens, len(rkv.writes), rkv.traceparent)
+        await self.sender_for(rkv.endpoint).send_done(rkv.endpoint, msg)
+        rkv.state = S.SENT
+
+    def stop(self, rkv: OutgoingKV) -> None:
+        """Post no more writes for rkv (writes already posted still run: `settle` waits for them)."""
+        if rkv.open:
+            rkv.state = S.ENDED
+
+    async def settle(self, rkv: OutgoingKV) -> None:
+        """After the engine stopped computing rkv (its first token, or a Finish): wait until no write
+        reads its blocks, then let go of them and of the lease. The engine frees the blocks at the next
+        Finish."""
+        self.stop(rkv)
+        for w in rkv.writes:
+            with contextlib.suppress(Exception):  # a failed write reads nothing any more
+                await asyncio.wrap_future(w)
+        rkv.released = True
+        await self._forget(rkv)
+
+    # --- scheduler side: engine thread ----------------------------------------------------------------
+    def holds_blocks(self, seq: Sequence) -> bool:
+        rkv = self.requests.get(seq.seq_id)
+        return rkv is not None and not rkv.released
+
+    def build_meta(self, out: SchedulerOutput) -> SaveMeta | None:
+        """Which blocks each request ships this step: the blocks its chunk wrote (a chunk resends the
+        block it started in, partly filled by the chunk before), plus, with its first chunk, prefix
+        blocks this service had cached; never blocks the decode service already holds."""
+        bs, writes = self.block_size, []
+        for seq, n in out.scheduled:
+            rkv = self.requests.get(seq.seq_id)
+            if rkv is None or rkv.state is not S.HELD:
+                continue
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            first = max(0 if rkv.first_chunk else start // bs, rkv.skip_blocks)
+            last = -(-end // bs)
+            rkv.first_chunk = False
+            if first < last:
+                writes.append(LayerWrite(rkv, seq.block_table[first:last], rkv.block_ids[first:last], n))
+        return SaveMeta(writes, self.num_layers - 1) if writes else None
+
+    # --- worker side: engine thread, inside the forward pass ------------------------------------------
+    def save_layer(self, layer: int, meta: SaveMeta) -> None:
+        """Layer `layer` of the step is in the cache: post its writes; the next layer computes while
+        the bytes move."""
+        assert self._loop is not None
+        now = time.time_ns()
+        for w in meta.writes:
+            rkv = w.rkv
+            if layer == 0:
+                rkv.chunks.append([now, 0, w.tokens])
+            if layer == meta.last_layer and rkv.chunks:
+                rkv.chunks[-1][1] = now
+            if rkv.state is not S.HELD:
+                continue  # stopped meanwhile
+            if not rkv.writes:  # the transfer starts with its first write
+                rkv.span = _tracer.start_span("kv.transfer", context=rkv.trace_ctx)
+                rkv.traceparent = traceparent(span_ctx(rkv.span)) or rkv.traceparent
+            sender = self.sender_for(rkv.endpoint)
+            coro = sender.send_layer(
+                rkv.endpoint, rkv.request_id, rkv.fence, layer, w.src, w.dst, traceparent=rkv.traceparent
+            )
+            rkv.writes.append(asyncio.run_coroutine_threadsafe(_timed(coro, rkv.active), self._loop))
+            rkv.nbytes += len(w.dst) * self.block_bytes
+            rkv.dst_blocks.update(w.dst)
+            rkv.layers.add(layer)
+
+
+async def _timed(coro: Coroutine[Any, Any, None], active: list[tuple[float, float]]) -> None:
+    """Run one layer write, noting when it was in flight (for the active transfer time)."""
+    t0 = time.perf_counter()
+    try:
+        await coro
+    finally:
+        active.append((t0, time.perf_counter()))

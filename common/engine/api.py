@@ -1,0 +1,93 @@
+"""What crosses the engine's boundary: typed commands in, one `StepResult` out per step.
+
+A service never reaches into the engine: it submits commands (run on the engine thread between two
+steps) and reads what each step did from its result. Nothing else about a request leaves the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from common.sampling_params import SamplingParams
+
+RemoteKV = Literal["receive", "send"]
+"""How a request's KV relates to another service: "receive" (decode service: reserve blocks for the
+prompt and wait until a prefill service has written them), "send" (prefill service: the KV connector
+streams the prompt's KV out layer by layer and holds its blocks until the transfer let go)."""
+
+
+# --- commands ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower runs first (priority policy)
+    remote_kv: RemoteKV | None = None
+
+
+@dataclass(frozen=True)
+class KVArrived:
+    """Decode service: a prefill service wrote every layer of the prompt and sampled token 0; the
+    request joins the running batch at the next step (token 0 is not output again: the router has it)."""
+
+    request_id: str
+    first_token: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """End the request wherever it is, with this reason; its blocks are freed as soon as no KV transfer
+    holds them (the connector says). Finishing an ended request frees blocks a transfer held; an
+    unknown id is a no-op."""
+
+    request_id: str
+    reason: str
+
+
+Command = AddRequest | KVArrived | Finish
+
+
+# --- results ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Admission:
+    """The request got its KV blocks this step: a reservation (remote_kv="receive"), or admission to
+    compute its prompt here."""
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int  # prompt tokens found in the prefix cache
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """New output tokens of one request; `index` is the output position of token_ids[0]. The request's
+    last output has a finish_reason, and may have no token (token 0 from a prefill service ended it)."""
+
+    request_id: str
+    token_ids: list[int]
+    index: int
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepResult:
+    admitted: list[Admission] = field(default_factory=list)
+    outputs: list[TokenOutput] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    num_scheduled: int = 0  # sequences whose tokens the step computed
+    num_padding: int = 0  # of those, finished members a static batch still computes (baseline only)
+    num_tokens: int = 0  # tokens the step computed
+
+    @property
+    def finished(self) -> list[TokenOutput]:
+        return [o for o in self.outputs if o.finished]
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.admitted or self.outputs or self.preempted or self.num_scheduled)

@@ -1,0 +1,1 @@
+"""What a service process shares: the app factory, metrics, telemetry."""

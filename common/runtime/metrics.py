@@ -1,0 +1,121 @@
+"""A prefill or decode service's Prometheus metrics: histograms and counters observed as requests go,
+and the engine's, leases' and KV transport's figures read at scrape time (nothing on the hot path)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from common.engine.llm_engine import LLMEngine
+
+# Seconds. Queue waits and TTFT span a crowded queue; ITL/TPOT one engine step.
+_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class ServiceMetrics:
+    """A service's own registry: histograms and counters observed as requests go, plus the engine's
+    and the KV transport's figures, read at scrape time by `_EngineCollector` (nothing on the hot path)."""
+
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.role = role
+        self.requests = Counter("splitserve_requests", "requests by outcome", ["role", "outcome"], registry=r)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, registry=r, buckets=buckets)
+
+        self.queue_wait = hist(
+            "splitserve_queue_wait_seconds", "arrival to admission (KV blocks granted)", _WAIT_BUCKETS
+        )
+        self.ttft = hist(
+            "splitserve_ttft_seconds",
+            "arrival to the first token known here (prefill: sampled; decode: first frame sent)",
+            _WAIT_BUCKETS,
+        )
+        self.itl = hist("splitserve_itl_seconds", "gap between token frames sent (decode)", _STEP_BUCKETS)
+        self.tpot = hist(
+            "splitserve_tpot_seconds", "per-request mean time per output token after the first", _STEP_BUCKETS
+        )
+        self.e2e = hist("splitserve_e2e_seconds", "arrival to the request's end here", _E2E_BUCKETS)
+        self.prefill_compute = hist(
+            "splitserve_prefill_compute_seconds", "first prefill chunk start to last chunk end", _WAIT_BUCKETS
+        )
+        self.transfer = hist(
+            "splitserve_kv_transfer_seconds",
+            "first layer write to kv_done delivered (prefill)",
+            _WAIT_BUCKETS,
+        )
+        self.transfer_active = hist(
+            "splitserve_kv_transfer_active_seconds",
+            "time at least one layer write was in flight (prefill); bandwidth = "
+            "rate(splitserve_kv_transfer_bytes_total) / rate(this _sum)",
+            _WAIT_BUCKETS,
+        )
+        self.transfer_failures = Counter(
+            "splitserve_kv_transfer_failures", "KV transfers that failed, by reason", ["reason"], registry=r
+        )
+
+
+class EngineCollector:
+    """Gauges and counters read from the engine, block manager, leases and KV transport per scrape.
+    Read from the event-loop thread while the engine thread runs: approximate by nature."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        load: Callable[[], dict[str, Any]],
+        expired_leases: Callable[[], int],
+        transfer_counters: Callable[[], list[tuple[str, str, int]]],
+    ) -> None:
+        self.engine, self.load = engine, load
+        self.expired_leases, self.transfer_counters = expired_leases, transfer_counters
+
+    def collect(self) -> Iterator[Metric]:
+        load, bm = self.load(), self.engine.block_manager
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        yield gauge(
+            "splitserve_running_sequences", "sequences running or holding a reservation", load["running"]
+        )
+        yield gauge(
+            "splitserve_waiting_sequences", "queue depth: sequences waiting for KV blocks", load["waiting"]
+        )
+        yield gauge(
+            "splitserve_kv_blocks_free", "free KV blocks (incl. evictable cached ones)", load["free_blocks"]
+        )
+        yield gauge(
+            "splitserve_kv_blocks_used", "KV blocks in use", load["total_blocks"] - load["free_blocks"]
+        )
+        yield gauge("splitserve_kv_blocks_total", "KV blocks", load["total_blocks"])
+        preempt = CounterMetricFamily("splitserve_preemptions", "preemptions by kind", labels=["kind"])
+        for key, n in list(self.engine.scheduler.stats.items()):
+            if key.startswith("preempt_"):
+                preempt.add_metric([key.removeprefix("preempt_")], n)
+        yield preempt
+        queries, hits = bm.prefix_queries, bm.prefix_hits
+        yield CounterMetricFamily(
+            "splitserve_prefix_cache_queries",
+            "full prompt blocks looked up in the prefix cache",
+            value=queries,
+        )
+        yield CounterMetricFamily(
+            "splitserve_prefix_cache_hits", "prompt blocks found in the prefix cache", value=hits
+        )
+        yield gauge(
+            "splitserve_prefix_cache_hit_rate", "hits / queries since start", hits / queries if queries else 0
+        )
+        yield CounterMetricFamily(
+            "splitserve_expired_peer_leases",
+            "transfers ended because the peer's lease expired",
+            value=self.expired_leases(),
+        )
+        for name, doc, value in self.transfer_counters():
+            yield CounterMetricFamily(name, doc, value=value)

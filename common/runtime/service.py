@@ -1,0 +1,287 @@
+"""What the prefill and decode services share: the engine thread, the registry heartbeat and lease
+upkeep, the table of requests in progress (one per id at a time; abort ends one and waits until it is
+gone), request-record updates that never take a request down, msgpack bodies and the common routes
+(/health, /metrics, /internal/abort)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Message as ASGIMessage
+
+from common.cluster.leases import LeaseKeeper
+from common.cluster.records import IllegalTransition, RequestState, UnknownRequest
+from common.cluster.registry import Heartbeat
+from common.cluster.state import ClusterState
+from common.config import ServiceConfig
+from common.engine.async_engine import AsyncEngine
+from common.engine.llm_engine import LLMEngine
+from common.protocol import MAX_FRAME_BYTES, AbortRequest, Message, ProtocolError, decode, encode
+from common.runtime.metrics import EngineCollector, ServiceMetrics
+from common.runtime.telemetry import fastapi_telemetry, setup_tracing
+
+log = logging.getLogger(__name__)
+MSGPACK = "application/msgpack"
+ABORT_WAIT_S = 30.0  # /internal/abort waits this long for the request to be gone
+M = TypeVar("M", bound=Message)
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """The service ends a request itself (abort, a lost peer, incomplete KV); `code` is HTTP-like."""
+
+    request_id: str
+    error: str
+    code: int
+
+
+@dataclass(eq=False)
+class Job:
+    """A request this service is working on: its events (the engine's admissions and outputs, and the
+    service's own Interrupts) in one queue, and when its handler has let go of everything."""
+
+    request_id: str
+    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class RequestInUse(ValueError):
+    """A request id this service is still working on (a retry must abort the old one first)."""
+
+
+class RequestIdMiddleware:
+    """x-request-id on every response: the message's request id when the handler read one
+    (`read_message` puts it in request.state), else a fresh id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+
+        async def send_with_id(message: ASGIMessage) -> None:
+            if message["type"] == "http.response.start":
+                rid = state.get("request_id") or f"req-{uuid.uuid4().hex}"
+                headers = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class Service:
+    """One engine-backed service: engine thread, KV connector, optional Redis state, heartbeat and
+    leases, metrics, and the requests in progress."""
+
+    def __init__(self, cfg: ServiceConfig, engine: LLMEngine) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.aengine = AsyncEngine(engine)
+        self.jobs: dict[str, Job] = {}
+        self.state: ClusterState | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.leases: LeaseKeeper | None = None
+        self.metrics = ServiceMetrics(cfg.role)
+        self.metrics.registry.register(
+            EngineCollector(
+                engine, self.load, lambda: self.leases.expired if self.leases else 0, self.transfer_counters
+            )
+        )
+        setup_tracing(cfg.role)
+
+    def load(self) -> dict[str, Any]:
+        """Load figures for the registry (read from another thread: approximate by nature)."""
+        sched, bm = self.engine.scheduler, self.engine.block_manager
+        return {
+            "running": sched.num_active,
+            "waiting": sched.num_waiting,
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+        }
+
+    def transfer_counters(self) -> list[tuple[str, str, int]]:
+        """(name, help, value) of the KV transport's counters, for /metrics."""
+        return []
+
+    def queue_full(self) -> bool:
+        return self.engine.scheduler.num_waiting >= self.cfg.max_queue
+
+    async def start(self, kv_endpoint: str = "") -> None:
+        self.aengine.start()
+        if not self.cfg.redis_url:
+            return
+        self.state = ClusterState.from_url(self.cfg.redis_url)
+        capacity = {
+            "total_blocks": self.engine.block_manager.num_blocks,
+            "block_size": self.engine.config.block_size,
+            "max_num_seqs": self.engine.config.max_num_seqs,
+        }
+        self.heartbeat = Heartbeat(
+            self.state.registry,
+            self.cfg.worker_name,
+            self.cfg.role,
+            self.cfg.url,
+            kv_endpoint,
+            capacity,
+            self.load,
+            self.cfg.heartbeat_s,
+        )
+        await self.heartbeat.start()
+        connector: Any = self.engine.connector  # the role's connector: holders, peer_lost, leases
+        self.leases = LeaseKeeper(
+            self.state.leases,
+            self.cfg.role,
+            self.cfg.worker_name,
+            self.cfg.lease_s,
+            connector.holders,
+            connector.peer_lost,
+        )
+        connector.leases = self.leases
+        await self.leases.start()
+
+    async def stop(self) -> None:
+        if self.leases is not None:
+            await self.leases.stop()
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        if self.state is not None:
+            await self.state.close()
+        self.aengine.stop()
+
+    # --- requests in progress ---------------------------------------------------------------------
+    def open_job(self, job: Job) -> None:
+        """Start working on a request: its events go to the job's queue from now on. RequestInUse (409)
+        while another job has the id."""
+        rid = job.request_id
+        if rid in self.jobs:
+            raise RequestInUse(f"request {rid!r} is already in progress on {self.cfg.worker_name}")
+        self.jobs[rid] = job
+        self.aengine.listen(rid, job.events)
+
+    def close_job(self, job: Job) -> None:
+        """The job's handler has let go of everything (engine request, blocks, transfer, lease)."""
+        self.aengine.unlisten(job.request_id, job.events)
+        if self.jobs.get(job.request_id) is job:
+            del self.jobs[job.request_id]
+        job.ended.set()
+
+    def interrupt(self, request_id: str, error: str, code: int) -> None:
+        """End a request from outside its handler: the handler reads the Interrupt and stops."""
+        job = self.jobs.get(request_id)
+        if job is not None:
+            job.events.put_nowait(Interrupt(request_id, error, code))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the request and free what it holds; returns once it is gone (POST /internal/abort), so
+        a retry may reuse the id right after."""
+        job = self.jobs.get(request_id)
+        if job is None:
+            return
+        self.interrupt(request_id, "aborted", 499)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(job.ended.wait(), ABORT_WAIT_S)
+
+    async def record(self, request_id: str, new_state: RequestState, **fields: Any) -> None:
+        """Best-effort request-record update: a transition another service already superseded, or a
+        record the router never made (a direct call), is logged, not raised."""
+        if self.state is None:
+            return
+        try:
+            await self.state.records.transition(request_id, new_state, **fields)
+        except (IllegalTransition, UnknownRequest) as e:
+            log.debug("record %s -> %s skipped: %s", request_id, new_state, e)
+        except Exception:
+            log.exception("could not record %s -> %s", request_id, new_state)
+
+    # --- the app ----------------------------------------------------------------------------------
+    def make_app(self) -> FastAPI:
+        """The FastAPI app both services start from: lifespan (start/stop), error handlers, request
+        ids, /health, /metrics and /internal/abort; each service adds its own routes."""
+
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            await self.start()
+            yield
+            await self.stop()
+
+        app = FastAPI(title=f"splitserve {self.cfg.role}", lifespan=lifespan, **fastapi_telemetry())
+        app.state.service = self
+        install_error_handlers(app)
+        app.add_middleware(RequestIdMiddleware)
+
+        @app.post("/internal/abort")
+        async def abort(request: Request) -> dict[str, Any]:
+            msg = await read_message(request, AbortRequest)
+            await self.abort(msg.request_id)
+            return {"aborted": msg.request_id}
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {
+                "status": "ok",
+                "role": self.cfg.role,
+                "worker_id": self.cfg.worker_name,
+                "engine": self.engine.placement.describe(),
+                **self.load(),
+            }
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return PlainTextResponse(
+                generate_latest(self.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
+            )
+
+        return app
+
+
+async def read_message(request: Request, expect: type[M]) -> M:
+    """The msgpack body as `expect`; ProtocolError (-> 400) if it is anything else or larger than a
+    frame may be. Its request id becomes the response's x-request-id."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FRAME_BYTES:
+            raise ProtocolError(f"body exceeds the {MAX_FRAME_BYTES}-byte limit")
+    msg = decode(bytes(body), expect)
+    rid = getattr(msg, "request_id", None)
+    if isinstance(rid, str):
+        request.state.request_id = rid
+    return msg
+
+
+def msgpack_response(msg: Message, status_code: int = 200) -> Response:
+    return Response(encode(msg), status_code=status_code, media_type=MSGPACK)
+
+
+def error_response(status_code: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "code": status_code}}, status_code=status_code, headers=headers
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    @app.exception_handler(RequestInUse)
+    async def in_use(request: Request, exc: RequestInUse) -> JSONResponse:
+        return error_response(409, str(exc))
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response(400, str(exc))

@@ -1,0 +1,1 @@
+"""Text without torch: the tokenizer and chat template, incremental detokenization, model metadata."""

@@ -1,0 +1,108 @@
+"""The prefill side of the tcp backend: one connection per receiver, header frame + raw bytes per layer.
+The protocol is described in kv_transfer/backends/tcp/__init__.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+
+import torch
+
+from common.kv.kv_cache import PagedKVCache
+from common.protocol import KVCompat, KVDone, decode, frame
+from kv_transfer.backends.tcp.sockio import recv_frame, send_views
+from kv_transfer.base import TransferError
+from kv_transfer.control.endpoint import Endpoint
+from kv_transfer.control.framing import MAX_CONTROL_FRAME
+from kv_transfer.control.messages import KVHello, KVHelloReply, KVLayerHeader
+from kv_transfer.control.preflight import PreflightSender
+from kv_transfer.layout import block_bytes, byte_view, layer_views
+
+
+@dataclasses.dataclass
+class _Peer:
+    sock: socket.socket
+    lock: asyncio.Lock  # one message at a time on the stream: header and payload must not interleave
+
+
+class TcpSender(PreflightSender[_Peer]):
+    def __init__(
+        self, kv: PagedKVCache, compat: KVCompat, sender_id: str = "", connect_timeout: float = 10.0
+    ) -> None:
+        super().__init__(kv, compat, sender_id, connect_timeout)
+
+    async def send_layer(
+        self,
+        endpoint: str,
+        request_id: str,
+        fence: int,
+        layer: int,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        traceparent: str | None = None,
+    ) -> None:
+        self._check_source(layer, src_block_ids, dst_block_ids)
+        nbytes = len(dst_block_ids) * 2 * block_bytes(self.kv)
+        header = KVLayerHeader(request_id, fence, layer, list(dst_block_ids), nbytes, traceparent)
+        if self.kv.k.device.type == "cpu":
+            payload = layer_views(self.kv, layer, src_block_ids)
+        else:
+            idx = torch.tensor(src_block_ids, dtype=torch.long, device=self.kv.k.device)
+            payload = [byte_view(torch.stack([self.kv.k[layer, idx], self.kv.v[layer, idx]]).cpu())]
+        await self._send(endpoint, [memoryview(frame(header)), *payload])
+        self.stats.layers_sent += 1
+        self.stats.bytes_sent += nbytes
+
+    async def send_done(self, endpoint: str, msg: KVDone) -> None:
+        await self._send(endpoint, [memoryview(frame(msg))])
+        self.stats.dones_sent += 1
+
+    async def close(self) -> None:
+        for peer in self._peers.values():
+            peer.sock.close()
+        self._peers.clear()
+
+    async def _send(self, endpoint: str, views: list[memoryview]) -> None:
+        peer = await self._peer(endpoint)
+        async with peer.lock:
+            try:
+                await send_views(asyncio.get_running_loop(), peer.sock, views)
+            except OSError as e:
+                self._drop(endpoint, peer)
+                raise TransferError(f"sending to {endpoint} failed: {e}") from e
+            except asyncio.CancelledError:
+                self._drop(endpoint, peer)  # half a message is on the wire: this stream cannot continue
+                raise
+
+    def _drop(self, endpoint: str, peer: _Peer) -> None:
+        peer.sock.close()
+        if self._peers.get(endpoint) is peer:
+            del self._peers[endpoint]
+
+    async def _connect(self, endpoint: str) -> _Peer:
+        loop = asyncio.get_running_loop()
+        ep = Endpoint.parse(endpoint, "tcp")
+        sock: socket.socket | None = None
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                addrs = await loop.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
+                family, kind, proto, _, addr = addrs[0]
+                sock = socket.socket(family, kind, proto)
+                sock.setblocking(False)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                await loop.sock_connect(sock, addr)
+                hello = KVHello(compat=self.compat, sender_id=self.sender_id)
+                await send_views(loop, sock, [memoryview(frame(hello))])
+                body = await recv_frame(loop, sock, MAX_CONTROL_FRAME)
+            if body is None:
+                raise ConnectionError("connection closed during the preflight")
+            reply = decode(body, KVHelloReply)
+        except (OSError, TimeoutError, ValueError) as e:
+            if sock is not None:
+                sock.close()
+            raise TransferError(f"cannot open a KV connection to {endpoint}: {e}") from e
+        if not reply.ok:
+            sock.close()
+            raise self._refuse(endpoint, reply.error)
+        return _Peer(sock, asyncio.Lock())

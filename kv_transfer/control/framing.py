@@ -1,0 +1,31 @@
+"""Typed control messages on an asyncio stream, one length-prefixed frame each (common.protocol framing)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from common.protocol import Message, ProtocolError, decode, frame, frame_length
+
+MAX_CONTROL_FRAME = 1 << 20  # control messages are small (agent metadata is a few KiB); larger is garbage
+
+
+async def read_msg(reader: asyncio.StreamReader, expect: Any) -> Any | None:
+    """One framed message of type `expect` (a struct or a Union); None at a clean end of stream.
+    ProtocolError on garbage, an oversized frame, or a message of another kind."""
+    try:
+        head = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as e:
+        if e.partial:
+            raise ProtocolError("connection closed inside a frame header") from e
+        return None
+    n = frame_length(head, MAX_CONTROL_FRAME)
+    try:
+        return decode(await reader.readexactly(n), expect)
+    except asyncio.IncompleteReadError as e:
+        raise ProtocolError("connection closed inside a frame") from e
+
+
+def write_msg(writer: asyncio.StreamWriter, msg: Message) -> None:
+    """Queue one framed message (whole frames never interleave: write() only appends)."""
+    writer.write(frame(msg))

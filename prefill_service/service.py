@@ -1,0 +1,178 @@
+"""The prefill service: batches prompts from many requests under a token budget (chunked), reuses cached
+prefixes, samples each prompt's first token, and writes the prompt's KV into the decode service's
+reserved blocks layer by layer, as soon as each layer is computed.
+
+One /internal/prefill call is one Job. The transfer itself (destination, fence, lease, the writes in
+flight) is an OutgoingKV of the KV connector, which the engine thread asks for each step's block
+ranges and hands every computed layer to. The call is answered once kv_done is delivered; the request's
+blocks are freed right after, in the background, once no write reads them any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from fastapi import Response
+from opentelemetry.trace import SpanKind
+
+from common.cluster.records import RequestState
+from common.config import EngineConfig, ServiceConfig
+from common.connector.prefill import PrefillConnector
+from common.connector.remote_kv import OutgoingKV, TransferState
+from common.engine.api import AddRequest, Admission, Finish, TokenOutput
+from common.engine.llm_engine import LLMEngine
+from common.protocol import PrefillRequest, PrefillResult
+from common.runtime.service import Interrupt, Job, Service, error_response, msgpack_response
+from common.runtime.telemetry import context_from, span_ctx, tracer
+from kv_transfer import KVSender, TransferError, make_sender
+from prefill_service.spans import compute_spans, fail, transfer_done
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+
+
+class Interrupted(Exception):
+    def __init__(self, ev: Interrupt) -> None:
+        super().__init__(ev.error)
+        self.code = ev.code
+
+
+class PrefillService(Service):
+    def __init__(self, cfg: ServiceConfig, engine_cfg: EngineConfig) -> None:
+        self.connector = PrefillConnector(self.sender_for, self._on_failed)
+        engine = LLMEngine.from_config(engine_cfg, self.connector)
+        super().__init__(cfg, engine)
+        self._compat = engine.kv_compat()
+        self.senders: dict[str, KVSender] = {}  # by backend: a decode service's endpoint names its own
+        self._tasks: set[asyncio.Task[None]] = set()  # clean-ups after an answer
+
+    async def stop(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await super().stop()
+        for sender in self.senders.values():
+            await sender.close()
+
+    def transfer_counters(self) -> list[tuple[str, str, int]]:
+        stats = [s.stats for s in self.senders.values()]
+        return [
+            ("splitserve_kv_transfer_bytes", "KV bytes sent", sum(s.bytes_sent for s in stats)),
+            ("splitserve_kv_transfer_layers", "layer writes sent", sum(s.layers_sent for s in stats)),
+            ("splitserve_kv_transfer_dones", "kv_done notifications sent", sum(s.dones_sent for s in stats)),
+        ]
+
+    def sender_for(self, endpoint: str) -> KVSender:
+        """The sender for the backend a decode service's endpoint names ("nixl://..." or "tcp://...").
+        Made on the event loop (the first call for a backend is the request's own check)."""
+        backend = endpoint.split("://", 1)[0]
+        if backend not in self.senders:
+            self.senders[backend] = make_sender(
+                backend, self.engine.kv_cache, self._compat, sender_id=self.cfg.worker_name
+            )
+        return self.senders[backend]
+
+    def _on_failed(self, rkv: OutgoingKV, why: str) -> None:
+        """The decode side of the transfer went away: stop the request; its clean-up frees the blocks."""
+        self.interrupt(rkv.request_id, why, 502)
+
+    # --- requests ---------------------------------------------------------------------------------
+    async def prefill(self, req: PrefillRequest) -> Response:
+        bs = self.engine.block_manager.block_size
+        try:
+            self.sender_for(req.kv_endpoint)
+        except ValueError as e:
+            return error_response(400, f"kv_endpoint {req.kv_endpoint!r}: {e}")
+        if len(req.block_ids) != -(-len(req.token_ids) // bs):
+            return error_response(
+                400,
+                f"{len(req.token_ids)} prompt tokens need {-(-len(req.token_ids) // bs)} "
+                f"blocks of {bs}, got {len(req.block_ids)} destination blocks",
+            )
+        params = req.sampling.replace(max_tokens=1, min_tokens=0)
+        if self.queue_full():
+            return error_response(503, "prefill queue is full", headers={"Retry-After": "1"})
+        rid, t0 = req.request_id, time.perf_counter()
+        job = Job(rid)
+        self.open_job(job)
+        span = _tracer.start_span(
+            "prefill",
+            context=context_from(req.traceparent),
+            kind=SpanKind.SERVER,
+            attributes={"splitserve.request_id": rid, "gen_ai.usage.input_tokens": len(req.token_ids)},
+        )
+        rkv = await self.connector.add(req, span_ctx(span))
+        computed = False  # the engine finished computing the request by itself (token 0 sampled)
+        try:
+            await self.aengine.submit(AddRequest(rid, req.token_ids, params, remote_kv="send"))
+            await self.record(rid, RequestState.PREFILLING, prefill_id=self.cfg.worker_name)
+            out, num_cached = await self._first_token(job, req.deadline)
+            computed = True
+            self.metrics.ttft.observe(time.perf_counter() - t0)
+            compute_spans(self.metrics, rkv, num_cached)
+            span.set_attribute("splitserve.num_cached_tokens", num_cached)
+            await self.record(rid, RequestState.TRANSFERRING)
+            await self.connector.finish_sending(rkv, out.token_ids[0], len(req.token_ids))
+            transfer_done(self.metrics, rkv)
+            self.metrics.requests.labels(role="prefill", outcome="finished").inc()
+            prefill_ms = (time.perf_counter() - t0) * 1e3
+            first = out.token_ids[0]
+            return msgpack_response(
+                PrefillResult(rid, first, len(req.token_ids), num_cached, prefill_ms, rkv.nbytes)
+            )
+        except TransferError as e:
+            self.metrics.requests.labels(role="prefill", outcome="transfer_failed").inc()
+            self.metrics.transfer_failures.labels(reason=type(e).__name__).inc()
+            fail(rkv.span, e)
+            fail(span, e)
+            return error_response(502, f"KV transfer to {req.kv_endpoint} failed: {e}")
+        except TimeoutError as e:
+            fail(span, e)
+            return error_response(504, "deadline exceeded on the prefill service")
+        except Interrupted as e:
+            outcome = "aborted" if e.code == 499 else "decode_lease_expired"
+            self.metrics.requests.labels(role="prefill", outcome=outcome).inc()
+            if e.code != 499:
+                self.metrics.transfer_failures.labels(reason=outcome).inc()
+            fail(rkv.span, str(e))
+            fail(span, str(e))
+            return error_response(e.code, str(e))
+        finally:
+            # The answer does not wait for the engine thread: the blocks are freed in the background.
+            self._spawn(self._end(job, rkv, computed))
+            rkv.span.end()  # a no-op if it ended already
+            span.end()
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+
+    async def _first_token(self, job: Job, deadline: float | None) -> tuple[TokenOutput, int]:
+        """Token 0, and how many prompt tokens the prefix cache had."""
+        num_cached = 0
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.time())
+            ev = await asyncio.wait_for(job.events.get(), timeout)
+            if isinstance(ev, Interrupt):
+                raise Interrupted(ev)
+            if isinstance(ev, Admission):
+                num_cached = ev.num_cached_tokens
+            elif isinstance(ev, TokenOutput) and ev.finished:
+                return ev, num_cached
+
+    async def _end(self, job: Job, rkv: OutgoingKV, computed: bool) -> None:
+        """Let go of the request in order: the engine stops computing it (its blocks stay, the
+        connector holds them), every posted write ends, the lease goes, the engine frees the blocks."""
+        reason = "sent" if rkv.state is TransferState.SENT else "abort"
+        try:
+            if not computed:
+                await self.aengine.submit(Finish(job.request_id, reason))
+            await self.connector.settle(rkv)
+            await self.aengine.submit(Finish(job.request_id, reason))
+        finally:
+            self.close_job(job)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,2 @@
+"""The composition root: the `splitserve` command and the local launcher, the only code that imports
+every role."""

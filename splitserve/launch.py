@@ -1,0 +1,268 @@
+"""Starting services: one per process (`splitserve prefill|decode|router`), or a whole local
+deployment (`splitserve up`): embedded Redis, N prefill, M decode and the router, each its own process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.config import EngineConfig, ServiceConfig
+
+INT_FIELDS = {"block_size", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "num_threads"}
+ENGINE_FLAGS = {  # flag -> EngineConfig field
+    "--model": "model",
+    "--device": "device",
+    "--dtype": "dtype",
+    "--attention-backend": "attention_backend",
+    "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--block-size": "block_size",
+    "--kv-cache-mb": "kv_cache_memory_mb",
+    "--max-num-seqs": "max_num_seqs",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--policy": "policy",
+    "--preemption-mode": "preemption_mode",
+    "--threads": "num_threads",
+}
+
+
+def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help=f"default: $SPLITSERVE_PORT, else {default_port}")
+    p.set_defaults(role_port=default_port)
+    p.add_argument(
+        "--advertise-host",
+        default=None,
+        help="address registered for other services to reach this one (default: --host)",
+    )
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--redis-url", default=None, help="Redis for the registry and request records")
+    p.add_argument("--kv-port", type=int, default=None, help="decode: KV receiver port (default: any free)")
+    p.add_argument("--max-queue", type=int, default=None)
+    p.add_argument("--lease-s", type=float, default=None, help="transfer-ledger lease TTL (default 5 s)")
+    p.add_argument(
+        "--kv-backend",
+        choices=["auto", "nixl", "tcp", "torch_dist"],
+        default=None,
+        help="decode: how prefill services write KV here (default auto: nixl where it imports)",
+    )
+    for flag, field in ENGINE_FLAGS.items():
+        kind: type = str
+        if field in INT_FIELDS:
+            kind = int
+        elif field == "gpu_memory_utilization":
+            kind = float
+        p.add_argument(flag, dest=f"engine_{field}", type=kind, default=None)
+
+
+def _given(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
+    return {
+        k.removeprefix(prefix): v for k, v in vars(args).items() if k.startswith(prefix) and v is not None
+    }
+
+
+def service_configs(args: argparse.Namespace) -> tuple[ServiceConfig, EngineConfig]:
+    """The service and engine configs of `splitserve prefill|decode`: flags, then SPLITSERVE_* env,
+    then defaults (the port's default depends on the role)."""
+    from common.config import EngineConfig, ServiceConfig
+
+    svc_fields = {
+        k: v
+        for k, v in _given(args).items()
+        if k
+        in {
+            "host",
+            "advertise_host",
+            "port",
+            "worker_id",
+            "redis_url",
+            "kv_port",
+            "max_queue",
+            "kv_backend",
+            "lease_s",
+        }
+    }
+    if "port" not in svc_fields and not os.environ.get("SPLITSERVE_PORT"):
+        svc_fields["port"] = args.role_port  # the role's own port (8101 prefill, 8201 decode)
+    return ServiceConfig(role=args.command, **svc_fields), EngineConfig(**_given(args, "engine_"))
+
+
+def run_service(args: argparse.Namespace) -> int:
+    """`splitserve prefill|decode`: one service in this process (flags override SPLITSERVE_* env)."""
+    import uvicorn
+
+    cfg, engine_cfg = service_configs(args)
+    if args.command == "decode":
+        from decode_service.app import create_app
+    else:
+        from prefill_service.app import create_app
+    uvicorn.run(create_app(cfg, engine_cfg), host=cfg.host, port=cfg.port, log_level="warning")
+    return 0
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with code {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"{url}: not healthy after {timeout_s:.0f} s")
+
+
+def up(args: argparse.Namespace) -> int:
+    """`splitserve up`: everything on this machine, shut down together on Ctrl-C or SIGTERM."""
+    from common.cluster.redis_server import RedisServer
+
+    redis = None
+    redis_url = args.redis_url
+    if redis_url is None:
+        redis = RedisServer()
+        redis.start()
+        redis_url = redis.url
+    procs: list[subprocess.Popen] = []
+    me = [sys.executable, "-m", "splitserve"]
+    engine_flags = [
+        x
+        for f, field in ENGINE_FLAGS.items()
+        if (v := getattr(args, f"engine_{field}")) is not None
+        for x in (f, str(v))
+    ]
+    threads = ["--threads", str(args.threads_per_service)] if args.threads_per_service else []
+    if args.kv_backend:
+        threads += ["--kv-backend", args.kv_backend]
+
+    def stop(*_: Any) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if redis is not None:
+            redis.stop()
+
+    def on_sigterm(*_: Any) -> None:
+        raise KeyboardInterrupt  # one shutdown path for Ctrl-C and SIGTERM
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        port = args.base_port
+        services = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+        for role, i in services:
+            port += 1
+            cmd = [
+                *me,
+                role,
+                "--port",
+                str(port),
+                "--redis-url",
+                redis_url,
+                "--worker-id",
+                f"{role}-{i}",
+                *engine_flags,
+                *threads,
+            ]
+            procs.append(subprocess.Popen(cmd, start_new_session=False))
+            print(f"  {role}-{i}: http://127.0.0.1:{port}", flush=True)
+        for (role, i), p in zip(services, procs, strict=True):
+            _wait_healthy(f"http://127.0.0.1:{args.base_port + 1 + services.index((role, i))}", p)
+        router_cmd = [*me, "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
+        if args.engine_model:
+            router_cmd += ["--model", args.engine_model]
+        procs.append(subprocess.Popen(router_cmd))
+        url = f"http://{args.host}:{args.port}"
+        _wait_healthy(url, procs[-1])
+        print(
+            f"\nsplitserve is up: {url}  (redis {redis_url})\n\ntry:\n  curl {url}/v1/chat/completions "
+            '-H \'content-type: application/json\' \\\n    -d \'{"model": "default", "temperature": 0, '
+            '"messages": [{"role": "user", "content": "What is the capital of France?"}]}\'\n',
+            flush=True,
+        )
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        dead = [p.args for p in procs if p.poll() is not None]
+        print(f"a service exited: {dead}; shutting down", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nshutting down", file=sys.stderr)
+        return 0
+    finally:
+        stop()
+
+
+def run_router(args: argparse.Namespace) -> int:
+    """`splitserve router`: the OpenAI-compatible front door (flags override SPLITSERVE_ROUTER_* env)."""
+    from router.app import serve
+    from router.config import RouterConfig
+
+    given = {
+        k: v
+        for k, v in vars(args).items()
+        if v is not None
+        and k
+        in {
+            "host",
+            "port",
+            "redis_url",
+            "model",
+            "local_prefill_threshold",
+            "decode_urls",
+            "prefill_urls",
+            "transfer_failure_policy",
+        }
+    }
+    serve(RouterConfig(**given))
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    r = sub.add_parser("router", help="run the router (OpenAI API)")
+    r.add_argument("--host", default=None)
+    r.add_argument("--port", type=int, default=None)
+    r.add_argument("--redis-url", default=None, help="worker registry and request records")
+    r.add_argument("--model", default=None, help="the model the services serve (for its tokenizer)")
+    r.add_argument(
+        "--local-prefill-threshold",
+        type=int,
+        default=None,
+        help="prompts shorter than this many tokens are prefilled on the decode service",
+    )
+    r.add_argument(
+        "--transfer-failure-policy",
+        choices=["retry", "recompute", "fail"],
+        default=None,
+        help="when a prefill or its KV transfer fails (default retry on another prefill service)",
+    )
+    r.add_argument("--decode-urls", default=None, help="comma-separated; instead of the registry")
+    r.add_argument("--prefill-urls", default=None, help="comma-separated; instead of the registry")
+    r.set_defaults(func=run_router)
+    for role, port in (("prefill", 8101), ("decode", 8201)):
+        p = sub.add_parser(role, help=f"run one {role} service")
+        add_service_flags(p, port)
+        p.set_defaults(func=run_service)
+    u = sub.add_parser("up", help="run Redis, prefill, decode and the router on this machine")
+    u.add_argument("--prefill", type=int, default=1, help="number of prefill services")
+    u.add_argument("--decode", type=int, default=1, help="number of decode services")
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8000, help="router port")
+    u.add_argument("--base-port", type=int, default=8100, help="services listen on base+1, base+2, ...")
+    u.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    u.add_argument("--threads-per-service", type=int, default=None)
+    u.add_argument("--kv-backend", choices=["auto", "nixl", "tcp", "torch_dist"], default=None)
+    for flag, field in ENGINE_FLAGS.items():
+        if flag != "--threads":
+            u.add_argument(flag, dest=f"engine_{field}", default=None)
+    u.set_defaults(func=up, engine_num_threads=None)

@@ -1,0 +1,168 @@
+"""What the KV transport tests share: tiny shapes, filled caches, compat records, a receiver on the running
+loop that records kv_done messages, and a receiver in a spawned process."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import multiprocessing as mp
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, Generic, Self, TypeVar
+
+import pytest
+import torch
+
+from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.protocol import KVCompat, KVDone
+from kv_transfer import KVReceiver, KVSender, PreflightError, ReceiverOwner
+
+SPEC = KVCacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
+SRC = [7, 3, 4, 5, 12]  # non-contiguous, unordered; 3-4-5 is one run
+DST = [9, 10, 2, 0, 14]  # 9-10 is one run
+
+AcceptFn = Callable[[str, int], bool]
+R = TypeVar("R", bound=KVReceiver)
+MakeReceiver = Callable[[PagedKVCache, KVCompat, ReceiverOwner], R]
+
+
+class Owner:
+    """A receiver's owner for tests: `accept` decides the fences; layers and kv_done are recorded."""
+
+    def __init__(self, accept: AcceptFn = lambda r, f: True, on_done: Callable[[KVDone], None] | None = None):
+        self.accept, self.on_done = accept, on_done
+        self.arrived: list[tuple[str, int, int]] = []  # (request_id, fence, layer) in arrival order
+        self.done: list[KVDone] = []
+
+    def may_write(self, request_id: str, fence: int) -> bool:
+        return self.accept(request_id, fence)
+
+    def layer_arrived(self, request_id: str, fence: int, layer: int) -> None:
+        self.arrived.append((request_id, fence, layer))
+
+    def kv_done(self, msg: KVDone) -> None:
+        self.done.append(msg)
+        if self.on_done is not None:
+            self.on_done(msg)
+
+
+def compat(spec: KVCacheSpec) -> KVCompat:
+    dtype = str(spec.dtype).removeprefix("torch.")
+    return KVCompat("tiny", "h", dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
+
+
+def filled(spec: KVCacheSpec, seed: int = 0) -> PagedKVCache:
+    kv = PagedKVCache(spec)
+    g = torch.Generator().manual_seed(seed)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    return kv
+
+
+def assert_moved(src: PagedKVCache, dst: PagedKVCache, layers: list[int]) -> None:
+    """dst holds src's SRC blocks at DST for `layers`, and zeros everywhere else."""
+    want_k, want_v = torch.zeros_like(dst.k), torch.zeros_like(dst.v)
+    for layer in layers:
+        want_k[layer, DST] = src.k[layer, SRC]
+        want_v[layer, DST] = src.v[layer, SRC]
+    assert torch.equal(dst.k, want_k) and torch.equal(dst.v, want_v)
+
+
+async def push(sender: KVSender, endpoint: str, rid: str, fence: int, layers: list[int]) -> None:
+    for layer in layers:
+        await sender.send_layer(endpoint, rid, fence, layer, SRC, DST, traceparent="00-ab-cd-01")
+    done = KVDone(rid, fence, first_token=42, num_tokens=19, layer_writes=len(layers))
+    await sender.send_done(endpoint, done)
+
+
+MISMATCHED = dataclasses.replace(SPEC, block_size=8, dtype=torch.bfloat16)  # a sender SPEC receivers refuse
+
+
+async def assert_preflight_refused_and_cached(tx: KVSender, endpoint: str) -> None:
+    """tx (built with MISMATCHED) is refused, names the fields, and never asks again."""
+    for _ in range(2):  # the second call fails from the cache, without contacting the receiver
+        with pytest.raises(PreflightError) as e:
+            await tx.send_layer(endpoint, "r", 1, 0, [0], [0])
+        msg = str(e.value)
+        assert "block_size (8 != 4)" in msg and "dtype ('bfloat16' != 'float32')" in msg
+    with pytest.raises(PreflightError):
+        await tx.send_done(endpoint, KVDone("r", 1, 0, 1, 0))
+    await tx.close()
+
+
+def assert_refused_untouched(rx: KVReceiver, kv: PagedKVCache) -> None:
+    """The receiver refused one preflight and received (and wrote) nothing."""
+    stats = rx.stats
+    assert (stats.preflight_refusals, stats.layers_received, stats.dones_received) == (1, 0, 0)
+    assert not kv.k.any() and not kv.v.any()
+
+
+class LoopReceiver(Generic[R]):
+    """A receiver (made by `make`) on the running loop that records kv_done messages."""
+
+    def __init__(
+        self, make: MakeReceiver[R], spec: KVCacheSpec, accept: AcceptFn = lambda r, f: True
+    ) -> None:
+        self.kv = PagedKVCache(spec)
+        self.layers_at_done: list[int] = []
+        self.owner = Owner(accept, self._on_done)
+        self.done = self.owner.done
+        self.rx = make(self.kv, compat(spec), self.owner)
+        self.endpoint = ""
+
+    def _on_done(self, msg: KVDone) -> None:
+        self.layers_at_done.append(self.rx.stats.layers_received)
+
+    async def __aenter__(self) -> Self:
+        self.endpoint = await self.rx.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.rx.close()
+
+    async def wait_done(self, n: int) -> None:
+        async with asyncio.timeout(10):
+            while len(self.done) < n:
+                await asyncio.sleep(0.001)
+
+
+def _receiver_process(make: MakeReceiver[KVReceiver], spec: KVCacheSpec, conn: Any, out: str) -> None:
+    kv = PagedKVCache(spec)
+
+    async def main() -> None:
+        done = asyncio.Event()
+        rx = make(kv, compat(spec), Owner(on_done=lambda m: done.set()))
+        conn.send(await rx.start())
+        await asyncio.wait_for(done.wait(), 60)
+        await rx.close()
+
+    asyncio.run(main())
+    torch.save({"k": kv.k, "v": kv.v}, out)
+
+
+def received_in_another_process(
+    make: MakeReceiver[KVReceiver],
+    spec: KVCacheSpec,
+    tmp_path: Path,
+    send: Callable[[str], Coroutine[Any, Any, None]],
+) -> PagedKVCache:
+    """Start a receiver (a picklable `make`) in a spawned process, run `send(endpoint)` here, and return
+    the receiver's cache once its first kv_done arrived."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    out = tmp_path / "kv.pt"
+    proc = ctx.Process(target=_receiver_process, args=(make, spec, child, str(out)))
+    proc.start()
+    try:
+        assert parent.poll(60), "receiver process did not start"
+        endpoint = parent.recv()
+        asyncio.run(send(endpoint))
+        proc.join(60)
+        assert proc.exitcode == 0
+    finally:
+        proc.kill()
+    got = PagedKVCache(spec)
+    saved = torch.load(out)
+    got.k.copy_(saved["k"])
+    got.v.copy_(saved["v"])
+    return got
