@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 LOCK := requirements.lock
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: run test test-fast bench lint lock clean
+.PHONY: run test test-fast chaos bench lint lock clean
 
 $(STAMP): pyproject.toml Makefile $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ test: lint
 # Unit tests only, no lint: the quick loop while editing.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit
+
+# The chaos scenarios (tests/chaos), each repeated CHAOS_ROUNDS times (make test runs each once).
+chaos: $(STAMP)
+	CHAOS_ROUNDS=$${CHAOS_ROUNDS:-3} $(PY) -m pytest -q tests/chaos
 
 bench: $(STAMP)
 	$(VENV)/bin/splitserve bench all

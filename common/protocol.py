@@ -134,6 +134,9 @@ class GenerateRequest(Message, tag="generate"):
     mode: Literal["remote", "local"] = "remote"
     deadline: float | None = None  # unix time; past it every hop stops work
     traceparent: str | None = None
+    # A migrated request: the last num_output_tokens of token_ids are output already sent to the client;
+    # generation continues at that output index (seeded sampling, max_tokens and min_tokens count them).
+    num_output_tokens: int = 0
 
 
 class Reserved(Message, tag="reserved"):
@@ -187,6 +190,7 @@ class PrefillRequest(Message, tag="prefill"):
     num_cached_tokens: int = 0  # the decode side already has these: do not send their blocks
     deadline: float | None = None
     traceparent: str | None = None
+    num_output_tokens: int = 0  # as in GenerateRequest: the token sampled here is output number this
 
 
 class PrefillResult(Message, tag="prefill_result"):

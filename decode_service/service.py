@@ -133,7 +133,9 @@ class DecodeService(Service):
         job = Stream(rid, req=req)
         self.open_job(job)
         try:
-            await self.aengine.submit(AddRequest(rid, req.token_ids, req.sampling, remote_kv=remote_kv))
+            n_out = req.num_output_tokens
+            add = AddRequest(rid, req.token_ids, req.sampling, remote_kv=remote_kv, num_output_tokens=n_out)
+            await self.aengine.submit(add)
         except BaseException:
             self.close_job(job)
             raise

@@ -92,7 +92,8 @@ class PrefillService(Service):
                 f"{len(req.token_ids)} prompt tokens need {-(-len(req.token_ids) // bs)} "
                 f"blocks of {bs}, got {len(req.block_ids)} destination blocks",
             )
-        params = req.sampling.replace(max_tokens=1, min_tokens=0)
+        # one token here (after the output a migrated request already has); stop rules are the decode side's
+        params = req.sampling.replace(max_tokens=req.num_output_tokens + 1, min_tokens=0)
         if self.queue_full():
             return error_response(503, "prefill queue is full", headers={"Retry-After": "1"})
         rid, t0 = req.request_id, time.perf_counter()
@@ -107,7 +108,9 @@ class PrefillService(Service):
         rkv = await self.connector.add(req, span_ctx(span))
         computed = False  # the engine finished computing the request by itself (token 0 sampled)
         try:
-            await self.aengine.submit(AddRequest(rid, req.token_ids, params, remote_kv="send"))
+            n_out = req.num_output_tokens
+            add = AddRequest(rid, req.token_ids, params, remote_kv="send", num_output_tokens=n_out)
+            await self.aengine.submit(add)
             await self.record(rid, RequestState.PREFILLING, prefill_id=self.cfg.worker_name)
             out, num_cached = await self._first_token(job, req.deadline)
             computed = True

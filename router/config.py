@@ -36,7 +36,16 @@ class RouterConfig(BaseSettings):
     transfer_failure_policy: Literal["retry", "recompute", "fail"] = Field(
         "retry",
         description="when prefill or its KV transfer fails: retry on another prefill service (new fence), "
-        "recompute the prompt on the decode service, or fail the request",
+        "else prefill on the decode service; recompute on the decode service at once; or fail the request",
+    )
+    max_migrations: int = Field(
+        3, ge=0, description="times one request may move to another decode service when its own fails"
+    )
+    decode_stall_s: float = Field(
+        15.0, gt=0, description="a generating decode stream silent this long counts as failed (migrated)"
+    )
+    max_decode_queue: int | None = Field(
+        None, ge=1, description="503 + Retry-After once every decode service has this many requests waiting"
     )
 
     @field_validator("decode_urls", "prefill_urls", mode="before")

@@ -60,6 +60,20 @@ class RouterMetrics:
         self.prefill_retries = Counter(
             p + "prefill_retries", "Prefill calls retried on another worker", registry=r
         )
+        self.migrations = Counter(
+            p + "migrations",
+            "Requests moved to another decode service, by what happened to the old one (lost: the stream "
+            "broke or closed; stalled: no token for decode_stall_s; gave_up: max_migrations reached)",
+            ["reason"],
+            registry=r,
+        )
+        self.shed = Counter(
+            p + "shed", "Requests refused with 503 because the decode services are overloaded", ["reason"],
+            registry=r,
+        )
+        for reason in ("lost", "stalled", "gave_up"):
+            self.migrations.labels(reason)  # 0 from the start, not "no data"
+        self.shed.labels("queue_depth")
         self.state_errors = Counter(p + "state_errors", "Redis record writes that failed", registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being served now", registry=r)
         self.slo_met = Counter(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
+from opentelemetry import trace
 
 from common.cluster.records import IllegalTransition, RequestState
 from common.cluster.state import ClusterState
@@ -30,6 +31,7 @@ from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.upstream import (
     Busy,
+    DecodeLost,
     DecodeStream,
     PrefillFailed,
     Unreachable,
@@ -106,9 +108,11 @@ class Generation:
         self.o, self.id, self.model = orch, request_id, model
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.deadline = time.time() + orch.config.request_timeout_s
-        self.route: Route | None = None
-        self.out_ids: list[int] = []  # every output token seen, from P or D, in order
+        self.route: Route | None = None  # the first placement's (what the response header says)
+        self.out_ids: list[int] = []  # every output token handed out, from P or D, in order
         self.finish_reason: str | None = None  # D's, once its stream says finished
+        self.migrations = 0
+        self._lost: set[str] = set()  # decode services this request lost: never placed there again
         self._pending: list[int] = []  # tokens start() got that next() has not handed out
         self._stream: DecodeStream | None = None
         self._prefill: Worker | None = None  # set while a prefill call is in flight
@@ -119,18 +123,11 @@ class Generation:
     # ---- the flow --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Pick workers, reserve on D, prefill (split) or wait for D's first tokens (local)."""
+        """Pick workers and place the request; returns once its first token is known, so that every
+        failure before it (no worker, all busy, deadline) is still an HTTP status."""
         self._traceparent = traceparent()
-        long_prompt = len(self.prompt_ids) >= self.o.config.local_prefill_threshold
         with span_scope(_tracer, "router.route") as span:
-            try:
-                decodes = await self.o.pool.candidates("decode")
-                prefills = await self.o.pool.candidates("prefill") if long_prompt and decodes else []
-            except Exception as e:  # the registry (Redis) is down: nothing can be routed
-                log.exception("worker registry lookup failed")
-                raise self.o.unavailable(f"worker registry unavailable: {e!r}") from e
-            if not decodes:
-                raise self.o.unavailable("no decode service is available")
+            decodes, prefills = await self._workers()
             self.route = self.o.route(len(self.prompt_ids), prefills)
             if span.is_recording():
                 span.set_attributes({
@@ -139,12 +136,65 @@ class Generation:
                     "splitserve.decode_candidates": len(decodes),
                     "splitserve.prefill_candidates": len(prefills),
                 })  # fmt: skip
+        self._shed_if_overloaded(decodes)
         self.o.metrics.routes.labels(self.route.path, self.route.reason).inc()
         await self._create_record()
-        if self.route.path == "local":
-            await self._open_decode(decodes, "local")
-            self._pending = await self._read_tokens() or []
-            return
+        self._pending = await self._place(decodes, prefills)
+
+    async def next(self) -> list[int] | None:
+        """New output tokens, or None once the decode service has finished the request. A decode
+        service that fails meanwhile is replaced (`_migrate`) without the caller noticing."""
+        while True:
+            if self._pending:
+                out, self._pending = self._pending, []
+                return out
+            if self.finish_reason is not None:
+                return None
+            try:
+                return await self._read_tokens(stall_s=self.o.config.decode_stall_s)
+            except DecodeLost as e:
+                await self._lose_decode(e)
+                self._pending = await self._place()
+
+    async def _workers(self) -> tuple[list[Worker], list[Worker]]:
+        """Decode and prefill candidates, best first, without the decode services this request lost."""
+        n = len(self.prompt_ids) + len(self.out_ids)
+        try:
+            decodes = [w for w in await self.o.pool.candidates("decode") if w.id not in self._lost]
+            wants_prefill = n >= self.o.config.local_prefill_threshold and decodes
+            prefills = await self.o.pool.candidates("prefill") if wants_prefill else []
+        except Exception as e:  # the registry (Redis) is down: nothing can be routed
+            log.exception("worker registry lookup failed")
+            raise self.o.unavailable(f"worker registry unavailable: {e!r}") from e
+        if not decodes:
+            raise self.o.unavailable("no decode service is available")
+        return decodes, prefills
+
+    def _shed_if_overloaded(self, decodes: list[Worker]) -> None:
+        limit = self.o.config.max_decode_queue
+        if limit is not None and all(int(w.load.get("waiting", 0)) >= limit for w in decodes):
+            self.o.metrics.shed.labels("queue_depth").inc()
+            raise self.o.unavailable(f"every decode service has {limit}+ requests waiting; retry later")
+
+    async def _place(
+        self, decodes: list[Worker] | None = None, prefills: list[Worker] | None = None
+    ) -> list[int]:
+        """Put the request — its prompt and any output already handed out — on a decode service, through
+        a prefill service on the split path; its next tokens (after a migration they continue at the
+        output index the client has reached). A decode service lost on the way is replaced."""
+        while True:
+            if decodes is None or prefills is None:
+                decodes, prefills = await self._workers()
+            try:
+                return await self._place_on(decodes, prefills)
+            except DecodeLost as e:
+                await self._lose_decode(e)
+                decodes = prefills = None
+
+    async def _place_on(self, decodes: list[Worker], prefills: list[Worker]) -> list[int]:
+        route = self.o.route(len(self.prompt_ids) + len(self.out_ids), prefills)
+        if route.path == "local":
+            return await self._place_local(decodes)
         policy = self.o.config.transfer_failure_policy
         tries = prefills[:2] if policy == "retry" else prefills[:1]  # retry: once, on another prefill worker
         for attempt, prefill in enumerate(tries):
@@ -164,26 +214,54 @@ class Generation:
                     self.o.metrics.transfer_failures.labels(policy, "retried").inc()
                     self.o.metrics.prefill_retries.inc()
                     continue
-                if policy == "recompute":
-                    self.o.metrics.transfer_failures.labels(policy, "recomputed").inc()
-                    self.route = Route("local", "prefill_failed")  # said in the header and the record
+                if policy == "fail":
+                    self.o.metrics.transfer_failures.labels(policy, "failed").inc()
+                    raise APIError(502, f"prefill failed: {e}", code="prefill_failed") from e
+                # recompute, or retry with no other prefill service left: the decode service prefills
+                self.o.metrics.transfer_failures.labels(policy, "recomputed").inc()
+                if not self.out_ids:  # not yet answered: the header and the record say so
+                    self.route = Route("local", "prefill_failed")
                     await self._record_route()
-                    await self._open_decode(decodes, "local")
-                    self._pending = await self._read_tokens() or []
-                    return
-                self.o.metrics.transfer_failures.labels(policy, "failed").inc()
-                raise APIError(502, f"prefill failed: {e}", code="prefill_failed") from e
-            self._pending = self._accept(0, [first])
-            return
+                return await self._place_local(decodes)
+            return self._accept(len(self.out_ids), [first])
+        raise AssertionError("a split route needs a prefill service")
 
-    async def next(self) -> list[int] | None:
-        """New output tokens, or None once the decode service has finished the request."""
-        if self._pending:
-            out, self._pending = self._pending, []
-            return out
-        if self.finish_reason is not None:
-            return None
-        return await self._read_tokens()
+    async def _place_local(self, decodes: list[Worker]) -> list[int]:
+        await self._open_decode(decodes, "local")
+        tokens = await self._read_tokens()  # no stall limit: the first tokens wait for a whole prefill
+        return tokens or []
+
+    async def _lose_decode(self, e: DecodeLost) -> None:
+        """The decode service failed this request: leave it (it is never tried again for this request)
+        and count a migration, or give up past max_migrations."""
+        stream, prefill = self._stream, self._prefill
+        old = stream.worker if stream is not None else None
+        if old is not None:
+            self._lost.add(old.id)
+            self._spawn_abort(old)  # a frozen service may still come back: it frees what it held
+            await self._close_decode()
+        if prefill is not None:
+            self._prefill = None
+            self._spawn_abort(prefill)
+        if self.migrations >= self.o.config.max_migrations:
+            self.o.metrics.migrations.labels("gave_up").inc()
+            raise APIError(502, f"{e.message}; gave up after {self.migrations} migration(s)")
+        self.migrations += 1
+        self.o.metrics.migrations.labels("stalled" if e.stalled else "lost").inc()
+        log.warning("request %s: migrating off %s after %d tokens: %s", self.id, old and old.id,
+                    len(self.out_ids), e.message)  # fmt: skip
+        trace.get_current_span().add_event(
+            "splitserve.migration", {"splitserve.from": old.id if old else "", "splitserve.reason": e.message}
+        )
+        await self._record(
+            RequestState.MIGRATING, migrations=self.migrations, migrated_from=old.id if old else None,
+            migration_reason=e.message,
+        )  # fmt: skip
+
+    def _spawn_abort(self, w: Worker) -> None:
+        task = asyncio.ensure_future(post_abort(self.o.client, w, self.id))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
 
     async def close(
         self, outcome: str, finish_reason: str | None = None, output_tokens: int = 0, error: str | None = None
@@ -209,8 +287,9 @@ class Generation:
 
     async def _open_decode(self, decodes: list[Worker], mode: Literal["remote", "local"]) -> Reserved:
         """Open a generate stream on the least loaded D that accepts it; returns its Reserved frame."""
+        ids, n_out = self.prompt_ids + self.out_ids, len(self.out_ids)
         body = encode(
-            GenerateRequest(self.id, self.prompt_ids, self.sampling, mode, self.deadline, self._traceparent)
+            GenerateRequest(self.id, ids, self.sampling, mode, self.deadline, self._traceparent, n_out)
         )
         with span_scope(_tracer, "router.decode_reserve") as span:
             try:
@@ -229,11 +308,12 @@ class Generation:
         self.o.pool.hold(self._stream.worker)
         return reserved
 
-    async def _read_tokens(self) -> list[int] | None:
-        """Tokens from the next TokenFrame(s) that bring anything new; None when D has finished."""
+    async def _read_tokens(self, stall_s: float | None = None) -> list[int] | None:
+        """Tokens from the next TokenFrame(s) that bring anything new; None when D has finished.
+        DecodeLost if the stream breaks, or (with stall_s) brings nothing for that long."""
         assert self._stream is not None, "no decode stream open"
         while True:
-            frame = await self._stream.next_frame()
+            frame = await self._stream.next_frame(stall_s)
             if not isinstance(frame, TokenFrame):
                 raise unexpected(frame, "tokens")
             new = self._accept(frame.index, frame.token_ids)
@@ -273,9 +353,10 @@ class Generation:
         self.o.pool.hold(w)
         try:
             with span_scope(_tracer, "router.prefill", attributes={"splitserve.prefill_id": w.id}):
+                ids = self.prompt_ids + self.out_ids
                 req = PrefillRequest(
-                    self.id, self.prompt_ids, self.sampling, r.kv_endpoint, r.block_ids, r.fence,
-                    r.num_cached_tokens, self.deadline, traceparent(),
+                    self.id, ids, self.sampling, r.kv_endpoint, r.block_ids, r.fence, r.num_cached_tokens,
+                    self.deadline, traceparent(), len(self.out_ids),
                 )  # fmt: skip
                 first = await self._prefill_or_decode_error(call_prefill(self.o.client, w, req))
         finally:

@@ -42,6 +42,15 @@ class PrefillFailed(Exception):
     """The prefill call failed in a way another prefill worker may not (connection, 5xx)."""
 
 
+class DecodeLost(APIError):
+    """The decode stream broke, closed early or went silent: another decode service may finish the
+    request (the router migrates it)."""
+
+    def __init__(self, message: str, stalled: bool = False) -> None:
+        super().__init__(502, message)
+        self.stalled = stalled
+
+
 class Busy(Exception):
     """Every decode service tried answered 503 (queue full)."""
 
@@ -76,14 +85,13 @@ class DecodeStream:
             while True:
                 chunk = await anext(self._raw, b"")
                 if not chunk:
-                    await self._queue.put(
-                        APIError(502, "decode service closed the stream before the request finished")
-                    )
+                    why = f"decode service {self.worker.id} closed the stream before the request finished"
+                    await self._queue.put(DecodeLost(why))
                     return
                 for frame in self._reader.feed(chunk):
                     await self._queue.put(frame)
         except httpx.HTTPError as e:
-            await self._queue.put(APIError(502, f"decode stream broke: {e!r}"))
+            await self._queue.put(DecodeLost(f"decode stream from {self.worker.id} broke: {e!r}"))
         except ProtocolError as e:
             await self._queue.put(APIError(502, f"decode stream: {e}"))
 
@@ -132,10 +140,19 @@ class DecodeStream:
             raise Busy()
         raise Unreachable("; ".join(errors))
 
-    async def next_frame(self) -> Any:
+    async def next_frame(self, stall_s: float | None = None) -> Any:
+        """The next frame; with stall_s, DecodeLost(stalled) if none comes that soon (deadline first)."""
         if self._frames:
             return self._frames.popleft()
-        item = await until_deadline(self._queue.get(), self.deadline)
+        if stall_s is not None and self.deadline - time.time() > stall_s:
+            try:
+                async with asyncio.timeout(stall_s):
+                    item = await self._queue.get()
+            except TimeoutError:
+                why = f"decode service {self.worker.id} sent nothing for {stall_s:g} s"
+                raise DecodeLost(why, stalled=True) from None
+        else:
+            item = await until_deadline(self._queue.get(), self.deadline)
         if isinstance(item, APIError):
             self._queue.put_nowait(item)  # the stream is over: every later read says so too
             raise item

@@ -222,6 +222,9 @@ def run_router(args: argparse.Namespace) -> int:
             "decode_urls",
             "prefill_urls",
             "transfer_failure_policy",
+            "max_migrations",
+            "decode_stall_s",
+            "max_decode_queue",
         }
     }
     serve(RouterConfig(**given))
@@ -245,6 +248,15 @@ def add_parsers(sub: Any) -> None:
         choices=["retry", "recompute", "fail"],
         default=None,
         help="when a prefill or its KV transfer fails (default retry on another prefill service)",
+    )
+    r.add_argument(
+        "--max-migrations", type=int, default=None, help="moves to another decode service per request (3)"
+    )
+    r.add_argument(
+        "--decode-stall-s", type=float, default=None, help="seconds of silence that fail a decode stream (15)"
+    )
+    r.add_argument(
+        "--max-decode-queue", type=int, default=None, help="503 once every decode has this many waiting"
     )
     r.add_argument("--decode-urls", default=None, help="comma-separated; instead of the registry")
     r.add_argument("--prefill-urls", default=None, help="comma-separated; instead of the registry")

@@ -24,6 +24,7 @@ class RequestState(StrEnum):
     PREFILLING = "prefilling"
     TRANSFERRING = "transferring"
     DECODING = "decoding"
+    MIGRATING = "migrating"  # the router moves the request to another decode service
     FINISHED = "finished"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -36,13 +37,15 @@ ABORT = frozenset({S.FAILED, S.CANCELLED})
 # Any live state may fail or be cancelled; terminal states are final.
 TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     S.QUEUED: frozenset({S.RESERVED}) | ABORT,
-    S.RESERVED: frozenset({S.PREFILLING, S.DECODING}) | ABORT,
+    S.RESERVED: frozenset({S.PREFILLING, S.DECODING, S.MIGRATING}) | ABORT,
     # back to RESERVED: the prefill or its transfer failed and a new reservation was made (retry on
     # another prefill service, or recompute on the decode service)
-    S.PREFILLING: frozenset({S.TRANSFERRING, S.RESERVED}) | ABORT,
+    S.PREFILLING: frozenset({S.TRANSFERRING, S.RESERVED, S.MIGRATING}) | ABORT,
     # FINISHED straight from TRANSFERRING: the first token (sampled by prefill) already ended it
-    S.TRANSFERRING: frozenset({S.DECODING, S.FINISHED, S.RESERVED}) | ABORT,
-    S.DECODING: TERMINAL,
+    S.TRANSFERRING: frozenset({S.DECODING, S.FINISHED, S.RESERVED, S.MIGRATING}) | ABORT,
+    # MIGRATING: the decode service failed; a new one reserves (RESERVED) and the request goes on
+    S.DECODING: TERMINAL | {S.MIGRATING},
+    S.MIGRATING: frozenset({S.RESERVED}) | ABORT,
     S.FINISHED: frozenset(),
     S.FAILED: frozenset(),
     S.CANCELLED: frozenset(),
@@ -59,6 +62,9 @@ RECORD_FIELDS: dict[str, type] = {
     "output_tokens": int,
     "finish_reason": str,
     "error": str,
+    "migrations": int,  # times the request moved to another decode service
+    "migrated_from": str,  # the decode service it last left
+    "migration_reason": str,  # why
 }
 
 # KEYS[1] record. ARGV: new_state, ttl_s (0 = none), n, n allowed current states ("" = no record),

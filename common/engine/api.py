@@ -25,6 +25,7 @@ class AddRequest:
     params: SamplingParams
     priority: int = 0  # lower runs first (priority policy)
     remote_kv: RemoteKV | None = None
+    num_output_tokens: int = 0  # the last n of token_ids are output already (a migrated request)
 
 
 @dataclass(frozen=True)

@@ -180,8 +180,14 @@ class LLMEngine:
         returns that end as an output."""
         match cmd:
             case AddRequest():
-                rid, remote_kv = cmd.request_id, cmd.remote_kv
-                self.add_request(cmd.token_ids, cmd.params, rid, cmd.priority, remote_kv=remote_kv)
+                self.add_request(
+                    cmd.token_ids,
+                    cmd.params,
+                    cmd.request_id,
+                    cmd.priority,
+                    remote_kv=cmd.remote_kv,
+                    num_output_tokens=cmd.num_output_tokens,
+                )
             case KVArrived():
                 return self.kv_arrived(cmd.request_id, cmd.first_token)
             case Finish():
@@ -196,12 +202,19 @@ class LLMEngine:
         priority: int = 0,
         *,
         remote_kv: RemoteKV | None = None,
+        num_output_tokens: int = 0,
     ) -> str:
-        """Queue a request; returns its id. ValueError if it can never run here (too long, id in use)."""
+        """Queue a request; returns its id. ValueError if it can never run here (too long, id in use).
+        With num_output_tokens, the last that many ids are output already generated elsewhere (a
+        migrated request): generation continues at that output index."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
-        total = len(ids) + params.max_tokens
+        if not 0 <= num_output_tokens < len(ids):
+            raise ValueError(f"num_output_tokens must be in [0, {len(ids)}), got {num_output_tokens}")
+        if num_output_tokens >= params.max_tokens:
+            raise ValueError(f"max_tokens {params.max_tokens} leaves none after {num_output_tokens} outputs")
+        total = len(ids) - num_output_tokens + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
@@ -213,7 +226,7 @@ class LLMEngine:
             )
         now = time.monotonic()
         seq = Sequence(ids, params, seq_id=request_id, priority=priority, arrival_time=now)
-        seq.remote_kv = remote_kv
+        seq.remote_kv, seq.num_prompt_tokens = remote_kv, len(ids) - num_output_tokens
         if seq.seq_id in self._seqs:
             raise ValueError(f"request id {seq.seq_id} is already in use")
         self._seqs[seq.seq_id] = seq

@@ -123,3 +123,25 @@ def test_rejects_what_cannot_fit(smollm) -> None:  # type: ignore[no-untyped-def
         engine.add_request([1] * 9000, SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_a_migrated_request_continues_exactly_where_it_was(smollm, seed) -> None:  # type: ignore[no-untyped-def]
+    """A request moved to another engine with its prompt plus the k output tokens already sent
+    (num_output_tokens=k) goes on with output k: the same tokens, greedy or seeded, as never moving."""
+    model, tok = smollm
+    engine = LLMEngine(model, tok, EngineConfig())
+    prompt = _prompts(tok)[2]
+    temperature = 0.0 if seed is None else 0.9
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed, ignore_eos=True)
+    whole = engine.generate([prompt], params)[0].token_ids
+    k = 5
+    rid = engine.add_request(prompt + whole[:k], params, num_output_tokens=k)
+    rest: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step().outputs:
+            assert o.request_id == rid and o.index == k + len(rest)
+            rest += o.token_ids
+    assert whole[:k] + rest == whole and len(rest) == MAX_TOKENS - k
+    with pytest.raises(ValueError, match="leaves none"):
+        engine.add_request(prompt + whole, params, num_output_tokens=MAX_TOKENS)

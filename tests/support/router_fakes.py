@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -171,9 +172,21 @@ class FakeRecords:
         return None if rec is None else {**rec, "history": list(rec["history"])}
 
 
+@dataclass(frozen=True)
+class FakeWorker:
+    id: str
+    url: str
+    load: dict[str, Any]
+
+
 class FakeRegistry:
+    """WorkerRegistry.alive() from a table the test edits: role -> [(name, load)]."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+
     async def alive(self, role: str) -> list[Any]:
-        return []
+        return [FakeWorker(name, f"http://{name}", load) for name, load in self.workers.get(role, [])]
 
 
 class FakeState:
@@ -209,6 +222,9 @@ class FakeCluster:
         self.hang_after: int | None = None  # decode stops sending (but stays open) after this many
         self.prefill_hangs = False  # prefill never answers
         self.repeat = 0  # frames repeat this many tokens already sent (the router must refuse them)
+        # decode service name -> ("break" | "stall", output index): that service's streams close, or go
+        # silent, once they reach that output index
+        self.fail_on: dict[str, tuple[str, int]] = {}
 
     def decode_app(self, name: str) -> FastAPI:
         app = FastAPI()
@@ -244,23 +260,29 @@ class FakeCluster:
             # the router's RESERVED (the router's attempt then finds it done).
             await self._record(rid, RequestState.RESERVED, decode_id=f"{name}-id")
             yield frame(Reserved(rid, blocks, fence, 0, endpoint, f"{name}-id"))
+            n_out = req.num_output_tokens  # a migrated request: the client has these outputs already
+            assert req.token_ids[len(req.token_ids) - n_out :] == self.output_ids[:n_out]
             tokens = list(self.output_ids)
             if remote:
-                tokens[0] = await kv_done
+                tokens[n_out] = await kv_done
             await self._record(rid, RequestState.DECODING)
             max_tokens = req.sampling.max_tokens
             reason = "stop" if len(tokens) <= max_tokens else "length"
             tokens = tokens[:max_tokens]
-            # Every token once, in order; in remote mode from index 1 (token 0 is the prefill's).
-            i = 1 if remote else 0
-            if i == len(tokens):  # token 0 itself ended it
+            # Every token once, in order; in remote mode the first is the prefill's, not sent here.
+            i = n_out + 1 if remote else n_out
+            if i == len(tokens):  # the prefill's token itself ended it
                 yield frame(TokenFrame(rid, [], i, reason))
+            fault, fail_at = self.fail_on.get(name, ("", len(tokens) + 1))
             while i < len(tokens):
                 if self.error_after is not None and i >= self.error_after:
                     yield frame(ErrorFrame(rid, "decode exploded", 500))
                     return
-                if self.hang_after is not None and i >= self.hang_after:
+                hang = self.hang_after is not None and i >= self.hang_after
+                if hang or (fault == "stall" and i >= fail_at):
                     await asyncio.Event().wait()
+                if fault == "break" and i >= fail_at:
+                    return  # the process died: the stream just ends
                 await asyncio.sleep(self.delay_s)
                 start = max(i - self.repeat, 0)  # `repeat` > 0: a broken decode service
                 end = min(i + self.chunk, len(tokens))
@@ -289,7 +311,7 @@ class FakeCluster:
             if self.prefill_hangs:
                 await asyncio.Event().wait()
             fence, kv_done = self.reservations[req.request_id]
-            first = self.output_ids[0]
+            first = self.output_ids[req.num_output_tokens]
             # the real P records these two itself
             await self._record(req.request_id, RequestState.PREFILLING, prefill_id=f"http://{name}")
             await self._record(req.request_id, RequestState.TRANSFERRING)
@@ -310,16 +332,18 @@ def make_router(
     cluster: FakeCluster,
     decodes: tuple[str, ...] = ("decode",),
     prefills: tuple[str, ...] = ("prefill",),
+    static: bool = True,
     **config: Any,
 ) -> httpx.AsyncClient:
     """A client for a router app whose workers are the cluster's fake services (records go to
-    cluster.state when it has one, else nowhere)."""
+    cluster.state when it has one, else nowhere). With static=False the router finds its workers in
+    cluster.state's registry instead of fixed URL lists."""
     apps: dict[str, ASGIApp] = {n: cluster.decode_app(n) for n in decodes}
     apps |= {n: cluster.prefill_app(n) for n in prefills}
     upstream = httpx.AsyncClient(transport=StreamingASGITransport(apps))
     cfg = RouterConfig(
-        decode_urls=[f"http://{n}" for n in decodes],
-        prefill_urls=[f"http://{n}" for n in prefills],
+        decode_urls=[f"http://{n}" for n in decodes] if static else [],
+        prefill_urls=[f"http://{n}" for n in prefills] if static else [],
         **config,
     )
     app = create_app(cfg, cluster.state, model_info(), http_client=upstream)  # type: ignore[arg-type]

@@ -149,14 +149,79 @@ async def test_prefill_failure_retries_on_another_worker_with_new_reservation(ou
     assert ("decode", cluster.generate_calls[0][1].request_id) in cluster.aborts
 
 
-async def test_prefill_failure_without_spare_fails_cleanly(out_ids: list[int]) -> None:
+async def test_prefill_failure_without_spare_falls_back_to_the_decode_service(out_ids: list[int]) -> None:
     cluster = FakeCluster(out_ids)
     cluster.failing.add("prefill")
     async with make_router(cluster) as client:
         resp = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
+        metrics = (await client.get("/metrics")).text
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == TEXT
+    assert resp.headers["x-splitserve-route"] == "local; reason=prefill_failed"
+    assert [g.mode for _, g in cluster.generate_calls] == ["remote", "local"]
+    assert cluster.closed_early  # the first reservation on D was released
+    assert 'splitserve_router_transfer_failures_total{outcome="recomputed",policy="retry"} 1.0' in metrics
+
+
+async def test_prefill_failure_with_policy_fail_is_a_502(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.failing.add("prefill")
+    async with make_router(cluster, transfer_failure_policy="fail") as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
     assert resp.status_code == 502 and "prefill failed" in resp.json()["error"]["message"]
-    assert resp.headers["x-splitserve-route"] == "split"
-    assert cluster.closed_early  # the reservation on D was released
+    assert resp.headers["x-splitserve-route"] == "split" and cluster.closed_early
+
+
+@pytest.mark.parametrize("prompt", ["Hi", LONG_PROMPT], ids=["local", "split"])
+@pytest.mark.parametrize("fault", ["break", "stall"])
+async def test_a_failed_decode_stream_migrates_and_the_text_goes_on(
+    out_ids: list[int], prompt: str, fault: str
+) -> None:
+    """d1 breaks (or stops sending) once it reaches output 5; the router moves the request to d2 with
+    the prompt plus the tokens already sent, and the client sees one uninterrupted text."""
+    cluster = FakeCluster(out_ids)
+    cluster.fail_on = {"d1": (fault, 5)}
+    async with make_router(cluster, decodes=("d1", "d2"), decode_stall_s=0.5) as client:
+        resp, events = await _stream(client, {"prompt": prompt, "max_tokens": 100})
+        metrics = (await client.get("/metrics")).text
+    assert resp.status_code == 200 and not [e for e in events if isinstance(e, dict) and "error" in e]
+    assert "".join(_texts(events)) == TEXT
+    (name1, first), (name2, moved) = cluster.generate_calls
+    assert (name1, name2) == ("d1", "d2")
+    n = moved.num_output_tokens  # what the client had when d1 failed (frames carry 2 tokens)
+    assert n >= 5 and moved.token_ids == first.token_ids + out_ids[:n]
+    if prompt == LONG_PROMPT:  # the prefill service computed prompt + n tokens and sampled the next
+        assert cluster.prefill_calls[-1][1].num_output_tokens == n
+    reason = "stalled" if fault == "stall" else "lost"
+    assert f'splitserve_router_migrations_total{{reason="{reason}"}} 1.0' in metrics
+
+
+async def test_migrations_are_bounded(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.fail_on = {"d1": ("break", 3), "d2": ("break", 6)}
+    async with make_router(cluster, decodes=("d1", "d2"), max_migrations=1) as client:
+        _, events = await _stream(client, {"prompt": "Hi", "max_tokens": 100})
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+        metrics = (await client.get("/metrics")).text
+    assert "gave up after 1 migration" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+    text = "".join(_texts(events))
+    assert text and TEXT.startswith(text)  # what was shown is right, and nothing was shown twice
+    assert resp.status_code == 502  # the second request: d1 and d2 both fail it before its end
+    assert 'splitserve_router_migrations_total{reason="gave_up"} 2.0' in metrics
+
+
+async def test_overloaded_decode_services_shed_load_with_retry_after(out_ids: list[int]) -> None:
+    state = FakeState()
+    state.registry.workers = {"decode": [("d1", {"waiting": 9}), ("d2", {"waiting": 4})]}
+    cluster = FakeCluster(out_ids, state=state)
+    async with make_router(cluster, decodes=("d1", "d2"), static=False, max_decode_queue=4) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert "4+ requests waiting" in resp.json()["error"]["message"]
+        state.registry.workers["decode"][1] = ("d2", {"waiting": 3})
+        await asyncio.sleep(0.3)  # the router's registry cache
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+        assert resp.status_code == 200
+        assert 'splitserve_router_shed_total{reason="queue_depth"} 1.0' in (await client.get("/metrics")).text
 
 
 async def test_busy_decode_is_skipped_and_all_busy_is_503(out_ids: list[int]) -> None:
@@ -274,7 +339,7 @@ async def test_failed_and_cancelled_requests_are_recorded(out_ids: list[int]) ->
     state = FakeState()
     cluster = FakeCluster(out_ids, state=state)
     cluster.failing.add("prefill")
-    async with make_router(cluster) as client:
+    async with make_router(cluster, transfer_failure_policy="fail") as client:
         failed = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
     assert failed.status_code == 502
     (rid,) = state.records

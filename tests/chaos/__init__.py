@@ -1,0 +1,1 @@
+"""Faults injected by real signals into real processes while streams run."""

@@ -1,0 +1,198 @@
+"""Chaos on a real stack (Redis, one prefill, two decode services, the router): a decode service killed
+(SIGKILL) or frozen (SIGSTOP) while streams generate on it, and the only prefill service killed in the
+middle of a prompt. Every accepted request must finish with the text of an unfaulted greedy run — no
+token lost or repeated — and afterwards no KV block is in use and no lease is left in Redis.
+
+`make test` runs each scenario once; `make chaos` repeats them (CHAOS_ROUNDS, default 3 there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from common.cluster.state import ClusterState
+from tests.support.cluster import Cluster, Proc, get_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
+LEASE_S, STALL_S = 2.0, 3.0
+FLAGS = ("--threads", "1", "--kv-cache-mb", "128", "--lease-s", str(LEASE_S))
+MAX_TOKENS = 40
+QUESTIONS = [
+    "Write a short story about a lighthouse keeper and a storm.",
+    "Explain how bread is made, step by step.",
+    "Describe a walk through a forest in autumn.",
+    "List the planets of the solar system with one fact about each.",
+]
+# ~1,500 tokens: a prefill of a few seconds on one thread, long enough to fail in the middle of
+LONG_PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(110))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
+    c = Cluster(redis_url, str(tmp_path_factory.mktemp("logs")))
+    try:
+        c.start("prefill", *FLAGS)
+        c.start("decode", *FLAGS)
+        c.start("decode", *FLAGS)
+        c.start("router", "--decode-stall-s", str(STALL_S), "--max-migrations", "3")
+        time.sleep(1.5)  # the router's registry cache sees every service
+        yield c
+    finally:
+        for p in c.procs:
+            if p.popen.poll() is None:
+                os.kill(p.popen.pid, signal.SIGCONT)
+        c.stop()
+
+
+def role(c: Cluster, name: str) -> list[Proc]:
+    return [p for p in c.procs if p.role == name]
+
+
+def chat(question: str) -> dict[str, Any]:
+    return {
+        "model": "default", "messages": [{"role": "user", "content": question}], "temperature": 0,
+        "max_tokens": MAX_TOKENS, "ignore_eos": True,
+    }  # fmt: skip
+
+
+def complete(router: Proc, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(router.url + "/v1/chat/completions", json=body, timeout=180)
+
+
+class Stream(threading.Thread):
+    """One streaming request: its text, its chunk count as it goes, its errors."""
+
+    def __init__(self, router: Proc, body: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.router, self.body = router, {**body, "stream": True}
+        self.text, self.chunks, self.errors = "", 0, []  # type: ignore[var-annotated]
+        self.status, self.request_id, self.route = 0, "", ""
+
+    def run(self) -> None:
+        with httpx.stream("POST", self.router.url + "/v1/chat/completions", json=self.body, timeout=180) as r:
+            self.status, self.request_id = r.status_code, r.headers.get("x-request-id", "")
+            self.route = r.headers.get("x-splitserve-route", "")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    self.errors.append(event["error"]["message"])
+                    continue
+                self.text += event["choices"][0]["delta"].get("content") or ""
+                self.chunks += 1
+
+
+def reference(router: Proc) -> list[str]:
+    return [complete(router, chat(q)).json()["choices"][0]["message"]["content"] for q in QUESTIONS]
+
+
+def busiest_decode(c: Cluster) -> Proc:
+    return max(role(c, "decode"), key=lambda p: get_json(p.url + "/health")["running"])
+
+
+def wait_until(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def leases_left(redis_url: str) -> int:
+    async def count() -> int:
+        state = ClusterState.from_url(redis_url)
+        try:
+            return await state.leases.count()
+        finally:
+            await state.close()
+
+    return asyncio.run(count())
+
+
+def metric(router: Proc, name: str) -> float:
+    text = httpx.get(router.url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def assert_clean(c: Cluster, redis_url: str) -> None:
+    """Nothing in use anywhere once every request ended: blocks, sequences, leases."""
+    for p in role(c, "decode") + role(c, "prefill"):
+        h = c.wait_blocks_free(p, timeout_s=LEASE_S * 4)
+        assert h["free_blocks"] == h["total_blocks"] and h["running"] == h["waiting"] == 0, (p.url, h)
+    deadline = time.monotonic() + LEASE_S * 4
+    while leases_left(redis_url) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leases_left(redis_url) == 0
+
+
+def run_fault(c: Cluster, redis_url: str, fault: str) -> None:
+    router = role(c, "router")[0]
+    want = reference(router)
+    before = metric(router, "splitserve_router_migrations_total")
+    streams = [Stream(router, chat(q)) for q in QUESTIONS]
+    for s in streams:
+        s.start()
+    wait_until(lambda: all(s.chunks >= 3 for s in streams), 120, "every stream to be generating")
+    victim = busiest_decode(c)
+    if fault == "kill":
+        victim.popen.kill()
+    else:
+        os.kill(victim.popen.pid, signal.SIGSTOP)
+    try:
+        for s in streams:
+            s.join(180)
+    finally:
+        if fault == "stop":
+            os.kill(victim.popen.pid, signal.SIGCONT)
+    for s, text in zip(streams, want, strict=True):
+        assert s.status == 200 and not s.errors, (s.status, s.errors)
+        assert s.text == text, "the migrated stream's text differs from an unfaulted run"
+    assert metric(router, "splitserve_router_migrations_total") > before
+    records = [get_json(f"{router.url}/v1/requests/{s.request_id}") for s in streams]
+    migrated = [r for r in records if "migrating" in [state for state, _ in r["history"]]]
+    assert migrated, "no record shows the migration"
+    for rec in migrated:
+        assert rec["state"] == "finished" and rec["migration_reason"] and rec["migrated_from"], rec
+    if fault == "kill":
+        c.procs.remove(victim)
+        c.start("decode", *FLAGS)  # a spare again for the next scenario
+        time.sleep(1.5)
+    assert_clean(c, redis_url)
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"] * ROUNDS)
+def test_a_failed_decode_service_loses_no_stream(stack, redis_url, fault) -> None:  # type: ignore[no-untyped-def]
+    run_fault(stack, redis_url, fault)
+
+
+@pytest.mark.parametrize("round_", range(ROUNDS))
+def test_the_only_prefill_service_killed_mid_prompt_falls_back_to_decode(stack, redis_url, round_) -> None:  # type: ignore[no-untyped-def]
+    router = role(stack, "router")[0]
+    prefill = role(stack, "prefill")[0]
+    body = {"model": "default", "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0}
+    result: dict[str, httpx.Response] = {}
+    url = router.url + "/v1/completions"
+    t = threading.Thread(target=lambda: result.update(r=httpx.post(url, json=body, timeout=180)))
+    t.start()
+    wait_until(lambda: get_json(prefill.url + "/health")["running"] > 0, 60, "the prefill to start")
+    prefill.popen.kill()
+    t.join(180)
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.headers["x-splitserve-route"] == "local; reason=prefill_failed"
+    rec = get_json(f"{router.url}/v1/requests/{r.headers['x-request-id']}")
+    assert rec["state"] == "finished" and rec["route"] == "local:prefill_failed", rec
+    stack.procs.remove(prefill)
+    stack.start("prefill", *FLAGS)
+    time.sleep(1.5)
+    assert_clean(stack, redis_url)
