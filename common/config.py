@@ -69,6 +69,12 @@ class ServiceConfig(BaseSettings):
     lease_s: float = Field(
         5.0, gt=0, description="transfer-ledger lease TTL: a silent peer's blocks are freed after it"
     )
+    drain_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="SIGTERM: requests in progress get this long to finish; the rest are ended (the "
+        "router migrates them) and the process exits 0",
+    )
 
     @property
     def public_host(self) -> str:

@@ -29,7 +29,7 @@ from common.connector.remote_kv import IncomingKV
 from common.engine.api import AddRequest, Admission, Finish, KVArrived, RemoteKV, TokenOutput
 from common.engine.llm_engine import LLMEngine
 from common.protocol import ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
-from common.runtime.service import Interrupt, Job, Service, error_response
+from common.runtime.service import Interrupt, Job, Service
 from common.runtime.telemetry import context_from, span_scope, tracer
 from decode_service.timeline import Timeline
 from kv_transfer import make_receiver, resolve_backend
@@ -125,9 +125,10 @@ class DecodeService(Service):
 
     # --- requests ---------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> Response:
-        if self.queue_full():
-            self.metrics.requests.labels(role="decode", outcome="rejected_queue_full").inc()
-            return error_response(503, "decode queue is full", headers={"Retry-After": "1"})
+        refused = self.refusal()
+        if refused is not None:
+            self.metrics.requests.labels(role="decode", outcome="refused").inc()
+            return refused
         remote_kv: RemoteKV | None = "receive" if req.mode == "remote" else None
         rid = req.request_id
         job = Stream(rid, req=req)

@@ -94,8 +94,10 @@ class PrefillService(Service):
             )
         # one token here (after the output a migrated request already has); stop rules are the decode side's
         params = req.sampling.replace(max_tokens=req.num_output_tokens + 1, min_tokens=0)
-        if self.queue_full():
-            return error_response(503, "prefill queue is full", headers={"Retry-After": "1"})
+        refused = self.refusal()
+        if refused is not None:
+            self.metrics.requests.labels(role="prefill", outcome="refused").inc()
+            return refused
         rid, t0 = req.request_id, time.perf_counter()
         job = Job(rid)
         self.open_job(job)

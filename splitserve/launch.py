@@ -4,6 +4,7 @@ deployment (`splitserve up`): embedded Redis, N prefill, M decode and the router
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
@@ -94,7 +95,13 @@ def service_configs(args: argparse.Namespace) -> tuple[ServiceConfig, EngineConf
 
 
 def run_service(args: argparse.Namespace) -> int:
-    """`splitserve prefill|decode`: one service in this process (flags override SPLITSERVE_* env)."""
+    """`splitserve prefill|decode`: one service in this process (flags override SPLITSERVE_* env).
+
+    SIGTERM (or Ctrl-C) drains it: it leaves the registry and refuses new work at once, the server
+    waits up to drain_timeout_s for the requests in progress, ends the rest (a router migrates those)
+    and the process exits 0."""
+    import asyncio
+
     import uvicorn
 
     cfg, engine_cfg = service_configs(args)
@@ -102,7 +109,23 @@ def run_service(args: argparse.Namespace) -> int:
         from decode_service.app import create_app
     else:
         from prefill_service.app import create_app
-    uvicorn.run(create_app(cfg, engine_cfg), host=cfg.host, port=cfg.port, log_level="warning")
+    app = create_app(cfg, engine_cfg)
+    service = app.state.service
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.should_exit:
+                asyncio.get_running_loop().create_task(service.drain())
+            super().handle_exit(sig, frame)
+
+    grace = max(1, math.ceil(cfg.drain_timeout_s))
+    config = uvicorn.Config(
+        app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=grace
+    )
+    # uvicorn raises the signal again once it stopped; a drained service then exits 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
+    DrainingServer(config).run()
     return 0
 
 
@@ -120,8 +143,34 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) ->
     raise RuntimeError(f"{url}: not healthy after {timeout_s:.0f} s")
 
 
+DRAIN_WAIT_S = 45.0  # `up` waits this long for its services to drain (their default drain_timeout_s: 30)
+BACKOFF_S = (1.0, 30.0)  # a service that exits is started again after 1 s, doubling up to 30 s
+STABLE_S = 60.0  # ... and the wait starts over once it ran this long
+
+
+def supervise(procs: list[subprocess.Popen], commands: list[list[str]]) -> None:
+    """Start every service that exits again, after a backoff that doubles while it keeps exiting;
+    returns only when interrupted (KeyboardInterrupt: Ctrl-C, or SIGTERM in `up`)."""
+    wait = [BACKOFF_S[0]] * len(procs)
+    started = [time.monotonic()] * len(procs)
+    while True:
+        time.sleep(0.5)
+        for i, p in enumerate(procs):
+            if p.poll() is None:
+                continue
+            now = time.monotonic()
+            if now - started[i] > STABLE_S:
+                wait[i] = BACKOFF_S[0]
+            name = " ".join(commands[i][3:5])
+            print(f"{name} exited with {p.returncode}; starting it again in {wait[i]:.0f} s", file=sys.stderr)
+            time.sleep(wait[i])
+            procs[i] = subprocess.Popen(commands[i])
+            started[i], wait[i] = time.monotonic(), min(2 * wait[i], BACKOFF_S[1])
+
+
 def up(args: argparse.Namespace) -> int:
-    """`splitserve up`: everything on this machine, shut down together on Ctrl-C or SIGTERM."""
+    """`splitserve up`: everything on this machine; a service that exits is started again (with
+    backoff); Ctrl-C or SIGTERM drains and stops them all."""
     from common.cluster.redis_server import RedisServer
 
     redis = None
@@ -131,6 +180,7 @@ def up(args: argparse.Namespace) -> int:
         redis.start()
         redis_url = redis.url
     procs: list[subprocess.Popen] = []
+    commands: list[list[str]] = []
     me = [sys.executable, "-m", "splitserve"]
     engine_flags = [
         x
@@ -145,10 +195,11 @@ def up(args: argparse.Namespace) -> int:
     def stop(*_: Any) -> None:
         for p in procs:
             if p.poll() is None:
-                p.terminate()
+                p.terminate()  # the services drain (up to their drain_timeout_s) and exit 0
+        deadline = time.monotonic() + DRAIN_WAIT_S
         for p in procs:
             try:
-                p.wait(timeout=15)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
         if redis is not None:
@@ -175,6 +226,7 @@ def up(args: argparse.Namespace) -> int:
                 *engine_flags,
                 *threads,
             ]
+            commands.append(cmd)
             procs.append(subprocess.Popen(cmd, start_new_session=False))
             print(f"  {role}-{i}: http://127.0.0.1:{port}", flush=True)
         for (role, i), p in zip(services, procs, strict=True):
@@ -182,6 +234,7 @@ def up(args: argparse.Namespace) -> int:
         router_cmd = [*me, "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
         if args.engine_model:
             router_cmd += ["--model", args.engine_model]
+        commands.append(router_cmd)
         procs.append(subprocess.Popen(router_cmd))
         url = f"http://{args.host}:{args.port}"
         _wait_healthy(url, procs[-1])
@@ -191,11 +244,8 @@ def up(args: argparse.Namespace) -> int:
             '"messages": [{"role": "user", "content": "What is the capital of France?"}]}\'\n',
             flush=True,
         )
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        dead = [p.args for p in procs if p.poll() is not None]
-        print(f"a service exited: {dead}; shutting down", file=sys.stderr)
-        return 1
+        supervise(procs, commands)
+        return 0
     except KeyboardInterrupt:
         print("\nshutting down", file=sys.stderr)
         return 0

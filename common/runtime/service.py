@@ -92,6 +92,7 @@ class Service:
         self.engine = engine
         self.aengine = AsyncEngine(engine)
         self.jobs: dict[str, Job] = {}
+        self.draining = False  # SIGTERM came: no new work, what runs finishes (drain_timeout_s)
         self.state: ClusterState | None = None
         self.heartbeat: Heartbeat | None = None
         self.leases: LeaseKeeper | None = None
@@ -117,8 +118,30 @@ class Service:
         """(name, help, value) of the KV transport's counters, for /metrics."""
         return []
 
-    def queue_full(self) -> bool:
-        return self.engine.scheduler.num_waiting >= self.cfg.max_queue
+    def refusal(self) -> Response | None:
+        """A retryable 503 for new work while draining or with a full queue; None to go ahead."""
+        if self.draining:
+            return error_response(503, f"{self.cfg.worker_name} is draining", headers={"Retry-After": "1"})
+        if self.engine.scheduler.num_waiting >= self.cfg.max_queue:
+            return error_response(503, f"{self.cfg.role} queue is full", headers={"Retry-After": "1"})
+        return None
+
+    async def drain(self) -> None:
+        """SIGTERM: leave the registry at once (routers stop choosing this service) and refuse new work
+        with a retryable 503; what runs goes on. The server waits for it up to drain_timeout_s, then
+        ends the rest (a router migrates those), and the process exits 0."""
+        if self.draining:
+            return
+        self.draining = True
+        log.warning(
+            "%s draining: %d request(s) in progress get %.0f s", self.cfg.worker_name, len(self.jobs),
+            self.cfg.drain_timeout_s,
+        )  # fmt: skip
+        if self.heartbeat is not None:
+            try:
+                await self.heartbeat.stop(deregister=True)
+            except Exception:
+                log.exception("could not deregister; the registration expires by itself")
 
     async def start(self, kv_endpoint: str = "") -> None:
         self.aengine.start()
@@ -230,14 +253,15 @@ class Service:
             return {"aborted": msg.request_id}
 
         @app.get("/health")
-        async def health() -> dict[str, Any]:
-            return {
-                "status": "ok",
+        async def health() -> JSONResponse:
+            body = {
+                "status": "draining" if self.draining else "ok",
                 "role": self.cfg.role,
                 "worker_id": self.cfg.worker_name,
                 "engine": self.engine.placement.describe(),
                 **self.load(),
             }
+            return JSONResponse(body, status_code=503 if self.draining else 200)  # readiness fails
 
         @app.get("/metrics")
         async def metrics() -> Response:

@@ -1,7 +1,8 @@
-"""Chaos on a real stack (Redis, one prefill, two decode services, the router): a decode service killed
-(SIGKILL) or frozen (SIGSTOP) while streams generate on it, and the only prefill service killed in the
-middle of a prompt. Every accepted request must finish with the text of an unfaulted greedy run — no
-token lost or repeated — and afterwards no KV block is in use and no lease is left in Redis.
+"""Chaos on a real stack (Redis, one prefill, two decode services, the router): a decode service
+killed (SIGKILL), frozen (SIGSTOP) or drained (SIGTERM, shorter than the streams) while streams
+generate on it, and the only prefill service killed in the middle of a prompt. Every accepted request
+must finish with the text of an unfaulted greedy run — no token lost or repeated — and afterwards no
+KV block is in use and no lease is left in Redis.
 
 `make test` runs each scenario once; `make chaos` repeats them (CHAOS_ROUNDS, default 3 there).
 """
@@ -26,6 +27,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
 LEASE_S, STALL_S = 2.0, 3.0
 FLAGS = ("--threads", "1", "--kv-cache-mb", "128", "--lease-s", str(LEASE_S))
+DRAIN_S = 2.0
+ENV = {"SPLITSERVE_DRAIN_TIMEOUT_S": str(DRAIN_S)}
 MAX_TOKENS = 40
 QUESTIONS = [
     "Write a short story about a lighthouse keeper and a storm.",
@@ -42,8 +45,8 @@ def stack(tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
     c = Cluster(redis_url, str(tmp_path_factory.mktemp("logs")))
     try:
         c.start("prefill", *FLAGS)
-        c.start("decode", *FLAGS)
-        c.start("decode", *FLAGS)
+        c.start("decode", *FLAGS, env=ENV)
+        c.start("decode", *FLAGS, env=ENV)
         c.start("router", "--decode-stall-s", str(STALL_S), "--max-migrations", "3")
         time.sleep(1.5)  # the router's registry cache sees every service
         yield c
@@ -58,10 +61,10 @@ def role(c: Cluster, name: str) -> list[Proc]:
     return [p for p in c.procs if p.role == name]
 
 
-def chat(question: str) -> dict[str, Any]:
+def chat(question: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     return {
         "model": "default", "messages": [{"role": "user", "content": question}], "temperature": 0,
-        "max_tokens": MAX_TOKENS, "ignore_eos": True,
+        "max_tokens": max_tokens, "ignore_eos": True,
     }  # fmt: skip
 
 
@@ -93,8 +96,9 @@ class Stream(threading.Thread):
                 self.chunks += 1
 
 
-def reference(router: Proc) -> list[str]:
-    return [complete(router, chat(q)).json()["choices"][0]["message"]["content"] for q in QUESTIONS]
+def reference(router: Proc, max_tokens: int = MAX_TOKENS) -> list[str]:
+    answers = [complete(router, chat(q, max_tokens)).json() for q in QUESTIONS]
+    return [a["choices"][0]["message"]["content"] for a in answers]
 
 
 def busiest_decode(c: Cluster) -> Proc:
@@ -135,17 +139,36 @@ def assert_clean(c: Cluster, redis_url: str) -> None:
     assert leases_left(redis_url) == 0
 
 
+def alive_decodes(redis_url: str) -> set[str]:
+    async def alive() -> set[str]:
+        state = ClusterState.from_url(redis_url)
+        try:
+            return {w.url for w in await state.registry.alive("decode")}
+        finally:
+            await state.close()
+
+    return asyncio.run(alive())
+
+
 def run_fault(c: Cluster, redis_url: str, fault: str) -> None:
     router = role(c, "router")[0]
-    want = reference(router)
+    max_tokens = 120 if fault == "term" else MAX_TOKENS  # a drain of DRAIN_S cuts these short
+    want = reference(router, max_tokens)
     before = metric(router, "splitserve_router_migrations_total")
-    streams = [Stream(router, chat(q)) for q in QUESTIONS]
+    streams = [Stream(router, chat(q, max_tokens)) for q in QUESTIONS]
     for s in streams:
         s.start()
     wait_until(lambda: all(s.chunks >= 3 for s in streams), 120, "every stream to be generating")
     victim = busiest_decode(c)
     if fault == "kill":
         victim.popen.kill()
+    elif fault == "term":
+        victim.popen.terminate()
+        wait_until(lambda: victim.url not in alive_decodes(redis_url), 2, "the drain to deregister it")
+        with pytest.raises(httpx.HTTPStatusError) as refused:  # new work: a retryable 503
+            httpx.get(victim.url + "/health").raise_for_status()
+        assert refused.value.response.status_code == 503
+        assert refused.value.response.json()["status"] == "draining"
     else:
         os.kill(victim.popen.pid, signal.SIGSTOP)
     try:
@@ -163,14 +186,16 @@ def run_fault(c: Cluster, redis_url: str, fault: str) -> None:
     assert migrated, "no record shows the migration"
     for rec in migrated:
         assert rec["state"] == "finished" and rec["migration_reason"] and rec["migrated_from"], rec
-    if fault == "kill":
+    if fault == "term":
+        assert victim.popen.wait(DRAIN_S + 15) == 0, "a drained service exits 0"
+    if fault in ("kill", "term"):
         c.procs.remove(victim)
-        c.start("decode", *FLAGS)  # a spare again for the next scenario
+        c.start("decode", *FLAGS, env=ENV)  # a spare again for the next scenario
         time.sleep(1.5)
     assert_clean(c, redis_url)
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"] * ROUNDS)
+@pytest.mark.parametrize("fault", ["kill", "stop", "term"] * ROUNDS)
 def test_a_failed_decode_service_loses_no_stream(stack, redis_url, fault) -> None:  # type: ignore[no-untyped-def]
     run_fault(stack, redis_url, fault)
 

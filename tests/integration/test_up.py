@@ -1,5 +1,5 @@
-"""`splitserve up` (what `make run` starts): everything comes up, answers, and SIGTERM or Ctrl-C
-takes every process down with it, embedded Redis included."""
+"""`splitserve up` (what `make run` starts): everything comes up, answers, a service that dies is
+started again, and SIGTERM or Ctrl-C takes every process down with it, embedded Redis included."""
 
 from __future__ import annotations
 
@@ -58,6 +58,15 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
             },
         )
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        if sig == signal.SIGTERM:  # once: a service that dies is started again
+            (decode,) = [c for c in children if "decode" in c.cmdline()]
+            decode.kill()
+            deadline = time.monotonic() + 120
+            while not any("decode" in c.cmdline() and c.pid != decode.pid for c in _children(proc)):
+                assert time.monotonic() < deadline, (tmp_path / "up.log").read_text()
+                time.sleep(0.5)
+            assert "exited with -9; starting it again" in (tmp_path / "up.log").read_text()
+            children = _children(proc)
         proc.send_signal(sig)
         assert proc.wait(timeout=60) == 0
         gone, alive = psutil.wait_procs(children, timeout=10)
@@ -68,3 +77,14 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
         for c in children:
             if c.is_running():
                 c.kill()
+
+
+def _children(proc: subprocess.Popen) -> list[psutil.Process]:
+    out = []
+    for c in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            c.cmdline()
+            out.append(c)
+        except psutil.NoSuchProcess:
+            pass
+    return out

@@ -93,6 +93,10 @@ spec:
               valueFrom:
                 fieldRef:
                   fieldPath: metadata.name
+            # SIGTERM drains: requests in progress get the grace period less 10 s, then the rest are
+            # ended (the router migrates them) before Kubernetes would kill the pod
+            - name: SPLITSERVE_DRAIN_TIMEOUT_S
+              value: {{ max 1 (sub (int $c.terminationGracePeriodSeconds) 10) | quote }}
             - name: OTEL_SERVICE_NAME
               value: splitserve-{{ $role }}
             {{- with include "splitserve.redisEnv" (dict "root" $root "name" "SPLITSERVE_REDIS_URL") | trim }}{{ . | nindent 12 }}{{ end }}
