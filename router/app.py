@@ -57,6 +57,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        if orch.records is not None:
+            await orch.records.close()
         if owns_client:
             await client.aclose()
         if close_state and state is not None:
@@ -66,6 +68,7 @@ def create_app(
     metrics = RouterMetrics()
     router_id = f"router-{socket.gethostname()}-{os.getpid()}"
     orch = Orchestrator(config, state, client, metrics, router_id)
+    metrics.watch(orch)
     server = Server(config, model_info, orch, metrics)
     started = int(time.time())
     install_handlers(app)

@@ -3,6 +3,8 @@ several apps (tests) without duplicate-metric errors."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -91,6 +93,16 @@ class RouterMetrics:
             registry=r,
         )
         self._met = self._judged = 0
+
+    def watch(self, orch: Any) -> None:
+        """Gauges read from the orchestrator at scrape time: what waits for Redis."""
+        r, p = self.registry, "splitserve_router_"
+        pending = Gauge(p + "record_writes_pending", "Record writes waiting for Redis to be back", registry=r)
+        pending.set_function(lambda: orch.records.pending if orch.records else 0)
+        stale = Gauge(
+            p + "registry_stale_reads", "Routing decisions made on the last known worker list", registry=r
+        )
+        stale.set_function(lambda: orch.pool.stale_reads)
 
     def judge(self, met: bool) -> None:
         """Count one finished request against the SLOs."""

@@ -21,7 +21,8 @@ from typing import Any, Literal
 import httpx
 from opentelemetry import trace
 
-from common.cluster.records import IllegalTransition, RequestState
+from common.cluster.record_writer import RecordWriter
+from common.cluster.records import RequestState
 from common.cluster.state import ClusterState
 from common.protocol import ErrorFrame, GenerateRequest, PrefillRequest, Reserved, TokenFrame, encode
 from common.runtime.telemetry import span_scope, traceparent, tracer
@@ -82,6 +83,8 @@ class Orchestrator:
         self.config, self.state, self.client, self.metrics = config, state, client, metrics
         self.router_id = router_id
         self.pool = WorkerPool(state, config.decode_urls, config.prefill_urls)
+        # the router writes each request's end, so it may write a record Redis lost (restart) again
+        self.records = RecordWriter(state.records, restore_lost=True) if state is not None else None
 
     def route(self, prompt_tokens: int, prefills: list[Worker]) -> Route:
         if prompt_tokens < self.config.local_prefill_threshold:
@@ -398,10 +401,10 @@ class Generation:
     # ---- records ---------------------------------------------------------------------------------
 
     async def _create_record(self) -> None:
-        if self.o.state is None or self.route is None:
+        if self.o.records is None or self.route is None:
             return
         try:
-            await self.o.state.records.create(
+            await self.o.records.create(
                 self.id, model=self.model, prompt_tokens=len(self.prompt_ids), router_id=self.o.router_id,
                 route=self.route.record,
             )  # fmt: skip
@@ -411,22 +414,20 @@ class Generation:
             log.exception("request %s: could not create its record", self.id)
 
     async def _record_route(self) -> None:
-        if self.o.state is None or not self._recorded or self.route is None:
+        if self.o.records is None or not self._recorded or self.route is None:
             return
         try:
-            await self.o.state.records.set_fields(self.id, route=self.route.record)
+            await self.o.records.set_fields(self.id, route=self.route.record)
         except Exception:
             log.exception("request %s: could not record the route", self.id)
 
     async def _record(self, new: RequestState, **fields: Any) -> None:
-        if self.o.state is None or not self._recorded:
+        """A transition of the router's (MIGRATING, the end); one that Redis cannot take now is retried
+        by the record writer until it lands."""
+        if self.o.records is None or not self._recorded:
             return
         try:
-            await self.o.state.records.transition(self.id, new, **fields)
-        except IllegalTransition as e:
-            # A service moved the record on first (or the table forbids this end from its state):
-            # the request itself is unaffected.
-            log.debug("request %s: %s", self.id, e)
+            await self.o.records.transition(self.id, new, **fields)
         except Exception:
             self.o.metrics.state_errors.inc()
             log.exception("request %s: could not record %s", self.id, new.name)

@@ -7,12 +7,15 @@ in flight on each worker breaks ties (and is the only signal for fixed lists).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.cluster.state import ClusterState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,25 +31,49 @@ class WorkerPool:
     # The registry's figures are refreshed by heartbeats once a second, so re-reading them for every
     # request buys nothing but Redis round trips on the request path.
     CACHE_S = 0.25
+    STALE_S = 10.0  # how long a last known list outlives a registry that is unreadable or empty
 
     def __init__(self, state: ClusterState | None, decode_urls: list[str], prefill_urls: list[str]) -> None:
         self.state = state
         self.static = {"decode": list(decode_urls), "prefill": list(prefill_urls)}
         self.in_flight: Counter[str] = Counter()  # worker url -> requests this router has on it
-        self._cache: dict[str, tuple[float, list[Worker]]] = {}
+        self._cache: dict[str, tuple[float, list[Worker]]] = {}  # role -> (read at, workers)
+        self._known: dict[str, tuple[list[Worker], float]] = {}  # role -> last non-empty list, when read
+        self.stale_reads = 0  # candidates served from the last known list (Redis away or emptied)
 
     async def candidates(self, role: str) -> list[Worker]:
+        """Workers of `role`, best first. When the registry (Redis) cannot be read, or comes back empty
+        (restarted: workers re-register within a heartbeat), the last list read serves for up to
+        STALE_S: a down or restarted Redis must not stop routing. With no list yet, the error
+        propagates."""
         if self.static[role]:
             workers = [Worker(url, url) for url in self.static[role]]
         elif self.state is not None:
             at, workers = self._cache.get(role, (0.0, []))
             if time.monotonic() - at > self.CACHE_S:
-                alive = await self.state.registry.alive(role)
-                workers = [Worker(w.id, w.url.rstrip("/"), w.load) for w in alive]
-                self._cache[role] = (time.monotonic(), workers)
+                workers = await self._read(role)
         else:
             workers = []
         return sorted(workers, key=self._key)
+
+    async def _read(self, role: str) -> list[Worker]:
+        assert self.state is not None
+        now = time.monotonic()
+        known, seen = self._known.get(role, ([], 0.0))
+        try:
+            workers = [Worker(w.id, w.url.rstrip("/"), w.load) for w in await self.state.registry.alive(role)]
+        except Exception as e:
+            if role not in self._known:
+                raise
+            log.warning("worker registry unreadable (%r): routing on the last known %s list", e, role)
+            workers = []
+        if workers:
+            self._known[role] = (workers, now)
+        elif known and now - seen < self.STALE_S:
+            self.stale_reads += 1
+            workers = known
+        self._cache[role] = (now, workers)
+        return workers
 
     def _key(self, w: Worker) -> tuple[int, int, int]:
         queued = int(w.load.get("running", 0)) + int(w.load.get("waiting", 0))

@@ -139,6 +139,7 @@ class LeaseKeeper:
         self.on_peer_lost = on_peer_lost  # event-loop thread, once per holder
         self.clock = clock
         self._task: asyncio.Task[None] | None = None
+        self._outage = False  # the last tick could not reach Redis
         self.expired = 0  # peer leases found expired (a metric)
 
     async def start(self) -> None:
@@ -174,10 +175,20 @@ class LeaseKeeper:
             await asyncio.sleep(self.ttl_s / 4)
             try:
                 await self.tick()
-            except Exception:
-                log.exception("lease upkeep failed; retrying")
+            except Exception as e:
+                log.warning("lease upkeep could not reach Redis (%r); retrying", e)
 
     async def tick(self) -> None:
+        """Renew our leases (taking back one Redis lost), then look for the peers'. Time Redis was out
+        of reach does not count against a peer: after an outage every peer gets a whole TTL again to
+        renew (or re-take) its lease, so no transfer fails only because Redis was briefly away."""
+        try:
+            await self._tick()
+        except Exception:
+            self._outage = True
+            raise
+
+    async def _tick(self) -> None:
         for h in list(self.holders()):
             if not h.lease.held:
                 continue
@@ -185,6 +196,15 @@ class LeaseKeeper:
             if not await self.ledger.renew(rid, fence, self.side, self.owner, self.ttl_s) and h.lease.held:
                 log.warning("%s lease of %s was lost; taking it again", self.side, rid)
                 await self.ledger.acquire(rid, fence, self.side, self.owner, self.ttl_s, h.block_ids)
+        if self._outage:  # Redis is back: the peers need a TTL to find it too
+            self._outage = False
+            for h in list(self.holders()):
+                h.lease.peer_seen = self.clock()
+            return
+        for h in list(self.holders()):
+            if not h.lease.held:
+                continue
+            rid, fence = h.request_id, h.fence
             now = self.clock()
             if await self.ledger.get(rid, fence, PEER[self.side]) is not None:
                 h.lease.peer_seen = now

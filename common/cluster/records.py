@@ -65,6 +65,7 @@ RECORD_FIELDS: dict[str, type] = {
     "migrations": int,  # times the request moved to another decode service
     "migrated_from": str,  # the decode service it last left
     "migration_reason": str,  # why
+    "restored": int,  # 1: Redis lost the record (restarted empty) and its end was written again
 }
 
 # KEYS[1] record. ARGV: new_state, ttl_s (0 = none), n, n allowed current states ("" = no record),
@@ -85,6 +86,19 @@ else hist = '[' .. entry .. ']' end
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 't_' .. ARGV[1], ts, 'history', hist, unpack(ARGV, 4 + n))
 if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return {1, ts}
+"""
+
+# KEYS[1] record. ARGV: state, ttl_s (0 = none), then field/value pairs. Writes a record Redis lost (it
+# restarted empty) again, with this state as its whole history; 0 if the record exists after all.
+_RESTORE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local t = redis.call('TIME')
+local ts = t[1] .. '.' .. string.format('%06d', tonumber(t[2]))
+local hist = '[["' .. ARGV[1] .. '",' .. ts .. ']]'
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 't_' .. ARGV[1], ts, 'history', hist, 'restored', 1,
+           unpack(ARGV, 3))
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return 1
 """
 
 # HSET only on an existing record: an update never creates a stray one
@@ -116,6 +130,7 @@ class RequestRecords:
         self.redis, self.prefix, self.ttl_s = client, prefix, ttl_s
         self._transition = client.register_script(_TRANSITION_LUA)
         self._set_fields = client.register_script(_SET_FIELDS_LUA)
+        self._restore = client.register_script(_RESTORE_LUA)
 
     def key(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"
@@ -149,6 +164,27 @@ class RequestRecords:
         args = [new.value, ttl, len(allowed_from), *allowed_from, *_pairs(fields)]
         ok, value = await self._transition(keys=[self.key(request_id)], args=args)
         return bool(ok), str(value)
+
+    async def end(self, request_id: str, state: RequestState, **fields: Any) -> float:
+        """Move to a terminal state from whatever live state the record is in (the writer of a
+        request's end uses it when writes of the states between were lost); IllegalTransition if it
+        has ended already, UnknownRequest if there is no record."""
+        new = RequestState(state)
+        assert new in TERMINAL, f"{new} is not an end"
+        live = [s.value for s in RequestState if s not in TERMINAL]
+        ok, value = await self._apply(request_id, new, live, fields)
+        if ok:
+            return float(value)
+        if value == "":
+            raise UnknownRequest(f"request {request_id!r} has no record")
+        raise IllegalTransition(request_id, RequestState(value), new)
+
+    async def restore(self, request_id: str, state: RequestState, **fields: Any) -> bool:
+        """Write a record that no longer exists (Redis restarted empty) again, in `state`, its history
+        starting there and `restored` set; False if the record exists after all."""
+        ttl = self.ttl_s if state in TERMINAL else 0
+        args = [RequestState(state).value, ttl, *_pairs(fields)]
+        return bool(await self._restore(keys=[self.key(request_id)], args=args))
 
     async def set_fields(self, request_id: str, **fields: Any) -> bool:
         """Update fields of an existing record without a transition (e.g. the route changed after a

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.sentinel import Sentinel
 
 from common.cluster.leases import LeaseLedger
 from common.cluster.records import RequestRecords
@@ -29,7 +31,39 @@ class ClusterState:
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "splitserve:", **kwargs: Any) -> ClusterState:
-        return cls(aioredis.Redis.from_url(url, decode_responses=True), prefix, **kwargs)
+        return cls(connect(url), prefix, **kwargs)
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def connect(url: str) -> aioredis.Redis:
+    """A client for `url`:
+
+    - `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS), `unix:///path.sock?db=0`: one
+      server, as redis-py reads them;
+    - `redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]` (or
+      `rediss+sentinel://` for TLS): Redis Sentinel; the client asks the sentinels for the master of
+      `service` and follows it across failovers. The password is the master's; sentinels that need one
+      too take the same.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if not parts.scheme.endswith("+sentinel"):
+        return aioredis.Redis.from_url(url, decode_responses=True)
+    hosts = parts.netloc.rpartition("@")[2]
+    path = [p for p in parts.path.split("/") if p]
+    if not hosts or not path:
+        raise ValueError(f"a sentinel URL names its sentinels and the service: {url!r}")
+    sentinels = []
+    for hostport in hosts.split(","):
+        host, _, port = hostport.rpartition(":")
+        sentinels.append((host.strip("[]") or hostport, int(port) if port.isdigit() else 26379))
+    auth = {
+        k: urllib.parse.unquote(v)
+        for k, v in (("username", parts.username), ("password", parts.password))
+        if v
+    }
+    ssl = parts.scheme.startswith("rediss")
+    sentinel = Sentinel(sentinels, sentinel_kwargs={**auth, "ssl": ssl}, ssl=ssl, **auth)
+    db = int(path[1]) if len(path) > 1 else 0
+    return sentinel.master_for(path[0], db=db, decode_responses=True)

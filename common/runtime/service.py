@@ -21,7 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as ASGIMessage
 
 from common.cluster.leases import LeaseKeeper
-from common.cluster.records import IllegalTransition, RequestState, UnknownRequest
+from common.cluster.record_writer import RecordWriter
+from common.cluster.records import RequestState
 from common.cluster.registry import Heartbeat
 from common.cluster.state import ClusterState
 from common.config import ServiceConfig
@@ -94,6 +95,7 @@ class Service:
         self.jobs: dict[str, Job] = {}
         self.draining = False  # SIGTERM came: no new work, what runs finishes (drain_timeout_s)
         self.state: ClusterState | None = None
+        self.records: RecordWriter | None = None
         self.heartbeat: Heartbeat | None = None
         self.leases: LeaseKeeper | None = None
         self.metrics = ServiceMetrics(cfg.role)
@@ -148,6 +150,7 @@ class Service:
         if not self.cfg.redis_url:
             return
         self.state = ClusterState.from_url(self.cfg.redis_url)
+        self.records = RecordWriter(self.state.records)
         capacity = {
             "total_blocks": self.engine.block_manager.num_blocks,
             "block_size": self.engine.config.block_size,
@@ -181,6 +184,8 @@ class Service:
             await self.leases.stop()
         if self.heartbeat is not None:
             await self.heartbeat.stop()
+        if self.records is not None:
+            await self.records.close()
         if self.state is not None:
             await self.state.close()
         self.aengine.stop()
@@ -219,14 +224,13 @@ class Service:
             await asyncio.wait_for(job.ended.wait(), ABORT_WAIT_S)
 
     async def record(self, request_id: str, new_state: RequestState, **fields: Any) -> None:
-        """Best-effort request-record update: a transition another service already superseded, or a
-        record the router never made (a direct call), is logged, not raised."""
-        if self.state is None:
+        """A request-record update that never takes the request down: one that Redis cannot take now is
+        retried until it lands; one another service superseded, or on a record the router never made
+        (a direct call), is skipped."""
+        if self.records is None:
             return
         try:
-            await self.state.records.transition(request_id, new_state, **fields)
-        except (IllegalTransition, UnknownRequest) as e:
-            log.debug("record %s -> %s skipped: %s", request_id, new_state, e)
+            await self.records.transition(request_id, new_state, **fields)
         except Exception:
             log.exception("could not record %s -> %s", request_id, new_state)
 

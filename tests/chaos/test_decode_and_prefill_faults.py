@@ -150,6 +150,34 @@ def alive_decodes(redis_url: str) -> set[str]:
     return asyncio.run(alive())
 
 
+def refuses_new_work(p: Proc) -> bool:
+    """A draining service takes no new work: a new connection is refused (the listener closed), or a
+    request on an open one gets a retryable 503 `draining`."""
+    try:
+        r = httpx.get(p.url + "/health", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return r.status_code == 503 and r.json()["status"] == "draining"
+
+
+def inject(c: Cluster, redis_url: str, victim: Proc, fault: str, streams: list[Stream]) -> None:
+    """The fault, then every stream's end."""
+    if fault == "kill":
+        victim.popen.kill()
+    elif fault == "term":
+        victim.popen.terminate()
+        wait_until(lambda: victim.url not in alive_decodes(redis_url), 2, "the drain to deregister it")
+        assert refuses_new_work(victim)
+    else:
+        os.kill(victim.popen.pid, signal.SIGSTOP)
+    try:
+        for s in streams:
+            s.join(180)
+    finally:
+        if fault == "stop":
+            os.kill(victim.popen.pid, signal.SIGCONT)
+
+
 def run_fault(c: Cluster, redis_url: str, fault: str) -> None:
     router = role(c, "router")[0]
     max_tokens = 120 if fault == "term" else MAX_TOKENS  # a drain of DRAIN_S cuts these short
@@ -160,38 +188,26 @@ def run_fault(c: Cluster, redis_url: str, fault: str) -> None:
         s.start()
     wait_until(lambda: all(s.chunks >= 3 for s in streams), 120, "every stream to be generating")
     victim = busiest_decode(c)
-    if fault == "kill":
-        victim.popen.kill()
-    elif fault == "term":
-        victim.popen.terminate()
-        wait_until(lambda: victim.url not in alive_decodes(redis_url), 2, "the drain to deregister it")
-        with pytest.raises(httpx.HTTPStatusError) as refused:  # new work: a retryable 503
-            httpx.get(victim.url + "/health").raise_for_status()
-        assert refused.value.response.status_code == 503
-        assert refused.value.response.json()["status"] == "draining"
-    else:
-        os.kill(victim.popen.pid, signal.SIGSTOP)
     try:
-        for s in streams:
-            s.join(180)
+        inject(c, redis_url, victim, fault, streams)
+        for s, text in zip(streams, want, strict=True):
+            assert s.status == 200 and not s.errors, (s.status, s.errors)
+            assert s.text == text, "the migrated stream's text differs from an unfaulted run"
+        assert metric(router, "splitserve_router_migrations_total") > before
+        records = [get_json(f"{router.url}/v1/requests/{s.request_id}") for s in streams]
+        migrated = [r for r in records if "migrating" in [state for state, _ in r["history"]]]
+        assert migrated, "no record shows the migration"
+        for rec in migrated:
+            assert rec["state"] == "finished" and rec["migration_reason"] and rec["migrated_from"], rec
+        if fault == "term":
+            assert victim.popen.wait(DRAIN_S + 15) == 0, "a drained service exits 0"
     finally:
-        if fault == "stop":
-            os.kill(victim.popen.pid, signal.SIGCONT)
-    for s, text in zip(streams, want, strict=True):
-        assert s.status == 200 and not s.errors, (s.status, s.errors)
-        assert s.text == text, "the migrated stream's text differs from an unfaulted run"
-    assert metric(router, "splitserve_router_migrations_total") > before
-    records = [get_json(f"{router.url}/v1/requests/{s.request_id}") for s in streams]
-    migrated = [r for r in records if "migrating" in [state for state, _ in r["history"]]]
-    assert migrated, "no record shows the migration"
-    for rec in migrated:
-        assert rec["state"] == "finished" and rec["migration_reason"] and rec["migrated_from"], rec
-    if fault == "term":
-        assert victim.popen.wait(DRAIN_S + 15) == 0, "a drained service exits 0"
-    if fault in ("kill", "term"):
-        c.procs.remove(victim)
-        c.start("decode", *FLAGS, env=ENV)  # a spare again for the next scenario
-        time.sleep(1.5)
+        if fault in ("kill", "term"):  # a spare again for the next scenario, whatever happened here
+            if victim.popen.poll() is None:
+                victim.popen.kill()
+            c.procs.remove(victim)
+            c.start("decode", *FLAGS, env=ENV)
+            time.sleep(1.5)
     assert_clean(c, redis_url)
 
 
@@ -211,13 +227,15 @@ def test_the_only_prefill_service_killed_mid_prompt_falls_back_to_decode(stack, 
     t.start()
     wait_until(lambda: get_json(prefill.url + "/health")["running"] > 0, 60, "the prefill to start")
     prefill.popen.kill()
-    t.join(180)
-    r = result["r"]
-    assert r.status_code == 200, r.text
-    assert r.headers["x-splitserve-route"] == "local; reason=prefill_failed"
-    rec = get_json(f"{router.url}/v1/requests/{r.headers['x-request-id']}")
-    assert rec["state"] == "finished" and rec["route"] == "local:prefill_failed", rec
-    stack.procs.remove(prefill)
-    stack.start("prefill", *FLAGS)
-    time.sleep(1.5)
+    try:
+        t.join(180)
+        r = result["r"]
+        assert r.status_code == 200, r.text
+        assert r.headers["x-splitserve-route"] == "local; reason=prefill_failed"
+        rec = get_json(f"{router.url}/v1/requests/{r.headers['x-request-id']}")
+        assert rec["state"] == "finished" and rec["route"] == "local:prefill_failed", rec
+    finally:
+        stack.procs.remove(prefill)
+        stack.start("prefill", *FLAGS)
+        time.sleep(1.5)
     assert_clean(stack, redis_url)

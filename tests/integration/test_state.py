@@ -9,6 +9,7 @@ other's keys and no asyncio pytest plugin is needed.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -273,3 +274,101 @@ def test_lease_keeper_renews_ours_and_reports_a_silent_peer_once(redis_url: str)
         assert await store.leases.count() == 1  # only the fake peer's own
 
     run_with_store(redis_url, body)
+
+
+def test_record_writes_wait_for_redis_and_land_in_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A dedicated server, stopped and started again empty under the writer."""
+    from common.cluster.record_writer import RecordWriter
+    from common.cluster.redis_server import RedisServer
+    from tests.support.cluster import free_port
+
+    redis = RedisServer(port=free_port()).start()
+
+    async def body() -> None:
+        store = ClusterState.from_url(redis.url)
+        router = RecordWriter(store.records, restore_lost=True)
+        service = RecordWriter(store.records)
+        try:
+            await router.create("a", route="split", prompt_tokens=3)
+            await router.create("b", route="local:short_prompt")
+            await service.transition("a", S.RESERVED, decode_id="d0")
+            redis.stop()
+            await service.transition("a", S.DECODING)  # Redis away: kept, in order
+            await router.transition("a", S.FINISHED, output_tokens=4, finish_reason="length")
+            await router.create("c", route="split")  # a new request while Redis is away
+            await router.transition("c", S.FAILED, error="client went away")
+            assert router.pending == 3 and service.pending == 1
+            redis.start()  # empty: a and b are gone
+            async with asyncio.timeout(10):
+                while router.pending or service.pending:
+                    await asyncio.sleep(0.05)
+            a, c = await store.records.get("a"), await store.records.get("c")
+            assert a is not None and (a["state"], a["restored"], a["route"], a["output_tokens"]) == (
+                S.FINISHED, 1, "split", 4,
+            )  # fmt: skip
+            assert [s for s, _ in a["history"]] == [S.FINISHED]  # what Redis kept of it
+            assert c is not None and [s for s, _ in c["history"]] == [S.QUEUED, S.FAILED]
+            assert await store.records.get("b") is None  # lost, and never ended: nothing to write
+            # an end refused from a live state (the states between were lost): written from there
+            await router.create("d", route="split")
+            await router.transition("d", S.FINISHED)
+            d = await store.records.get("d")
+            assert d is not None and [s for s, _ in d["history"]] == [S.QUEUED, S.FINISHED]
+        finally:
+            await router.close()
+            await service.close()
+            await store.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        redis.stop()
+
+
+def test_a_sentinel_url_finds_the_master(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """redis+sentinel://host:port/service/db against a real Sentinel (the same redis-server binary, in
+    sentinel mode) watching a real master."""
+    import subprocess
+
+    import redis as sync_redis
+
+    from common.cluster.redis_server import RedisServer, find_redis_server_binary
+    from common.cluster.state import connect
+    from tests.support.cluster import free_port
+
+    master = RedisServer().start()
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\nsentinel monitor splitserve 127.0.0.1 {master.port} 1\n"
+    )
+    sentinel = subprocess.Popen(
+        [find_redis_server_binary(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                sync_redis.Redis(port=port).ping()
+                break
+            except sync_redis.ConnectionError:
+                assert time.monotonic() < deadline, "sentinel did not start"
+                time.sleep(0.1)
+
+        async def body() -> None:
+            store = ClusterState.from_url(f"redis+sentinel://127.0.0.1:{port}/splitserve/3", prefix="s:")
+            try:
+                await store.records.create("r1", route="split")
+                rec = await store.records.get("r1")
+                assert rec is not None and rec["state"] is S.QUEUED
+            finally:
+                await store.close()
+            assert sync_redis.Redis(port=master.port, db=3).exists("s:req:r1")  # db 3 of the master
+
+        asyncio.run(body())
+        with pytest.raises(ValueError, match="names its sentinels and the service"):
+            connect("redis+sentinel://127.0.0.1:1")
+    finally:
+        sentinel.kill()
+        sentinel.wait()
+        master.stop()
