@@ -61,6 +61,7 @@ class DecodeService(Service):
             engine.kv_cache,
             engine.kv_compat(),
             self.connector,
+            incarnation=self.incarnation,
             host=cfg.host,
             port=cfg.kv_port,
             advertise_host=cfg.advertise_host,

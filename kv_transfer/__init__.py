@@ -94,21 +94,32 @@ def make_sender(backend: str, kv: PagedKVCache, compat: KVCompat, **options: Any
 
 
 def make_receiver(
-    backend: str, kv: PagedKVCache, compat: KVCompat, owner: ReceiverOwner, **options: Any
+    backend: str,
+    kv: PagedKVCache,
+    compat: KVCompat,
+    owner: ReceiverOwner,
+    incarnation: str | None = None,
+    **options: Any,
 ) -> KVReceiver:
     """The decode side of `backend`, writing into `kv` for `owner` (who says which fences are current
-    and hears of every layer and kv_done); `options` go to its constructor (tcp: host, port,
+    and hears of every layer and kv_done), advertising `incarnation` (default: a new id); `options` go
+    to its constructor (tcp: host, port,
     advertise_host; nixl: those and poll_active_s, poll_idle_s, lost_peer_grace_s; torch_dist: tcp's
     and op_timeout_s)."""
     _check(backend)
+    receiver: KVReceiver
     if backend == "torch_dist":
         from kv_transfer.backends.torch_dist import TorchDistReceiver
 
-        return TorchDistReceiver(kv, compat, owner, **options)
-    if backend == "nixl":
+        receiver = TorchDistReceiver(kv, compat, owner, **options)
+    elif backend == "nixl":
         from kv_transfer.backends.nixl import NixlReceiver
 
-        return NixlReceiver(kv, compat, owner, **options)
-    from kv_transfer.backends.tcp import TcpReceiver
+        receiver = NixlReceiver(kv, compat, owner, **options)
+    else:
+        from kv_transfer.backends.tcp import TcpReceiver
 
-    return TcpReceiver(kv, compat, owner, **options)
+        receiver = TcpReceiver(kv, compat, owner, **options)
+    if incarnation:
+        receiver.incarnation = incarnation  # the service's own: one id for its registration and endpoint
+    return receiver

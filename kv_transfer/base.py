@@ -17,6 +17,7 @@ classes with the same guarantees:
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
@@ -72,10 +73,13 @@ class KVReceiver(ABC):
         self.compat = compat
         self.owner = owner
         self.stats = ReceiverStats()
+        # this process's start: part of the advertised endpoint, and said in every preflight reply
+        self.incarnation = uuid.uuid4().hex[:12]
 
     @abstractmethod
     async def start(self) -> str:
-        """Begin accepting senders; returns the endpoint string to publish (e.g. "tcp://127.0.0.1:4711")."""
+        """Begin accepting senders; returns the endpoint string to publish (e.g.
+        "tcp://127.0.0.1:4711/3f2a9c01d4e5": the address and this receiver's incarnation)."""
 
     @abstractmethod
     async def wait_idle(self, request_id: str) -> None:

@@ -23,6 +23,7 @@ class Worker:
     id: str
     url: str
     load: dict[str, Any] = field(default_factory=dict)
+    incarnation: str = ""
 
 
 class WorkerPool:
@@ -40,6 +41,7 @@ class WorkerPool:
         self._cache: dict[str, tuple[float, list[Worker]]] = {}  # role -> (read at, workers)
         self._known: dict[str, tuple[list[Worker], float]] = {}  # role -> last non-empty list, when read
         self.stale_reads = 0  # candidates served from the last known list (Redis away or emptied)
+        self._incarnations: dict[str, str] = {}  # worker id -> the process start last seen
 
     async def candidates(self, role: str) -> list[Worker]:
         """Workers of `role`, best first. When the registry (Redis) cannot be read, or comes back empty
@@ -61,13 +63,18 @@ class WorkerPool:
         now = time.monotonic()
         known, seen = self._known.get(role, ([], 0.0))
         try:
-            workers = [Worker(w.id, w.url.rstrip("/"), w.load) for w in await self.state.registry.alive(role)]
+            alive = await self.state.registry.alive(role)
+            workers = [Worker(w.id, w.url.rstrip("/"), w.load, w.incarnation) for w in alive]
         except Exception as e:
             if role not in self._known:
                 raise
             log.warning("worker registry unreadable (%r): routing on the last known %s list", e, role)
             workers = []
         if workers:
+            for w, was in ((w, self._incarnations.get(w.id)) for w in workers):
+                if was and was != w.incarnation:
+                    log.warning("%s %s restarted (incarnation %s -> %s)", role, w.id, was, w.incarnation)
+                self._incarnations[w.id] = w.incarnation
             self._known[role] = (workers, now)
         elif known and now - seen < self.STALE_S:
             self.stale_reads += 1

@@ -39,6 +39,7 @@ class WorkerInfo:
     capacity: dict[str, Any]
     load: dict[str, Any]  # running, waiting, free_blocks, total_blocks
     last_seen: float  # unix time of the last register/heartbeat
+    incarnation: str = ""  # this start of the worker's process: a restart under the same id changes it
 
 
 class WorkerRegistry:
@@ -60,6 +61,7 @@ class WorkerRegistry:
         kv_endpoint: str,
         capacity: Mapping[str, Any],
         load: Mapping[str, Any],
+        incarnation: str = "",
     ) -> None:
         """Publish (or re-publish) a worker; it stays alive for ttl_s unless heartbeats follow."""
         if role not in ROLES:
@@ -72,6 +74,7 @@ class WorkerRegistry:
             "capacity": json.dumps(dict(capacity)),
             "load": json.dumps(dict(load)),
             "last_seen": repr(time.time()),
+            "incarnation": incarnation,
         }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)  # drop fields of an earlier registration
@@ -113,6 +116,7 @@ class WorkerRegistry:
                     capacity=json.loads(h["capacity"]),
                     load=json.loads(h["load"]),
                     last_seen=float(h["last_seen"]),
+                    incarnation=h.get("incarnation", ""),
                 )
             )
         if gone:
@@ -138,15 +142,17 @@ class Heartbeat:
         capacity: Mapping[str, Any],
         load_fn: Callable[[], Mapping[str, Any]],
         interval_s: float = 1.0,
+        incarnation: str = "",
     ):
         self.registry, self.worker_id = registry, worker_id
         self.load_fn, self.interval_s = load_fn, interval_s
         self._registration = (worker_id, role, url, kv_endpoint, dict(capacity))
+        self.incarnation = incarnation
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Register now (errors propagate: a worker that cannot register should not start)."""
-        await self.registry.register(*self._registration, self.load_fn())
+        await self.registry.register(*self._registration, self.load_fn(), self.incarnation)
         self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.worker_id}")
 
     async def _run(self) -> None:
@@ -156,7 +162,7 @@ class Heartbeat:
                 load = self.load_fn()
                 if not await self.registry.heartbeat(self.worker_id, load):
                     log.warning("worker %s registration had expired; registering again", self.worker_id)
-                    await self.registry.register(*self._registration, load)
+                    await self.registry.register(*self._registration, load, self.incarnation)
             except Exception:
                 log.exception("heartbeat for worker %s failed", self.worker_id)
 

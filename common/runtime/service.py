@@ -93,6 +93,7 @@ class Service:
         self.engine = engine
         self.aengine = AsyncEngine(engine)
         self.jobs: dict[str, Job] = {}
+        self.incarnation = uuid.uuid4().hex[:12]  # this start of the process (registry, KV endpoint)
         self.draining = False  # SIGTERM came: no new work, what runs finishes (drain_timeout_s)
         self.state: ClusterState | None = None
         self.records: RecordWriter | None = None
@@ -165,6 +166,7 @@ class Service:
             capacity,
             self.load,
             self.cfg.heartbeat_s,
+            self.incarnation,
         )
         await self.heartbeat.start()
         connector: Any = self.engine.connector  # the role's connector: holders, peer_lost, leases
@@ -262,6 +264,7 @@ class Service:
                 "status": "draining" if self.draining else "ok",
                 "role": self.cfg.role,
                 "worker_id": self.cfg.worker_name,
+                "incarnation": self.incarnation,
                 "engine": self.engine.placement.describe(),
                 **self.load(),
             }

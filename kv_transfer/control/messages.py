@@ -15,6 +15,7 @@ class KVHello(Message, tag="kv_hello"):
 class KVHelloReply(Message, tag="kv_hello_reply"):
     ok: bool = True
     error: str = ""
+    incarnation: str = ""  # the receiver process's start (a sender checks it against the endpoint's)
 
 
 class KVLayerHeader(Message, tag="kv_layer"):

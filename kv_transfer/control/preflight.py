@@ -17,6 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from common.protocol import KVCompat, KVDone, Message
 from kv_transfer.base import KVReceiver, KVSender, PreflightError, TransferError
+from kv_transfer.control.endpoint import Endpoint
 from kv_transfer.control.framing import read_msg, write_msg
 
 P = TypeVar("P")
@@ -57,13 +58,41 @@ class PreflightSender(KVSender, Generic[P]):
     async def _connect(self, endpoint: str) -> P:
         """Open a connection to endpoint and run the preflight; raise `_refuse(...)` when refused."""
 
+    @abstractmethod
+    def _retire(self, endpoint: str, peer: P) -> None:
+        """Drop a peer whose receiver process is gone (it restarted under a new incarnation)."""
+
     async def _peer(self, endpoint: str) -> P:
         async with self._connecting.setdefault(endpoint, asyncio.Lock()):
             if endpoint in self._refused:
                 raise PreflightError(self._refused[endpoint])
             if endpoint not in self._peers:
-                self._peers[endpoint] = await self._connect(endpoint)
+                peer = await self._connect(endpoint)  # the receiver confirmed the incarnation
+                self._retire_other_incarnations(endpoint)
+                self._peers[endpoint] = peer
             return self._peers[endpoint]
+
+    def _retire_other_incarnations(self, endpoint: str) -> None:
+        """First contact with a new incarnation at an address: what we kept for the old process there
+        (connection, agent, descriptors, a refusal) is stale; drop it now, not after a failed write."""
+        new = Endpoint.parse(endpoint)
+        for old in [e for e in set(self._peers) | set(self._refused) if e != endpoint]:
+            if Endpoint.parse(old).address == new.address:
+                self._refused.pop(old, None)
+                if old in self._peers:
+                    self._retire(old, self._peers[old])
+                    self._peers.pop(old, None)
+
+    @staticmethod
+    def _check_incarnation(endpoint: str, incarnation: str) -> None:
+        """The receiver that answered is the process the endpoint names (TransferError otherwise: the
+        reservation the endpoint came with belonged to a process that is gone)."""
+        want = Endpoint.parse(endpoint).incarnation
+        if want and incarnation != want:
+            raise TransferError(
+                f"{endpoint}: the receiver there restarted (incarnation {incarnation or '?'}, this request's "
+                f"reservation was made with {want})"
+            )
 
     def _check_source(self, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
         """send_layer's arguments against our own cache: ValueError before anything is sent."""
@@ -113,6 +142,11 @@ class PreflightSender(KVSender, Generic[P]):
         if not reply.ok:
             writer.close()
             raise self._refuse(endpoint, reply.error)
+        try:
+            self._check_incarnation(endpoint, reply.incarnation)
+        except TransferError:
+            writer.close()
+            raise
         return reader, writer, reply
 
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from common.cluster.state import ClusterState
-from tests.support.cluster import Cluster, Proc, get_json
+from tests.support.cluster import Cluster, Proc, free_port, get_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
@@ -238,4 +238,40 @@ def test_the_only_prefill_service_killed_mid_prompt_falls_back_to_decode(stack, 
         stack.procs.remove(prefill)
         stack.start("prefill", *FLAGS)
         time.sleep(1.5)
+    assert_clean(stack, redis_url)
+
+
+def test_a_decode_service_restarted_on_its_own_ports_is_used_at_once(stack, redis_url) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL, then the same ports again (what a container restart does): the next split request
+    reaches it without a failed transfer — the prefill service drops its connection to the old
+    process at first contact with the new incarnation. tcp: its sender does not watch an idle
+    connection, so a stale one would take the next transfer (NIXL's control connection notices EOF)."""
+    router = role(stack, "router")[0]
+    victim = role(stack, "decode")[0]
+    others = role(stack, "decode")[1:]
+    port = int(victim.url.rsplit(":", 1)[1])
+    kv_port = free_port()
+    stack.procs.remove(victim)
+    victim.popen.kill()
+    victim.popen.wait()
+    for o in others:  # only the restarted service takes decode work from here on
+        stack.procs.remove(o)
+        o.popen.terminate()
+        o.popen.wait()
+    tcp = ("--kv-port", str(kv_port), "--kv-backend", "tcp")
+    first = stack.start("decode", *FLAGS, *tcp, env=ENV, port=port)
+    want = reference(router)[:1]  # through the new process: the prefill service now knows it
+    before = metric(router, "splitserve_router_transfer_failures_total")
+    stack.procs.remove(first)
+    first.popen.kill()
+    first.popen.wait()
+    again = stack.start("decode", *FLAGS, *tcp, env=ENV, port=port)
+    assert get_json(again.url + "/health")["incarnation"] != ""
+    time.sleep(1.5)  # the router's registry cache
+    r = complete(router, chat(QUESTIONS[0]))
+    assert r.status_code == 200 and r.headers["x-splitserve-route"] == "split"
+    assert r.json()["choices"][0]["message"]["content"] == want[0]
+    assert metric(router, "splitserve_router_transfer_failures_total") == before, "no transfer failed on it"
+    stack.start("decode", *FLAGS, env=ENV)  # the stack's second decode service again
+    time.sleep(1.5)
     assert_clean(stack, redis_url)

@@ -43,10 +43,15 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
 
     def start(
-        self, role: str, *flags: str, timeout_s: float = 120.0, env: dict[str, str] | None = None
+        self,
+        role: str,
+        *flags: str,
+        timeout_s: float = 120.0,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> Proc:
         """Start a service process and wait until it is healthy; `env` adds to its environment."""
-        port = free_port()
+        port = port or free_port()
         cmd = [sys.executable, "-m", "splitserve", role, "--port", str(port), *flags]
         if self.redis_url:
             cmd += ["--redis-url", self.redis_url]

@@ -177,6 +177,7 @@ class FakeWorker:
     id: str
     url: str
     load: dict[str, Any]
+    incarnation: str = "1"
 
 
 class FakeRegistry:

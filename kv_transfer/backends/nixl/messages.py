@@ -15,6 +15,7 @@ class KVNixlHelloReply(Message, tag="kv_nixl_hello_reply"):
     regions: list[tuple[int, int, int]] = []  # (address, nbytes, device_id) of K, then V
     mem_type: str = "DRAM"  # "DRAM" or "VRAM"
     num_blocks: int = 0  # blocks per layer in the receiver's tensors (the sender checks dst ids against it)
+    incarnation: str = ""  # the receiver process's start (a sender checks it against the endpoint's)
 
 
 class KVNixlBegin(Message, tag="kv_nixl_begin"):

@@ -94,7 +94,7 @@ class NixlReceiver(PreflightReceiver):
         self._server = await asyncio.start_server(self._serve, *self._addr)
         self._spawn(self._poll_loop())
         host, port = self._server.sockets[0].getsockname()[:2]
-        return str(Endpoint("nixl", self._advertise or host, port))
+        return str(Endpoint("nixl", self._advertise or host, port, self.incarnation))
 
     async def wait_idle(self, request_id: str) -> None:
         """Revoke every open (request_id, fence) whose fence `may_write` now refuses, and return once each
@@ -181,6 +181,7 @@ class NixlReceiver(PreflightReceiver):
                 regions=[(a, n, d) for a, n, d in regions(self.kv)],
                 mem_type=mem_type(self.kv.k),
                 num_blocks=self.kv.spec.num_blocks,
+                incarnation=self.incarnation,
             )
             write_msg(conn.writer, reply)
         await conn.writer.drain()

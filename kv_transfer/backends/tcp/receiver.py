@@ -58,7 +58,7 @@ class TcpReceiver(PreflightReceiver):
         self._listener.setblocking(False)
         self._spawn(self._accept_loop(self._listener))
         host, port = self._listener.getsockname()[:2]
-        return str(Endpoint("tcp", self._advertise or host, port))
+        return str(Endpoint("tcp", self._advertise or host, port, self.incarnation))
 
     async def wait_idle(self, request_id: str) -> None:
         async with self._idle:
@@ -118,7 +118,7 @@ class TcpReceiver(PreflightReceiver):
         except ProtocolError as e:  # another protocol version, or not a hello: say so before closing
             problems, sender = [str(e)], "?"
         error = self._refusal(peer, sender, problems) if problems else ""
-        reply = KVHelloReply(ok=not problems, error=error)
+        reply = KVHelloReply(ok=not problems, error=error, incarnation=self.incarnation)
         await send_views(loop, conn, [memoryview(frame(reply))])
         return not problems
 

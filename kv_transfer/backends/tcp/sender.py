@@ -105,4 +105,12 @@ class TcpSender(PreflightSender[_Peer]):
         if not reply.ok:
             sock.close()
             raise self._refuse(endpoint, reply.error)
+        try:
+            self._check_incarnation(endpoint, reply.incarnation)
+        except TransferError:
+            sock.close()
+            raise
         return _Peer(sock, asyncio.Lock())
+
+    def _retire(self, endpoint: str, peer: _Peer) -> None:
+        self._drop(endpoint, peer)

@@ -25,3 +25,4 @@ class KVTorchDistHelloReply(Message, tag="kv_torch_dist_hello_reply"):
     group: str = ""  # this pair's key prefix in that store
     backend: str = "gloo"  # "nccl" when both caches are on CUDA and both sides offer it, else "gloo"
     num_blocks: int = 0  # blocks per layer in the receiver's cache (the sender checks dst ids against it)
+    incarnation: str = ""  # the receiver process's start (a sender checks it against the endpoint's)

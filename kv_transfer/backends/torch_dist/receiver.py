@@ -86,7 +86,7 @@ class TorchDistReceiver(PreflightReceiver):
         self._store = dist.TCPStore(self._addr[0], 0, None, True, timeout=timeout, wait_for_workers=False)
         self._server = await asyncio.start_server(self._serve, *self._addr)
         host, port = self._server.sockets[0].getsockname()[:2]
-        return str(Endpoint("torch_dist", self._advertise or host, port))
+        return str(Endpoint("torch_dist", self._advertise or host, port, self.incarnation))
 
     async def wait_idle(self, request_id: str) -> None:
         """Return once no accepted layer of `request_id` is still to be received or scattered. Layers
@@ -177,7 +177,8 @@ class TorchDistReceiver(PreflightReceiver):
         built.add_done_callback(functools.partial(self._built, pair))
         port = self._store.port
         reply = KVTorchDistHelloReply(
-            store_port=port, group=prefix, backend=backend, num_blocks=self.kv.spec.num_blocks
+            store_port=port, group=prefix, backend=backend, num_blocks=self.kv.spec.num_blocks,
+            incarnation=self.incarnation,
         )
         write_msg(writer, reply)
         await writer.drain()

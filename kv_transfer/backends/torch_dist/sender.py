@@ -194,6 +194,9 @@ class TorchDistSender(PreflightSender[_Peer]):
             why = str(e)
         self._drop(endpoint, peer, why)
 
+    def _retire(self, endpoint: str, peer: _Peer) -> None:
+        self._drop(endpoint, peer, "the receiver restarted (a new incarnation at its address)")
+
     async def _drain(self, endpoint: str, peer: _Peer) -> None:
         await drain_control(endpoint, peer, self._drop)
 
