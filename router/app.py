@@ -27,6 +27,7 @@ from common.text.model_info import ModelInfo, load_model_info
 from router.config import RouterConfig
 from router.errors import APIError, install_handlers
 from router.metrics import RouterMetrics
+from router.openai_types import ChatCompletionRequest, CompletionRequest, request_body_schema
 from router.orchestrator import Orchestrator
 from router.serving import Server
 
@@ -75,11 +76,18 @@ def create_app(
     app.add_middleware(RequestIdMiddleware)
     app.state.server, app.state.metrics = server, metrics
 
-    @app.post("/v1/completions")
+    served = sorted(server.model_aliases)
+
+    @app.post(
+        "/v1/completions", openapi_extra={"requestBody": request_body_schema(CompletionRequest, served)}
+    )
     async def completions(request: Request) -> Response:
         return await server.generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra={"requestBody": request_body_schema(ChatCompletionRequest, served)},
+    )
     async def chat_completions(request: Request) -> Response:
         return await server.generate(request, chat=True)
 

@@ -241,3 +241,24 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def error_event(err: APIError) -> str:
     return sse(err.body())
+
+
+def request_body_schema(model: type[BaseModel], served: list[str]) -> dict[str, Any]:
+    """The OpenAPI requestBody of an endpoint that reads `model` itself (so that a strict parse gives
+    OpenAI-style errors): its JSON schema with the nested models inlined, since a `#/$defs/...`
+    reference would resolve against the whole OpenAPI document, and the model names served here."""
+    schema = model.model_json_schema()
+    schema["properties"]["model"] = {"type": "string", "enum": sorted(served)}
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"required": True, "content": {"application/json": {"schema": inline(schema)}}}

@@ -339,6 +339,18 @@ def make_router(
     """A client for a router app whose workers are the cluster's fake services (records go to
     cluster.state when it has one, else nowhere). With static=False the router finds its workers in
     cluster.state's registry instead of fixed URL lists."""
+    app = router_app(cluster, decodes, prefills, static, **config)
+    return httpx.AsyncClient(transport=StreamingASGITransport({"router": app}), base_url="http://router")
+
+
+def router_app(
+    cluster: FakeCluster,
+    decodes: tuple[str, ...] = ("decode",),
+    prefills: tuple[str, ...] = ("prefill",),
+    static: bool = True,
+    **config: Any,
+) -> Any:
+    """The router app itself (see make_router)."""
     apps: dict[str, ASGIApp] = {n: cluster.decode_app(n) for n in decodes}
     apps |= {n: cluster.prefill_app(n) for n in prefills}
     upstream = httpx.AsyncClient(transport=StreamingASGITransport(apps))
@@ -347,8 +359,7 @@ def make_router(
         prefill_urls=[f"http://{n}" for n in prefills] if static else [],
         **config,
     )
-    app = create_app(cfg, cluster.state, model_info(), http_client=upstream)  # type: ignore[arg-type]
-    return httpx.AsyncClient(transport=StreamingASGITransport({"router": app}), base_url="http://router")
+    return create_app(cfg, cluster.state, model_info(), http_client=upstream)  # type: ignore[arg-type]
 
 
 def sse_events(body: str) -> list[Any]:
