@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 Scenario = Callable[[argparse.Namespace], dict[str, Any]]
-DEFAULT_REQUESTS = {"serving": 24}  # --requests when not given; 64 for the others
+DEFAULT_REQUESTS = {"serving": 24, "soak": 5000}  # --requests when not given; 64 for the others
 
 
 SCENARIOS = {  # name -> module in bench/ with run(args); imported only when chosen, so a scenario
@@ -24,6 +24,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "serving": "serving",
     "transfer": "transfer",
     "overlap": "overlap",
+    "soak": "soak",
 }
 
 
@@ -33,7 +34,8 @@ def _scenario(name: str) -> Scenario:
 
 
 def _run(args: argparse.Namespace) -> int:
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    # `all`: every figure; the soak (minutes of load and faults) runs only when named
+    names = [n for n in SCENARIOS if n != "soak"] if args.scenario == "all" else [args.scenario]
     if args.scenario != "all" and args.scenario not in SCENARIOS:
         print(
             f"error: unknown scenario {args.scenario!r}; choose from: all, {', '.join(SCENARIOS)}",
@@ -60,10 +62,10 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="run a benchmark scenario (or 'all')")
     b.add_argument(
         "scenario",
-        help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | all",
+        help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
-    b.add_argument("--requests", type=int, default=None, help="default 64 (serving: 24)")
+    b.add_argument("--requests", type=int, default=None, help="default 64 (serving: 24, soak: 5000)")
     b.add_argument("--max-batch", type=int, default=16)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--model", default=None)
@@ -77,6 +79,9 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument("--request-timeout-s", type=float, default=60.0, help="per request")
     s.add_argument("--threads", type=int, default=1, help="torch threads per prefill/decode service")
     s.add_argument("--overhead-n", type=int, default=30, help="sequential requests for router_overhead_ms")
+    o = b.add_argument_group("soak")
+    o.add_argument("--concurrency", type=int, default=8, help="soak: requests in flight at once")
+    o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")
     k = b.add_argument_group("transfer, overlap")
     k.add_argument("--mib", type=int, default=64, help="transfer: MiB of KV moved per repetition")
     k.add_argument("--reps", type=int, default=None, help="timed repetitions after a warm-up (5; overlap: 3)")

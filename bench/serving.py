@@ -35,17 +35,21 @@ class Stack:
     def __init__(self, log_dir: str) -> None:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.by_url: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, role: str, *flags: str, timeout_s: float = 180.0) -> str:
-        """Start `splitserve <role> <flags>` and wait until /health answers; its URL."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    def start(self, role: str, *flags: str, timeout_s: float = 180.0, port: int | None = None) -> str:
+        """Start `splitserve <role> <flags>` (on `port`, default any free one) and wait until /health
+        answers; its URL."""
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         log_path = os.path.join(self.log_dir, f"{role}-{port}.log")
-        with open(log_path, "w") as log:  # the child keeps its own descriptor
+        with open(log_path, "a") as log:  # the child keeps its own descriptor
             cmd = [sys.executable, "-m", "splitserve", role, "--port", str(port), *flags]
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
+        self.by_url[f"http://127.0.0.1:{port}"] = proc
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
