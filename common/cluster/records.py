@@ -150,6 +150,12 @@ class RequestRecords:
         """
         new = RequestState(new_state)
         allowed_from = [s.value for s, targets in TRANSITIONS.items() if new in targets]
+        return await self._move(request_id, new, allowed_from, fields)
+
+    async def _move(
+        self, request_id: str, new: RequestState, allowed_from: list[str], fields: Mapping[str, Any]
+    ) -> float:
+        """_apply, with a refusal raised as what it means."""
         ok, value = await self._apply(request_id, new, allowed_from, fields)
         if ok:
             return float(value)
@@ -171,13 +177,7 @@ class RequestRecords:
         has ended already, UnknownRequest if there is no record."""
         new = RequestState(state)
         assert new in TERMINAL, f"{new} is not an end"
-        live = [s.value for s in RequestState if s not in TERMINAL]
-        ok, value = await self._apply(request_id, new, live, fields)
-        if ok:
-            return float(value)
-        if value == "":
-            raise UnknownRequest(f"request {request_id!r} has no record")
-        raise IllegalTransition(request_id, RequestState(value), new)
+        return await self._move(request_id, new, [s.value for s in RequestState if s not in TERMINAL], fields)
 
     async def restore(self, request_id: str, state: RequestState, **fields: Any) -> bool:
         """Write a record that no longer exists (Redis restarted empty) again, in `state`, its history

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from common.cluster.state import ClusterState
-from tests.support.cluster import Cluster, Proc, free_port, get_json
+from tests.support.cluster import Cluster, Proc, free_port, get_json, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
@@ -103,13 +103,6 @@ def reference(router: Proc, max_tokens: int = MAX_TOKENS) -> list[str]:
 
 def busiest_decode(c: Cluster) -> Proc:
     return max(role(c, "decode"), key=lambda p: get_json(p.url + "/health")["running"])
-
-
-def wait_until(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def leases_left(redis_url: str) -> int:

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.cluster import Cluster, Proc, get_json
+from tests.support.cluster import Cluster, Proc, get_json, wait_until
 
 pytestmark = pytest.mark.slow
 LEASE_S = 2.0
@@ -43,13 +43,6 @@ def start_request(router: Proc, result: dict) -> threading.Thread:
     t = threading.Thread(target=run)
     t.start()
     return t
-
-
-def wait_until(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def prefilling(p: Proc) -> bool:

@@ -94,3 +94,11 @@ class Cluster:
             if time.monotonic() > deadline:
                 return h
             time.sleep(0.1)
+
+
+def wait_until(cond: Any, timeout_s: float, what: str) -> None:
+    """Poll cond() every 50 ms; AssertionError naming `what` past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
