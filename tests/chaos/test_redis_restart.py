@@ -23,9 +23,8 @@ from tests.chaos.test_decode_and_prefill_faults import (
     metric,
     reference,
     role,
-    wait_until,
 )
-from tests.support.cluster import Cluster, free_port, get_json
+from tests.support.cluster import Cluster, free_port, get_json, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 FLAGS = ("--threads", "1", "--kv-cache-mb", "128", "--lease-s", str(LEASE_S))
