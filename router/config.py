@@ -47,6 +47,13 @@ class RouterConfig(BaseSettings):
     max_decode_queue: int | None = Field(
         None, ge=1, description="503 + Retry-After once every decode service has this many requests waiting"
     )
+    start_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="503 + Retry-After for a request that cannot start (first token) this soon: refused "
+        "up front when every decode queue's oldest request has waited this long, given up (work freed) "
+        "when its first token is later",
+    )
 
     @field_validator("decode_urls", "prefill_urls", mode="before")
     @classmethod

@@ -70,12 +70,17 @@ class RouterMetrics:
             registry=r,
         )
         self.shed = Counter(
-            p + "shed", "Requests refused with 503 because the decode services are overloaded", ["reason"],
+            p + "shed",
+            "Requests refused with 503 because the decode services are overloaded (queue_depth: every "
+            "queue at max_decode_queue; queue_wait: every queue older than start_timeout_s; "
+            "start_timeout: placed, but no first token within start_timeout_s)",
+            ["reason"],
             registry=r,
         )
         for reason in ("lost", "stalled", "gave_up"):
             self.migrations.labels(reason)  # 0 from the start, not "no data"
-        self.shed.labels("queue_depth")
+        for reason in ("queue_depth", "queue_wait", "start_timeout"):
+            self.shed.labels(reason)
         self.state_errors = Counter(p + "state_errors", "Redis record writes that failed", registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being served now", registry=r)
         self.slo_met = Counter(

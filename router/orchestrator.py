@@ -110,7 +110,8 @@ class Generation:
     ) -> None:
         self.o, self.id, self.model = orch, request_id, model
         self.prompt_ids, self.sampling = prompt_ids, sampling
-        self.deadline = time.time() + orch.config.request_timeout_s
+        self.arrival = time.time()
+        self.deadline = self.arrival + orch.config.request_timeout_s
         self.route: Route | None = None  # the first placement's (what the response header says)
         self.out_ids: list[int] = []  # every output token handed out, from P or D, in order
         self.finish_reason: str | None = None  # D's, once its stream says finished
@@ -139,10 +140,10 @@ class Generation:
                     "splitserve.decode_candidates": len(decodes),
                     "splitserve.prefill_candidates": len(prefills),
                 })  # fmt: skip
-        self._shed_if_overloaded(decodes)
+        decodes = self._shed_if_overloaded(decodes)
         self.o.metrics.routes.labels(self.route.path, self.route.reason).inc()
         await self._create_record()
-        self._pending = await self._place(decodes, prefills)
+        self._pending = await self._place_in_time(decodes, prefills)
 
     async def next(self) -> list[int] | None:
         """New output tokens, or None once the decode service has finished the request. A decode
@@ -173,11 +174,42 @@ class Generation:
             raise self.o.unavailable("no decode service is available")
         return decodes, prefills
 
-    def _shed_if_overloaded(self, decodes: list[Worker]) -> None:
-        limit = self.o.config.max_decode_queue
+    def _shed_if_overloaded(self, decodes: list[Worker]) -> list[Worker]:
+        """503 before any work when every decode service is past max_decode_queue, or (start_timeout_s)
+        when every one's queue has held a request longer than this one may wait to start: a queue
+        that old will not reach it in time. Otherwise the decode services it may go to, best first
+        (with start_timeout_s, those whose queue is younger than that)."""
+        limit, start_s = self.o.config.max_decode_queue, self.o.config.start_timeout_s
         if limit is not None and all(int(w.load.get("waiting", 0)) >= limit for w in decodes):
             self.o.metrics.shed.labels("queue_depth").inc()
             raise self.o.unavailable(f"every decode service has {limit}+ requests waiting; retry later")
+        if start_s is None:
+            return decodes
+        in_time = [w for w in decodes if float(w.load.get("queue_wait_s", 0)) < start_s]
+        if not in_time:
+            self.o.metrics.shed.labels("queue_wait").inc()
+            raise self.o.unavailable(
+                f"every decode queue has kept a request waiting {start_s:g}+ s; this one could not start "
+                "in time; retry later"
+            )
+        return in_time
+
+    async def _place_in_time(self, decodes: list[Worker], prefills: list[Worker]) -> list[int]:
+        """_place, bounded by start_timeout_s when set: a request still without its first token then
+        gets a retryable 503 (close() frees what it holds) instead of a wait the client gave up on."""
+        start_s = self.o.config.start_timeout_s
+        if start_s is None:
+            return await self._place(decodes, prefills)
+        timeout = asyncio.timeout(start_s - (time.time() - self.arrival))
+        try:
+            async with timeout:
+                return await self._place(decodes, prefills)
+        except TimeoutError:
+            if not timeout.expired():
+                raise
+            self.o.metrics.shed.labels("start_timeout").inc()
+            message = f"the request could not start within {start_s:g} s; retry later"
+            raise self.o.unavailable(message) from None
 
     async def _place(
         self, decodes: list[Worker] | None = None, prefills: list[Worker] | None = None
@@ -373,25 +405,24 @@ class Generation:
         goes through the transfer-failure policy instead of waiting for the deadline."""
         assert self._stream is not None
         prefill = asyncio.ensure_future(call)
-        while True:
-            frame = asyncio.ensure_future(self._stream.next_frame())
-            done, _ = await asyncio.wait({prefill, frame}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill in done:
-                if not frame.done():
-                    frame.cancel()
-                elif not frame.cancelled() and frame.exception() is None:
-                    self._stream.push_back(frame.result())  # both ended at once: keep the frame
-                return prefill.result()
-            try:
+        frame: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                frame = asyncio.ensure_future(self._stream.next_frame())
+                done, _ = await asyncio.wait({prefill, frame}, return_when=asyncio.FIRST_COMPLETED)
+                if prefill in done:
+                    if frame.done() and not frame.cancelled() and frame.exception() is None:
+                        self._stream.push_back(frame.result())  # both ended at once: keep the frame
+                    return prefill.result()
                 got = frame.result()
-            except BaseException:
-                prefill.cancel()
-                raise
-            if isinstance(got, ErrorFrame):
-                prefill.cancel()
-                raise PrefillFailed(f"the decode service ended the reservation: {got.error}")
-            self._stream.push_back(got)  # D already has the KV and streams tokens: P will answer
-            return await prefill
+                if isinstance(got, ErrorFrame):
+                    raise PrefillFailed(f"the decode service ended the reservation: {got.error}")
+                self._stream.push_back(got)  # D already has the KV and streams tokens: P will answer
+                return await prefill
+        finally:  # however this ends (cancelled too), nothing is left running behind it
+            for fut in (prefill, frame):
+                if fut is not None and not fut.done():
+                    fut.cancel()
 
     async def _abort(self, w: Worker) -> None:
         if w is self._prefill:

@@ -275,6 +275,7 @@ def run_router(args: argparse.Namespace) -> int:
             "max_migrations",
             "decode_stall_s",
             "max_decode_queue",
+            "start_timeout_s",
         }
     }
     serve(RouterConfig(**given))
@@ -307,6 +308,12 @@ def add_parsers(sub: Any) -> None:
     )
     r.add_argument(
         "--max-decode-queue", type=int, default=None, help="503 once every decode has this many waiting"
+    )
+    r.add_argument(
+        "--start-timeout-s",
+        type=float,
+        default=None,
+        help="503 for a request that cannot get its first token this soon (default: no limit)",
     )
     r.add_argument("--decode-urls", default=None, help="comma-separated; instead of the registry")
     r.add_argument("--prefill-urls", default=None, help="comma-separated; instead of the registry")

@@ -113,6 +113,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.reserving)
 
+    def queue_wait_s(self) -> float:
+        """How long the longest-waiting queued sequence has waited (0 with an empty queue): the
+        queue's sojourn time, which routers compare with how soon a new request must start. Safe to
+        call from another thread (a queue changing meanwhile reads as 0)."""
+        try:
+            arrivals = [s.arrival_time for q in (self.waiting, self.reserving) for s in q]
+        except RuntimeError:  # a deque mutated during the copy
+            return 0.0
+        known = [a for a in arrivals if a is not None]
+        return max(0.0, self.clock() - min(known)) if known else 0.0
+
     def _effective_priority(self, seq: Sequence, now: float) -> tuple[float, float, int]:
         """Sort key, most urgent first. Aging: each `aging_s` of waiting is worth one priority level."""
         arrival = seq.arrival_time or 0.0

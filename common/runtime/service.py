@@ -113,6 +113,7 @@ class Service:
         return {
             "running": sched.num_active,
             "waiting": sched.num_waiting,
+            "queue_wait_s": round(sched.queue_wait_s(), 3),
             "free_blocks": bm.num_free_blocks,
             "total_blocks": bm.num_blocks,
         }

@@ -224,6 +224,46 @@ async def test_overloaded_decode_services_shed_load_with_retry_after(out_ids: li
         assert 'splitserve_router_shed_total{reason="queue_depth"} 1.0' in (await client.get("/metrics")).text
 
 
+async def test_a_request_that_cannot_start_in_time_is_refused_up_front(out_ids: list[int]) -> None:
+    state = FakeState()
+    state.registry.workers = {"decode": [("d1", {"queue_wait_s": 9.0}), ("d2", {"queue_wait_s": 2.5})]}
+    cluster = FakeCluster(out_ids, state=state)
+    async with make_router(cluster, decodes=("d1", "d2"), static=False, start_timeout_s=2) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert "could not start in time" in resp.json()["error"]["message"]
+        assert not cluster.generate_calls  # refused before any work
+        state.registry.workers["decode"][1] = ("d2", {"queue_wait_s": 0.4})
+        await asyncio.sleep(0.3)  # the router's registry cache
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+        assert resp.status_code == 200 and [n for n, _ in cluster.generate_calls] == ["d2"]
+        assert 'splitserve_router_shed_total{reason="queue_wait"} 1.0' in (await client.get("/metrics")).text
+
+
+@pytest.mark.parametrize("path", ["local", "split"])
+async def test_no_first_token_within_start_timeout_is_a_503_and_frees_the_work(
+    out_ids: list[int], path: str
+) -> None:
+    state = FakeState()
+    cluster = FakeCluster(out_ids, state=state)
+    if path == "local":
+        cluster.hang_after = 0  # the decode service never produces a first token
+    else:
+        cluster.prefill_hangs = True  # the prefill service never answers
+    prompt = "Hi" if path == "local" else LONG_PROMPT
+    async with make_router(cluster, start_timeout_s=0.3) as client:
+        body = {"model": "default", "prompt": prompt, "stream": True}
+        resp = await client.post("/v1/completions", json=body)
+        metrics = (await client.get("/metrics")).text
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert "could not start within 0.3 s" in resp.json()["error"]["message"]
+    assert 'splitserve_router_shed_total{reason="start_timeout"} 1.0' in metrics
+    rid = resp.headers["x-request-id"]
+    assert cluster.closed_early == [rid]  # the decode stream (and its reservation) was let go
+    assert (path == "split") == (("prefill", rid) in cluster.aborts)  # a hung prefill is aborted
+    assert state.records[rid]["state"] == "failed" and "could not start" in state.records[rid]["error"]
+
+
 async def test_busy_decode_is_skipped_and_all_busy_is_503(out_ids: list[int]) -> None:
     cluster = FakeCluster(out_ids)
     cluster.busy.add("d1")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.sequence import Sequence, SequenceStatus
 from common.engine.static_batching import StaticBatchScheduler
@@ -274,3 +276,25 @@ def test_finishing_a_reservation_frees_it_unless_a_write_may_land() -> None:
     landing["yes"] = False
     s.finish(a, "abort")
     assert not s.parked and s.bm.num_free_blocks == 8
+
+
+def test_queue_wait_is_the_age_of_the_longest_waiting_sequence() -> None:
+    now = [10.0]
+    s = make(max_num_seqs=1, clock=lambda: now[0])
+    assert s.queue_wait_s() == 0.0  # an empty queue
+    first, second = seq(2, max_tokens=8), seq(2, max_tokens=8, start=50)
+    s.add(first)
+    now[0] = 12.0
+    s.add(second)
+    now[0] = 13.5
+    assert s.queue_wait_s() == pytest.approx(3.5)  # first has waited since 10.0
+    out = s.schedule()  # first runs (one slot): second is the oldest still waiting
+    assert [x for x, _ in out.scheduled] == [first]
+    assert s.queue_wait_s() == pytest.approx(1.5)
+    remote = seq(2, max_tokens=8, start=90)
+    remote.remote_kv = "receive"
+    now[0] = 14.0
+    s.add(remote)  # a reservation waiting for blocks is queued too
+    s.finish(second, "abort")
+    now[0] = 15.0
+    assert s.queue_wait_s() == pytest.approx(1.0)
