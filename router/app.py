@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.cluster.owners import RouterOwnership
 from common.cluster.state import ClusterState
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
 from common.text.model_info import ModelInfo, load_model_info
@@ -57,7 +58,12 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if isinstance(state, ClusterState):
+            orch.owners = RouterOwnership(state.redis, state.prefix, router_id, state.records)
+            orch.owners.start()
         yield
+        if orch.owners is not None:
+            await orch.owners.stop()
         if orch.records is not None:
             await orch.records.close()
         if owns_client:
@@ -67,7 +73,8 @@ def create_app(
 
     app = FastAPI(title="splitserve router", lifespan=lifespan, **fastapi_telemetry())
     metrics = RouterMetrics()
-    router_id = f"router-{socket.gethostname()}-{os.getpid()}"
+    # unique per start: a restarted container has the same host name and pid
+    router_id = f"router-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     orch = Orchestrator(config, state, client, metrics, router_id)
     metrics.watch(orch)
     server = Server(config, model_info, orch, metrics)

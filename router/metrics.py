@@ -108,6 +108,12 @@ class RouterMetrics:
             p + "registry_stale_reads", "Routing decisions made on the last known worker list", registry=r
         )
         stale.set_function(lambda: orch.pool.stale_reads)
+        orphans = Gauge(
+            p + "orphans_failed",
+            "Requests of a router that died, recorded as failed by this one (count since start)",
+            registry=r,
+        )
+        orphans.set_function(lambda: orch.owners.swept if orch.owners else 0)
 
     def judge(self, met: bool) -> None:
         """Count one finished request against the SLOs."""

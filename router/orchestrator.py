@@ -21,6 +21,7 @@ from typing import Any, Literal
 import httpx
 from opentelemetry import trace
 
+from common.cluster.owners import RouterOwnership
 from common.cluster.record_writer import RecordWriter
 from common.cluster.records import RequestState
 from common.cluster.state import ClusterState
@@ -85,6 +86,7 @@ class Orchestrator:
         self.pool = WorkerPool(state, config.decode_urls, config.prefill_urls)
         # the router writes each request's end, so it may write a record Redis lost (restart) again
         self.records = RecordWriter(state.records, restore_lost=True) if state is not None else None
+        self.owners: RouterOwnership | None = None  # set by the app while it runs (with Redis)
 
     def route(self, prompt_tokens: int, prefills: list[Worker]) -> Route:
         if prompt_tokens < self.config.local_prefill_threshold:
@@ -317,6 +319,11 @@ class Generation:
                 outcome, RequestState.CANCELLED
             )
             await self._record(state, finish_reason=finish_reason, output_tokens=output_tokens, error=error)
+            if self.o.owners is not None and self._recorded:
+                try:
+                    await self.o.owners.disown(self.id)
+                except Exception as e:  # Redis away: a sweep after this router's death is refused
+                    log.warning("request %s: could not drop it from this router's set: %r", self.id, e)
 
     # ---- decode service --------------------------------------------------------------------------
 
@@ -440,6 +447,8 @@ class Generation:
                 route=self.route.record,
             )  # fmt: skip
             self._recorded = True
+            if self.o.owners is not None:  # ended by another router if this one dies first
+                await self.o.owners.own(self.id)
         except Exception:
             self.o.metrics.state_errors.inc()
             log.exception("request %s: could not create its record", self.id)

@@ -372,3 +372,36 @@ def test_a_sentinel_url_finds_the_master(tmp_path) -> None:  # type: ignore[no-u
         sentinel.kill()
         sentinel.wait()
         master.stop()
+
+
+def test_a_dead_routers_live_requests_are_failed_by_another_router(redis_url: str) -> None:
+    async def body(store: ClusterState) -> None:
+        from common.cluster.owners import RouterOwnership
+
+        dead = RouterOwnership(store.redis, store.prefix, "router-a", store.records, ttl_s=0.3)
+        alive = RouterOwnership(store.redis, store.prefix, "router-b", store.records, ttl_s=5)
+        for rid in ("live", "ended", "expired"):
+            await store.records.create(rid, router_id="router-a")
+            await dead.own(rid)
+        await store.records.transition("live", S.RESERVED, decode_id="decode-0")
+        await store.records.transition("ended", S.CANCELLED)
+        await store.redis.delete(store.records.key("expired"))  # a record that has gone meanwhile
+        assert await alive.sweep() == 0  # router-a's key is still there: its requests are its own
+        assert (await store.records.get("live"))["state"] is S.RESERVED  # type: ignore[index]
+        await asyncio.sleep(0.4)  # router-a stops heartbeating: its key expires
+        assert await alive.sweep() == 1
+        live, ended = await store.records.get("live"), await store.records.get("ended")
+        assert live is not None and live["state"] is S.FAILED and "router router-a stopped" in live["error"]
+        assert ended is not None and ended["state"] is S.CANCELLED  # an end is final
+        assert not await store.redis.exists(f"{store.prefix}owned:router-a")
+        assert await store.redis.smembers(f"{store.prefix}routers") == set()
+        assert await alive.sweep() == 0  # nothing twice
+        # A router owns, then disowns once the end is recorded: nothing left to sweep after it.
+        await store.records.create("r2", router_id="router-b")
+        await alive.own("r2")
+        await store.records.transition("r2", S.CANCELLED)
+        await alive.disown("r2")
+        assert await store.redis.smembers(f"{store.prefix}owned:router-b") == set()
+        assert await store.redis.smembers(f"{store.prefix}routers") == {"router-b"}
+
+    run_with_store(redis_url, body)

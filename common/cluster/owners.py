@@ -1,0 +1,106 @@
+"""Requests whose router died are ended with a reason, not left live in Redis forever.
+
+    routers            set of router ids that own (or owned) requests
+    router:{id}        "1" with a TTL, refreshed every interval: this router process is alive
+    owned:{id}         set of the ids of the live requests this router accepted
+
+A router adds each request it accepts to its set (refreshing its own key in the same transaction,
+so an owned set never exists without a live key behind it, even right after Redis restarted empty)
+and removes it once the request's end is recorded. Every router sweeps: a router id whose key has
+expired belongs to a process that stopped without ending its requests (SIGKILL, OOM, a lost node);
+each of its requests still live moves to FAILED with the reason, and its set goes. The decode and
+prefill services free those requests' KV on their own — the router's streams to them closed when
+it died. Two routers sweeping the same set is harmless: a transition is atomic, the second refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import cast
+
+import redis.asyncio as aioredis
+
+from common.cluster.records import IllegalTransition, RequestRecords, RequestState, UnknownRequest
+
+log = logging.getLogger(__name__)
+
+
+class RouterOwnership:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str,
+        router_id: str,
+        records: RequestRecords,
+        interval_s: float = 2.0,
+        ttl_s: float = 10.0,
+    ) -> None:
+        self.redis, self.prefix, self.router_id, self.records = client, prefix, router_id, records
+        self.interval_s, self.ttl_ms = interval_s, int(ttl_s * 1000)
+        self.swept = 0  # requests this router ended for a dead one (a metric)
+        self._task: asyncio.Task[None] | None = None
+
+    def _alive_key(self, router_id: str) -> str:
+        return f"{self.prefix}router:{router_id}"
+
+    def _owned_key(self, router_id: str) -> str:
+        return f"{self.prefix}owned:{router_id}"
+
+    async def own(self, request_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as p:
+            p.set(self._alive_key(self.router_id), "1", px=self.ttl_ms)
+            p.sadd(f"{self.prefix}routers", self.router_id)
+            p.sadd(self._owned_key(self.router_id), request_id)
+            await p.execute()
+
+    async def disown(self, request_id: str) -> None:
+        await self.redis.srem(self._owned_key(self.router_id), request_id)
+
+    async def heartbeat(self) -> None:
+        await self.redis.set(self._alive_key(self.router_id), "1", px=self.ttl_ms)
+
+    async def sweep(self) -> int:
+        """End the live requests of every router whose key expired; returns how many."""
+        ended = 0
+        routers = cast(set[str], await self.redis.smembers(f"{self.prefix}routers"))
+        for rid in routers:
+            if rid == self.router_id or await self.redis.exists(self._alive_key(rid)):
+                continue
+            owned = cast(set[str], await self.redis.smembers(self._owned_key(rid)))
+            for request_id in owned:
+                with contextlib.suppress(IllegalTransition, UnknownRequest):  # ended, or expired
+                    await self.records.transition(
+                        request_id, RequestState.FAILED,
+                        error=f"router {rid} stopped before the request ended (its client lost the stream)",
+                    )  # fmt: skip
+                    ended += 1
+                    log.warning("request %s: its router %s is gone; recorded as failed", request_id, rid)
+            async with self.redis.pipeline(transaction=True) as p:
+                p.delete(self._owned_key(rid))
+                p.srem(f"{self.prefix}routers", rid)
+                await p.execute()
+        self.swept += ended
+        return ended
+
+    async def run(self) -> None:
+        """Heartbeat and sweep every interval; Redis being away only delays both."""
+        while True:
+            try:
+                await self.heartbeat()
+                await self.sweep()
+            except Exception as e:
+                log.warning("router liveness: %r (retrying in %.0f s)", e, self.interval_s)
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self.run())
+
+    async def stop(self) -> None:
+        """A router that stops cleanly: its key goes at once, so what it leaves live is swept soon."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.redis.delete(self._alive_key(self.router_id))
