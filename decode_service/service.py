@@ -90,6 +90,11 @@ class DecodeService(Service):
                 s.preflight_refusals,
             ),
             ("splitserve_kv_transfer_bad_messages", "malformed transfer messages", s.bad_messages),
+            (
+                "splitserve_kv_transfer_auth_failures",
+                "KV connections refused: the peer did not prove the internal secret",
+                s.auth_failures,
+            ),
         ]
 
     # --- the connector's news (event loop) ----------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat
 from kv_transfer.base import (
+    AuthError,
     KVReceiver,
     KVSender,
     PreflightError,
@@ -29,6 +30,7 @@ _NEEDS = {"nixl": "nixl_cu12", "torch_dist": "torch.distributed"}  # backend -> 
 
 __all__ = [
     "BACKENDS",
+    "AuthError",
     "Endpoint",
     "KVReceiver",
     "KVSender",
@@ -78,7 +80,7 @@ def _check(backend: str) -> None:
 
 def make_sender(backend: str, kv: PagedKVCache, compat: KVCompat, **options: Any) -> KVSender:
     """The prefill side of `backend`; `options` go to its constructor (tcp, nixl, torch_dist: sender_id,
-    connect_timeout; torch_dist: op_timeout_s)."""
+    connect_timeout, secret (default: InternalSecret.from_env()); torch_dist: op_timeout_s)."""
     _check(backend)
     if backend == "torch_dist":
         from kv_transfer.backends.torch_dist import TorchDistSender
@@ -104,8 +106,8 @@ def make_receiver(
     """The decode side of `backend`, writing into `kv` for `owner` (who says which fences are current
     and hears of every layer and kv_done), advertising `incarnation` (default: a new id); `options` go
     to its constructor (tcp: host, port,
-    advertise_host; nixl: those and poll_active_s, poll_idle_s, lost_peer_grace_s; torch_dist: tcp's
-    and op_timeout_s)."""
+    advertise_host, secret (default: InternalSecret.from_env()), handshake_timeout_s; nixl: those and
+    poll_active_s, poll_idle_s, lost_peer_grace_s; torch_dist: tcp's and op_timeout_s)."""
     _check(backend)
     receiver: KVReceiver
     if backend == "torch_dist":

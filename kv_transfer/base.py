@@ -3,6 +3,9 @@
 Every backend (tcp, nixl = UCX WRITE + notification, torch_dist = NCCL/gloo send/recv) implements these two
 classes with the same guarantees:
 
+- **Authentication**: before anything else, each control connection runs a mutual challenge-response
+  (`control/auth.py`): both sides prove the cluster's internal secret without sending it. A failure is
+  an `AuthError` on the sender, remembered like a refused preflight, and counted by the receiver.
 - **Preflight**: the first contact between a sender and an endpoint exchanges `KVCompat` records; a mismatch
   is a `PreflightError` naming every differing field, remembered per endpoint (no retry storm), and counted
   by the receiver. Nothing is written before the preflight passed.
@@ -45,7 +48,13 @@ class TransferError(Exception):
 
 
 class PreflightError(TransferError):
-    """The two sides' KVCompat records differ; the message names every mismatching field."""
+    """The receiver refused the pair: the two sides' KVCompat records differ (the message names every
+    mismatching field), or the peer speaks another protocol version."""
+
+
+class AuthError(PreflightError):
+    """The first step of the preflight failed: the peer could not prove the cluster's internal secret, or
+    it refused our proof (control.auth)."""
 
 
 @dataclass
@@ -54,6 +63,7 @@ class ReceiverStats:
     layers_received: int = 0
     stale_drops: int = 0  # layers read and discarded because may_write() said the fence is stale
     preflight_refusals: int = 0
+    auth_failures: int = 0  # connections that did not prove the internal secret; closed before anything else
     bad_messages: int = 0  # malformed or out-of-range headers; the connection is closed
     dones_received: int = 0
 

@@ -15,6 +15,12 @@ if not torch.cuda.is_available():
 
 from common.model.llama import LlamaForCausalLM
 from common.text.tokenizer import Tokenizer
+from tests.support.cluster import INTERNAL_SECRET
+
+# Internal authentication is on in every test, as in every deployment: each service and router process a
+# test starts (they inherit this environment), and each router built in-process, proves this secret.
+# Tests that check behaviour without it set their own environment.
+os.environ["SPLITSERVE_INTERNAL_SECRET"] = INTERNAL_SECRET
 
 
 @pytest.fixture(scope="session")

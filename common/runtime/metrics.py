@@ -60,6 +60,13 @@ class ServiceMetrics:
         self.transfer_failures = Counter(
             "splitserve_kv_transfer_failures", "KV transfers that failed, by reason", ["reason"], registry=r
         )
+        self.internal_auth_refused = Counter(
+            "splitserve_internal_auth_refused",
+            "/internal/ calls refused before their handler: missing, malformed, stale, bad_signature, "
+            "replayed, too_large",
+            ["reason"],
+            registry=r,
+        )
 
 
 class EngineCollector:

@@ -31,6 +31,8 @@ from common.engine.llm_engine import LLMEngine
 from common.protocol import MAX_FRAME_BYTES, AbortRequest, Message, ProtocolError, decode, encode
 from common.runtime.metrics import EngineCollector, ServiceMetrics
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
+from common.security.internal_auth import InternalAuthMiddleware
+from common.security.secret import InternalSecret
 
 log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
@@ -88,8 +90,9 @@ class Service:
     """One engine-backed service: engine thread, KV connector, optional Redis state, heartbeat and
     leases, metrics, and the requests in progress."""
 
-    def __init__(self, cfg: ServiceConfig, engine: LLMEngine) -> None:
+    def __init__(self, cfg: ServiceConfig, engine: LLMEngine, secret: InternalSecret | None = None) -> None:
         self.cfg = cfg
+        self.secret = InternalSecret.from_env() if secret is None else secret
         self.engine = engine
         self.aengine = AsyncEngine(engine)
         self.jobs: dict[str, Job] = {}
@@ -252,6 +255,13 @@ class Service:
         app.state.service = self
         install_error_handlers(app)
         app.add_middleware(RequestIdMiddleware)
+        # outermost: an unauthenticated /internal/ call is refused before anything else looks at it
+        app.add_middleware(
+            InternalAuthMiddleware,
+            secret=self.secret,
+            max_body=MAX_FRAME_BYTES,
+            on_refused=lambda reason: self.metrics.internal_auth_refused.labels(reason).inc(),
+        )
 
         @app.post("/internal/abort")
         async def abort(request: Request) -> dict[str, Any]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import msgspec
+
 from common.protocol import KVCompat, Message
 
 
@@ -27,3 +31,35 @@ class KVLayerHeader(Message, tag="kv_layer"):
     block_ids: list[int]
     nbytes: int
     traceparent: str | None = None
+
+
+# --- authentication: the first four messages on every KV control connection (control/auth.py) ---------
+NONCE_BYTES = 32
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+Proof = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]  # an HMAC-SHA256, hex
+
+
+class KVAuth(Message, tag="kv_auth"):
+    """Sender → receiver, the very first message: a fresh nonce for the receiver to prove the secret on."""
+
+    nonce: Nonce
+    sender_id: str = ""
+
+
+class KVAuthChallenge(Message, tag="kv_auth_challenge"):
+    """Receiver → sender: its proof over both nonces, and its own fresh nonce for the sender to prove on."""
+
+    nonce: Nonce
+    proof: Proof  # sign("kv-recv", sender nonce, receiver nonce)
+
+
+class KVAuthProof(Message, tag="kv_auth_proof"):
+    proof: Proof  # sign("kv-send", receiver nonce, sender nonce)
+
+
+class KVAuthReply(Message, tag="kv_auth_reply"):
+    """Receiver → sender: the verdict on its proof (ok=False: the receiver closes the connection); also
+    the answer to a first message that is not a KVAuth."""
+
+    ok: bool
+    error: str = ""

@@ -1,10 +1,11 @@
 """What every backend does the same way around its compatibility preflight.
 
 Sender side (`PreflightSender`): one connection per receiver endpoint, opened at most once at a time per
-endpoint, and a refused preflight remembered so that a hopeless peer is not asked again.
-Receiver side (`PreflightReceiver`): checking a sender's compat record, counting and logging a refusal,
-and calling its owner (`may_write`, `layer_arrived`, `kv_done`) without letting the owner's bugs break a
-connection.
+endpoint, authenticated first (control.auth), and a refused preflight or failed authentication
+remembered so that a hopeless peer is not asked again.
+Receiver side (`PreflightReceiver`): authenticating a sender first (counting and logging a failure),
+checking its compat record, counting and logging a refusal, and calling its owner (`may_write`,
+`layer_arrived`, `kv_done`) without letting the owner's bugs break a connection.
 """
 
 from __future__ import annotations
@@ -15,14 +16,24 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone, Message
-from kv_transfer.base import KVReceiver, KVSender, PreflightError, TransferError
+from common.security.secret import InternalSecret
+from kv_transfer.base import AuthError, KVReceiver, KVSender, PreflightError, ReceiverOwner, TransferError
+from kv_transfer.control.auth import (
+    SAME_SECRET,
+    AuthFailed,
+    AuthRefused,
+    authenticate_sender,
+    authenticate_to_receiver,
+)
 from kv_transfer.control.endpoint import Endpoint
-from kv_transfer.control.framing import read_msg, write_msg
+from kv_transfer.control.framing import MAX_CONTROL_FRAME, Recv, Send, stream_io
 
 P = TypeVar("P")
 
 PREFLIGHT_FAILED = "KV compatibility preflight failed (sender != receiver): "
+HANDSHAKE_TIMEOUT_S = 10.0  # a receiver drops a peer that has not authenticated and said hello by then
 
 
 class ControlPeer(Protocol):
@@ -46,17 +57,27 @@ async def drain_control(endpoint: str, peer: ControlPeer, drop: Callable[[str, A
 class PreflightSender(KVSender, Generic[P]):
     """A sender that keeps one peer of type P per endpoint, made by `_connect` (which runs the preflight)."""
 
-    def __init__(self, kv: Any, compat: KVCompat, sender_id: str, connect_timeout: float) -> None:
+    def __init__(
+        self,
+        kv: Any,
+        compat: KVCompat,
+        sender_id: str,
+        connect_timeout: float,
+        secret: InternalSecret | None = None,
+    ) -> None:
         super().__init__(kv, compat)
         self.sender_id = sender_id
-        self.connect_timeout = connect_timeout
+        self.connect_timeout = connect_timeout  # bounds connecting, authenticating and the preflight
+        self.secret = InternalSecret.from_env() if secret is None else secret
         self._peers: dict[str, P] = {}
-        self._refused: dict[str, str] = {}  # endpoint -> preflight error, so we do not retry a hopeless peer
+        # endpoint -> its refusal (PreflightError or AuthError), so we do not retry a hopeless peer
+        self._refused: dict[str, PreflightError] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
 
     @abstractmethod
     async def _connect(self, endpoint: str) -> P:
-        """Open a connection to endpoint and run the preflight; raise `_refuse(...)` when refused."""
+        """Open a connection to endpoint, authenticate (`_authenticate`) and run the preflight; raise
+        `_refuse(...)` when refused."""
 
     @abstractmethod
     def _retire(self, endpoint: str, peer: P) -> None:
@@ -65,7 +86,8 @@ class PreflightSender(KVSender, Generic[P]):
     async def _peer(self, endpoint: str) -> P:
         async with self._connecting.setdefault(endpoint, asyncio.Lock()):
             if endpoint in self._refused:
-                raise PreflightError(self._refused[endpoint])
+                refused = self._refused[endpoint]
+                raise type(refused)(*refused.args)
             if endpoint not in self._peers:
                 peer = await self._connect(endpoint)  # the receiver confirmed the incarnation
                 self._retire_other_incarnations(endpoint)
@@ -116,21 +138,36 @@ class PreflightSender(KVSender, Generic[P]):
 
     def _refuse(self, endpoint: str, error: str) -> PreflightError:
         """Remember that endpoint refused us; the error to raise, now and on every later call."""
-        self._refused[endpoint] = f"{endpoint} refused the KV transfer: {error}"
-        return PreflightError(self._refused[endpoint])
+        refused = self._refused[endpoint] = PreflightError(f"{endpoint} refused the KV transfer: {error}")
+        return refused
+
+    async def _authenticate(self, endpoint: str, send: Send, recv: Recv) -> None:
+        """The first exchange on a new connection (control.auth), before any other message. A peer that
+        cannot prove the secret, or refuses our proof, is remembered like a refusal: AuthError."""
+        try:
+            await authenticate_to_receiver(send, recv, self.secret, self.sender_id)
+        except AuthRefused as e:
+            raise self._refuse(endpoint, str(e)) from None
+        except AuthFailed as e:
+            err = self._refused[endpoint] = AuthError(
+                f"KV peer at {endpoint} failed authentication: {SAME_SECRET} ({e.why})"
+            )
+            raise err from None
 
     async def _open_control(
         self, endpoint: str, host: str, port: int, hello: Message, reply_kind: type[Any], check: Any = None
     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Any]:
-        """Open a control connection, send hello and read the reply (of type reply_kind). `check(reply)`,
-        when given, may raise ValueError for a reply it cannot use. A refusal raises PreflightError."""
+        """Open a control connection, authenticate, send hello and read the reply (of type reply_kind).
+        `check(reply)`, when given, may raise ValueError for a reply it cannot use. A refusal raises
+        PreflightError, a failed authentication AuthError."""
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(self.connect_timeout):
                 reader, writer = await asyncio.open_connection(host, port)
-                write_msg(writer, hello)
-                await writer.drain()
-                reply = await read_msg(reader, reply_kind)
+                send, recv = stream_io(reader, writer)
+                await self._authenticate(endpoint, send, recv)
+                await send(hello)
+                reply = await recv(reply_kind, MAX_CONTROL_FRAME)
             if reply is None:
                 raise ConnectionError("connection closed during the preflight")
             if check is not None:
@@ -138,7 +175,12 @@ class PreflightSender(KVSender, Generic[P]):
         except (OSError, TimeoutError, ValueError) as e:
             if writer is not None:
                 writer.close()
-            raise TransferError(f"cannot open a KV control connection to {endpoint}: {e}") from e
+            why = str(e) or type(e).__name__  # a timeout says nothing itself
+            raise TransferError(f"cannot open a KV control connection to {endpoint}: {why}") from e
+        except BaseException:  # refused (PreflightError, AuthError), or cancelled
+            if writer is not None:
+                writer.close()
+            raise
         if not reply.ok:
             writer.close()
             raise self._refuse(endpoint, reply.error)
@@ -155,6 +197,38 @@ class PreflightReceiver(KVReceiver):
 
     _name = ""  # the backend's name in log lines
     _on_accept_error = "dropping the layer"  # what a failing `may_write` means for the caller
+
+    def __init__(
+        self,
+        kv: PagedKVCache,
+        compat: KVCompat,
+        owner: ReceiverOwner,
+        secret: InternalSecret | None = None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> None:
+        super().__init__(kv, compat, owner)
+        self.secret = InternalSecret.from_env() if secret is None else secret
+        self.handshake_timeout_s = handshake_timeout_s  # per step: authentication, then the hello
+
+    async def _authenticate(self, send: Send, recv: Recv, peer: str) -> bool:
+        """Authenticate a new connection's sender (control.auth) within handshake_timeout_s, before
+        reading anything else from it. False: it did not prove the secret (counted in
+        `stats.auth_failures` and logged, unless it closed without sending a byte); close the connection."""
+        sender = "?"
+        try:
+            async with asyncio.timeout(self.handshake_timeout_s):
+                return await authenticate_sender(send, recv, self.secret) is not None
+        except AuthFailed as e:
+            why, sender = e.why, e.sender_id
+        except TimeoutError:
+            why = f"it did not authenticate within {self.handshake_timeout_s:g} s"
+        except OSError as e:
+            why = f"connection lost: {e}"
+        self.stats.auth_failures += 1
+        self._log.warning(
+            "kv %s: refusing %s (sender %r): authentication failed: %s", self._name, peer, sender, why
+        )
+        return False
 
     @property
     def _log(self) -> logging.Logger:

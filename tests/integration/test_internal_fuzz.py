@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.protocol import PROTOCOL_VERSION
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, internal_auth
 
 pytestmark = pytest.mark.slow
 FLAGS = ("--threads", "1", "--kv-cache-mb", "64", "--kv-backend", "tcp")
@@ -74,7 +74,7 @@ def test_no_body_makes_an_internal_endpoint_fail(services) -> None:  # type: ign
     cluster, prefill, decode_ = services
     seen: set[int] = set()
 
-    with httpx.Client(timeout=30) as client:
+    with httpx.Client(timeout=30, auth=internal_auth) as client:
 
         @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
         @given(st.sampled_from([prefill, decode_]), st.sampled_from(PATHS), bodies)

@@ -34,6 +34,7 @@ from tests.support.kv_helpers import (
     assert_moved,
     assert_preflight_refused_and_cached,
     assert_refused_untouched,
+    authenticated_socket,
     compat,
     filled,
     push,
@@ -144,9 +145,9 @@ def test_preflight_mismatch_names_fields_is_cached_and_sends_nothing(receiver: T
 
 
 def _raw_client(endpoint: str) -> socket.socket:
-    """A hand-driven connection that has passed the preflight."""
+    """A hand-driven connection that has passed the authentication and the preflight."""
     ep = Endpoint.parse(endpoint, "tcp")
-    sock = socket.create_connection((ep.host, ep.port), timeout=10)
+    sock = authenticated_socket((ep.host, ep.port))
     sock.sendall(frame(KVHello(compat=compat(SPEC))))
     (n,) = struct.unpack(">I", sock.recv(4))
     assert decode(sock.recv(n), KVHelloReply).ok
@@ -155,7 +156,7 @@ def _raw_client(endpoint: str) -> socket.socket:
 
 def test_hello_of_another_protocol_version_is_refused_with_the_reason(receiver: ThreadReceiver) -> None:
     ep = Endpoint.parse(receiver.endpoint, "tcp")
-    sock = socket.create_connection((ep.host, ep.port), timeout=10)
+    sock = authenticated_socket((ep.host, ep.port))
     hello = {"kind": "kv_hello", "protocol_version": PROTOCOL_VERSION + 1, "compat": {}, "sender_id": "x"}
     body = msgpack.packb(hello)
     sock.sendall(struct.pack(">I", len(body)) + body)

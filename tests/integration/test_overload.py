@@ -15,7 +15,7 @@ import pytest
 from common.cluster.redis_server import RedisServer
 from common.protocol import GenerateRequest, encode
 from common.sampling_params import SamplingParams
-from tests.support.cluster import Cluster, Proc, free_port, get_json, wait_until
+from tests.support.cluster import Cluster, Proc, free_port, get_json, internal_auth, wait_until
 
 pytestmark = pytest.mark.slow
 START_TIMEOUT_S = 2.0
@@ -48,7 +48,7 @@ async def hold_the_only_slot(router: Proc, started: asyncio.Event) -> None:
         "temperature": 0, "stream": True,
     }  # fmt: skip
     async with (
-        httpx.AsyncClient(timeout=120) as client,
+        httpx.AsyncClient(timeout=120, auth=internal_auth) as client,
         client.stream("POST", router.url + "/v1/completions", json=body) as r,
     ):
         assert r.status_code == 200, await r.aread()
@@ -61,7 +61,7 @@ async def queued_directly(decode_: Proc) -> None:
     cancelled, ageing the queue the service reports in its registry load."""
     req = GenerateRequest(uuid.uuid4().hex, [1, 2, 3, 4], SamplingParams(max_tokens=4), mode="local")
     async with (
-        httpx.AsyncClient(timeout=120) as client,
+        httpx.AsyncClient(timeout=120, auth=internal_auth) as client,
         client.stream("POST", decode_.url + "/internal/generate", content=encode(req)) as r,
     ):
         async for _ in r.aiter_bytes():
@@ -81,7 +81,7 @@ def test_requests_that_cannot_start_in_time_get_a_retryable_503(stack) -> None:
             if holder.done():
                 holder.result()  # its failure, if it failed
             assert started.is_set(), "the long request did not start"
-            async with httpx.AsyncClient(timeout=60) as client:
+            async with httpx.AsyncClient(timeout=60, auth=internal_auth) as client:
                 # 1. Placed, but the decode service has no free slot: no first token within the limit.
                 t0 = time.monotonic()
                 late = await client.post(
@@ -124,8 +124,10 @@ def test_requests_that_cannot_start_in_time_get_a_retryable_503(stack) -> None:
     assert metric(router, 'splitserve_router_shed_total{reason="queue_wait"}') == 1
     # Everything is let go: the holder's hang-up and the direct request's close free the decode service.
     wait_until(
-        lambda: (h := get_json(decode_.url + "/health"))["running"] == h["waiting"] == 0
-        and h["free_blocks"] == h["total_blocks"],
+        lambda: (
+            (h := get_json(decode_.url + "/health"))["running"] == h["waiting"] == 0
+            and h["free_blocks"] == h["total_blocks"]
+        ),
         15,
         "the decode service to be empty",
     )

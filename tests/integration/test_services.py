@@ -27,7 +27,7 @@ from common.protocol import (
     encode,
 )
 from common.sampling_params import SamplingParams
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, internal_auth
 
 pytestmark = pytest.mark.slow
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
@@ -47,7 +47,7 @@ def services(request, tmp_path_factory, redis_url):  # type: ignore[no-untyped-d
     try:
         prefill = cluster.start("prefill", *SERVICE_FLAGS)
         decode_ = cluster.start("decode", *SERVICE_FLAGS, "--kv-backend", request.param)
-        info = httpx.get(decode_.url + "/internal/kv").json()
+        info = httpx.get(decode_.url + "/internal/kv", auth=internal_auth).json()
         assert info["backend"] == request.param and info["kv_endpoint"].startswith(request.param + "://")
         yield cluster, prefill, decode_
     finally:
@@ -110,7 +110,7 @@ def test_paths_match_the_engine_token_for_token(services, prompts, reference, mo
     cluster, prefill, decode_ = services
 
     async def main() -> list[list[int]]:
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(timeout=120, auth=internal_auth) as c:
             outs = await asyncio.gather(*(run_request(c, decode_.url, prefill.url, p, mode) for p in prompts))
         return [t for t, _ in outs]
 
@@ -121,7 +121,7 @@ def test_paths_match_the_engine_token_for_token(services, prompts, reference, mo
         h = cluster.wait_blocks_free(proc)
         assert h["free_blocks"] == h["total_blocks"], f"{proc.role} leaked blocks: {h}"
     if mode == "remote":
-        stats = httpx.get(decode_.url + "/internal/kv").json()["stats"]
+        stats = httpx.get(decode_.url + "/internal/kv", auth=internal_auth).json()["stats"]
         assert stats["bytes_received"] > 0 and stats["stale_drops"] == 0, stats
 
 
@@ -129,7 +129,7 @@ def test_disconnect_frees_blocks(services, prompts) -> None:  # type: ignore[no-
     cluster, prefill, decode_ = services
 
     async def main() -> None:
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(timeout=120, auth=internal_auth) as c:
             for mode in ("remote", "local"):
                 toks, reason = await run_request(
                     c, decode_.url, prefill.url, prompts[0], mode, max_tokens=200, stop_after=3
@@ -144,7 +144,7 @@ def test_disconnect_frees_blocks(services, prompts) -> None:  # type: ignore[no-
 
 def test_bad_internal_requests_are_refused(services) -> None:  # type: ignore[no-untyped-def]
     _, prefill, decode_ = services
-    r = httpx.post(decode_.url + "/internal/generate", content=b"\x93not msgpack map")
+    r = httpx.post(decode_.url + "/internal/generate", content=b"\x93not msgpack map", auth=internal_auth)
     assert r.status_code == 400 and "message" in r.json()["error"]
     VERSION = PROTOCOL_VERSION  # noqa: N806
     good = {"kind": "generate", "protocol_version": PROTOCOL_VERSION, "request_id": "x", "token_ids": [1, 2],
@@ -157,12 +157,18 @@ def test_bad_internal_requests_are_refused(services) -> None:  # type: ignore[no
         ({"protocol_version": 99}, f"protocol_version 99 is not supported (this side speaks {VERSION}"),
         ({"kind": "prefill"}, "kind"),
     ]:
-        r = httpx.post(decode_.url + "/internal/generate", content=msgspec.msgpack.encode({**good, **change}))
+        r = httpx.post(
+            decode_.url + "/internal/generate",
+            content=msgspec.msgpack.encode({**good, **change}),
+            auth=internal_auth,
+        )
         assert r.status_code == 400 and says in r.json()["error"]["message"], (change, r.text)
-    r = httpx.post(decode_.url + "/internal/generate", content=b"\x00\x00\x00" * (6 << 20))
-    assert r.status_code == 400 and "limit" in r.json()["error"]["message"]  # larger than a frame may be
+    r = httpx.post(
+        decode_.url + "/internal/generate", content=b"\x00\x00\x00" * (6 << 20), auth=internal_auth
+    )
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]  # larger than a frame may be
     pr = PrefillRequest("y", list(range(40)), SamplingParams(max_tokens=4), "tcp://127.0.0.1:1", [1], 1)
-    r = httpx.post(prefill.url + "/internal/prefill", content=encode(pr))
+    r = httpx.post(prefill.url + "/internal/prefill", content=encode(pr), auth=internal_auth)
     assert r.status_code == 400 and "blocks" in r.json()["error"]["message"]
     for proc in (prefill, decode_):
         h = httpx.get(proc.url + "/health").json()
@@ -174,7 +180,7 @@ def test_a_request_id_in_progress_is_refused(services, prompts) -> None:  # type
     req = GenerateRequest("busy-1", prompts[0], SamplingParams(max_tokens=200), mode="local")
 
     async def main() -> None:
-        async with httpx.AsyncClient(timeout=120) as c:
+        async with httpx.AsyncClient(timeout=120, auth=internal_auth) as c:
             url = decode_.url + "/internal/generate"
             async with c.stream("POST", url, content=encode(req)) as first:
                 assert first.status_code == 200

@@ -5,12 +5,21 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+from common.security.internal_auth import SignedCalls
+from common.security.secret import InternalSecret
+
+# The cluster secret of every test (tests/conftest.py puts it in the environment): calls a test makes to
+# a service's /internal/ API itself sign with `internal_auth` (httpx `auth=`), as the router does.
+INTERNAL_SECRET = "splitserve-tests-internal-secret-3f9a"
+internal_auth = SignedCalls(InternalSecret(INTERNAL_SECRET.encode()))
 
 
 def free_port() -> int:
@@ -20,7 +29,9 @@ def free_port() -> int:
 
 
 def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as r:
+    # https: the tests' self-signed certificates (tests/integration/test_tls.py checks verification itself)
+    ctx = ssl._create_unverified_context() if url.startswith("https:") else None
+    with urllib.request.urlopen(url, timeout=5, context=ctx) as r:
         return json.loads(r.read())
 
 
@@ -60,7 +71,8 @@ class Cluster:
         # NIXL: loopback
         full_env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})}
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-        proc = Proc(role, f"http://127.0.0.1:{port}", popen, log_path)
+        scheme = "https" if "--ssl-certfile" in flags else "http"
+        proc = Proc(role, f"{scheme}://127.0.0.1:{port}", popen, log_path)
         self.procs.append(proc)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

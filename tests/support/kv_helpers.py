@@ -1,11 +1,13 @@
 """What the KV transport tests share: tiny shapes, filled caches, compat records, a receiver on the running
-loop that records kv_done messages, and a receiver in a spawned process."""
+loop that records kv_done messages, a receiver in a spawned process, and a hand-driven client socket
+that has passed the authentication."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import multiprocessing as mp
+import socket
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Generic, Self, TypeVar
@@ -14,8 +16,10 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.protocol import KVCompat, KVDone
+from common.protocol import KVCompat, KVDone, Message, decode, frame, frame_length
+from common.security.secret import InternalSecret
 from kv_transfer import KVReceiver, KVSender, PreflightError, ReceiverOwner
+from kv_transfer.control.auth import authenticate_to_receiver
 
 SPEC = KVCacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
 SRC = [7, 3, 4, 5, 12]  # non-contiguous, unordered; 3-4-5 is one run
@@ -166,3 +170,36 @@ def received_in_another_process(
     got.k.copy_(saved["k"])
     got.v.copy_(saved["v"])
     return got
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("the receiver closed the connection")
+        buf += chunk
+    return buf
+
+
+def authenticated_socket(
+    address: tuple[str, int], secret: InternalSecret | None = None, sender_id: str = "raw"
+) -> socket.socket:
+    """A blocking connection to a KV receiver's listener that has passed the authentication (the sender's
+    half of kv_transfer.control.auth, run over the blocking socket), for a test to hand-drive the rest."""
+    sock = socket.create_connection(address, timeout=10)
+
+    async def send(msg: Message) -> None:
+        sock.sendall(frame(msg))
+
+    async def recv(expect: Any, limit: int) -> Any:
+        head = sock.recv(4, socket.MSG_WAITALL)
+        return decode(_recv_exactly(sock, frame_length(head, limit)), expect) if head else None
+
+    try:
+        secret = InternalSecret.from_env() if secret is None else secret  # what receivers default to
+        asyncio.run(authenticate_to_receiver(send, recv, secret, sender_id))
+    except BaseException:
+        sock.close()
+        raise
+    return sock

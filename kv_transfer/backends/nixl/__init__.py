@@ -8,6 +8,8 @@ its agent.
 
 Handshake, once per (sender, endpoint); nothing is written before it passed:
 
+    S ↔ R  mutual authentication (kv_transfer.control.auth): KVAuth, KVAuthChallenge, KVAuthProof,
+           KVAuthReply; the receiver's agent metadata is sent only to a sender that proved the secret
     S → R  KVHello{compat, sender_id}
     R → S  KVNixlHelloReply{ok, error, agent_metadata, regions, mem_type, num_blocks}
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone, ProtocolError, decode
+from common.security.secret import InternalSecret
 from kv_transfer.backends.nixl.agent import make_agent, mem_type, regions
 from kv_transfer.backends.nixl.messages import (
     KVNixlBegin,
@@ -23,9 +24,9 @@ from kv_transfer.backends.nixl.messages import (
 )
 from kv_transfer.base import ReceiverOwner
 from kv_transfer.control.endpoint import Endpoint
-from kv_transfer.control.framing import read_msg, write_msg
+from kv_transfer.control.framing import read_msg, stream_io, write_msg
 from kv_transfer.control.messages import KVHello
-from kv_transfer.control.preflight import PreflightReceiver
+from kv_transfer.control.preflight import HANDSHAKE_TIMEOUT_S, PreflightReceiver
 from kv_transfer.layout import block_bytes
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,10 @@ class NixlReceiver(PreflightReceiver):
         poll_active_s: float = 0.001,
         poll_idle_s: float = 0.05,
         lost_peer_grace_s: float = 2.0,
+        secret: InternalSecret | None = None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        super().__init__(kv, compat, owner)
+        super().__init__(kv, compat, owner, secret, handshake_timeout_s)
         self._addr = (host, port)
         self._advertise = advertise_host
         self.poll_active_s = poll_active_s
@@ -144,8 +147,9 @@ class NixlReceiver(PreflightReceiver):
         if task is not None:
             self._serving.add(task)
         self._conns.add(conn)
+        send, recv = stream_io(reader, writer)
         try:
-            if not await self._preflight(reader, conn):
+            if not await self._authenticate(send, recv, conn.peer) or not await self._preflight(reader, conn):
                 return
             while (msg := await read_msg(reader, KVNixlBegin | KVNixlEnd | KVDone)) is not None:
                 self._handle(conn, msg)
@@ -154,7 +158,7 @@ class NixlReceiver(PreflightReceiver):
             self.stats.bad_messages += 1
             log.error("kv nixl: closing the connection from %s: %s", conn.peer, e)
         except OSError as e:
-            log.warning("kv nixl: connection from %s lost: %s", conn.peer, e)
+            log.warning("kv nixl: connection from %s lost: %s", conn.peer, e or type(e).__name__)
         finally:
             if task is not None:
                 self._serving.discard(task)
@@ -166,7 +170,8 @@ class NixlReceiver(PreflightReceiver):
 
     async def _preflight(self, reader: asyncio.StreamReader, conn: _Conn) -> bool:
         try:
-            msg = await read_msg(reader, KVHello)
+            async with asyncio.timeout(self.handshake_timeout_s):
+                msg = await read_msg(reader, KVHello)
             if msg is None:
                 return False
             problems, sender = self._compat_problems(msg.compat), msg.sender_id

@@ -13,6 +13,7 @@ from typing import Any
 
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone, encode
+from common.security.secret import InternalSecret
 from kv_transfer.backends.nixl.agent import block_rows, local_rows, make_agent, mem_type, row_indices
 from kv_transfer.backends.nixl.messages import (
     KVNixlBegin,
@@ -63,9 +64,14 @@ class _Peer:
 
 class NixlSender(PreflightSender[_Peer]):
     def __init__(
-        self, kv: PagedKVCache, compat: KVCompat, sender_id: str = "", connect_timeout: float = 10.0
+        self,
+        kv: PagedKVCache,
+        compat: KVCompat,
+        sender_id: str = "",
+        connect_timeout: float = 10.0,
+        secret: InternalSecret | None = None,
     ) -> None:
-        super().__init__(kv, compat, sender_id, connect_timeout)
+        super().__init__(kv, compat, sender_id, connect_timeout, secret)
         self._agent = make_agent("prefill")
         self._reg = self._agent.register_memory([kv.k, kv.v])
         self._local_dlist: Any = None

@@ -1,7 +1,9 @@
 """The `tcp` KV transport: one TCP connection per (sender, receiver) pair, reused for every request.
 
-Connection = KVHello → KVHelloReply (the compatibility preflight; refused → the receiver closes), then
-any number of messages, each a length-prefixed msgpack frame (common.protocol.frame):
+Connection = the mutual authentication (kv_transfer.control.auth: KVAuth → KVAuthChallenge → KVAuthProof
+→ KVAuthReply; failed → the receiver closes), KVHello → KVHelloReply (the compatibility preflight;
+refused → the receiver closes), then any number of messages, each a length-prefixed msgpack frame
+(common.protocol.frame):
 
     KVLayerHeader{request_id, fence, layer, block_ids, nbytes}   followed by exactly nbytes raw bytes
                  in the order of kv_transfer.layout (K of each block in block_ids order, then V of each)

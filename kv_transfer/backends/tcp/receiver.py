@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from common.kv.kv_cache import PagedKVCache
-from common.protocol import KVCompat, KVDone, ProtocolError, decode, frame
-from kv_transfer.backends.tcp.sockio import recv_frame, recv_views, send_views
+from common.protocol import KVCompat, KVDone, ProtocolError, decode
+from common.security.secret import InternalSecret
+from kv_transfer.backends.tcp.sockio import recv_frame, recv_views, socket_io
 from kv_transfer.base import ReceiverOwner
 from kv_transfer.control.endpoint import Endpoint
-from kv_transfer.control.framing import MAX_CONTROL_FRAME
+from kv_transfer.control.framing import MAX_CONTROL_FRAME, Recv, Send
 from kv_transfer.control.messages import KVHello, KVHelloReply, KVLayerHeader
-from kv_transfer.control.preflight import PreflightReceiver
+from kv_transfer.control.preflight import HANDSHAKE_TIMEOUT_S, PreflightReceiver
 from kv_transfer.layout import byte_view, check_layer_header, layer_views
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,10 @@ class TcpReceiver(PreflightReceiver):
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
+        secret: InternalSecret | None = None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        super().__init__(kv, compat, owner)
+        super().__init__(kv, compat, owner, secret, handshake_timeout_s)
         self._addr = (host, port)
         self._advertise = advertise_host
         self._listener: socket.socket | None = None
@@ -89,8 +92,9 @@ class TcpReceiver(PreflightReceiver):
 
     async def _serve(self, conn: socket.socket, peer: str) -> None:
         loop = asyncio.get_running_loop()
+        send, recv = socket_io(loop, conn)
         try:
-            if not await self._preflight(conn, peer):
+            if not await self._authenticate(send, recv, peer) or not await self._preflight(send, recv, peer):
                 return
             while (body := await recv_frame(loop, conn, MAX_CONTROL_FRAME)) is not None:
                 msg = decode(body, KVLayerHeader | KVDone)
@@ -103,23 +107,22 @@ class TcpReceiver(PreflightReceiver):
             self.stats.bad_messages += 1
             log.error("kv tcp: closing the connection from %s: %s", peer, e)
         except OSError as e:
-            log.warning("kv tcp: connection from %s lost: %s", peer, e)
+            log.warning("kv tcp: connection from %s lost: %s", peer, e or type(e).__name__)
         finally:
             conn.close()
 
-    async def _preflight(self, conn: socket.socket, peer: str) -> bool:
-        loop = asyncio.get_running_loop()
-        body = await recv_frame(loop, conn, MAX_CONTROL_FRAME)
-        if body is None:
-            return False
+    async def _preflight(self, send: Send, recv: Recv, peer: str) -> bool:
+        """The compatibility preflight on an authenticated connection: True when it passed."""
         try:
-            hello = decode(body, KVHello)
+            async with asyncio.timeout(self.handshake_timeout_s):
+                hello = await recv(KVHello, MAX_CONTROL_FRAME)
+            if hello is None:
+                return False
             problems, sender = self._compat_problems(hello.compat), hello.sender_id
         except ProtocolError as e:  # another protocol version, or not a hello: say so before closing
             problems, sender = [str(e)], "?"
         error = self._refusal(peer, sender, problems) if problems else ""
-        reply = KVHelloReply(ok=not problems, error=error, incarnation=self.incarnation)
-        await send_views(loop, conn, [memoryview(frame(reply))])
+        await send(KVHelloReply(ok=not problems, error=error, incarnation=self.incarnation))
         return not problems
 
     async def _recv_layer(self, conn: socket.socket, h: KVLayerHeader) -> None:
@@ -153,5 +156,3 @@ class TcpReceiver(PreflightReceiver):
                 del self._writing[h.request_id]
             async with self._idle:
                 self._idle.notify_all()
-
-

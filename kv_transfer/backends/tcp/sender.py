@@ -10,8 +10,9 @@ import socket
 import torch
 
 from common.kv.kv_cache import PagedKVCache
-from common.protocol import KVCompat, KVDone, decode, frame
-from kv_transfer.backends.tcp.sockio import recv_frame, send_views
+from common.protocol import KVCompat, KVDone, frame
+from common.security.secret import InternalSecret
+from kv_transfer.backends.tcp.sockio import send_views, socket_io
 from kv_transfer.base import TransferError
 from kv_transfer.control.endpoint import Endpoint
 from kv_transfer.control.framing import MAX_CONTROL_FRAME
@@ -28,9 +29,14 @@ class _Peer:
 
 class TcpSender(PreflightSender[_Peer]):
     def __init__(
-        self, kv: PagedKVCache, compat: KVCompat, sender_id: str = "", connect_timeout: float = 10.0
+        self,
+        kv: PagedKVCache,
+        compat: KVCompat,
+        sender_id: str = "",
+        connect_timeout: float = 10.0,
+        secret: InternalSecret | None = None,
     ) -> None:
-        super().__init__(kv, compat, sender_id, connect_timeout)
+        super().__init__(kv, compat, sender_id, connect_timeout, secret)
 
     async def send_layer(
         self,
@@ -92,16 +98,20 @@ class TcpSender(PreflightSender[_Peer]):
                 sock.setblocking(False)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 await loop.sock_connect(sock, addr)
-                hello = KVHello(compat=self.compat, sender_id=self.sender_id)
-                await send_views(loop, sock, [memoryview(frame(hello))])
-                body = await recv_frame(loop, sock, MAX_CONTROL_FRAME)
-            if body is None:
+                send, recv = socket_io(loop, sock)
+                await self._authenticate(endpoint, send, recv)
+                await send(KVHello(compat=self.compat, sender_id=self.sender_id))
+                reply = await recv(KVHelloReply, MAX_CONTROL_FRAME)
+            if reply is None:
                 raise ConnectionError("connection closed during the preflight")
-            reply = decode(body, KVHelloReply)
         except (OSError, TimeoutError, ValueError) as e:
             if sock is not None:
                 sock.close()
-            raise TransferError(f"cannot open a KV connection to {endpoint}: {e}") from e
+            raise TransferError(f"cannot open a KV connection to {endpoint}: {e or type(e).__name__}") from e
+        except BaseException:  # refused (PreflightError, AuthError), or cancelled
+            if sock is not None:
+                sock.close()
+            raise
         if not reply.ok:
             sock.close()
             raise self._refuse(endpoint, reply.error)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
 
-from common.protocol import frame_length
+from common.protocol import Message, decode, frame, frame_length
+from kv_transfer.control.framing import Recv, Send
 
 IOV_MAX = 1024  # Linux's limit on buffers per sendmsg/recvmsg call
 
@@ -86,3 +88,17 @@ async def recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, max_l
     body = bytearray(n)
     await recv_views(loop, sock, [memoryview(body)])
     return bytes(body)
+
+
+def socket_io(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[Send, Recv]:
+    """`send` and `recv` of framed messages on the socket, for the steps every backend runs the same way
+    (control.auth)."""
+
+    async def send(msg: Message) -> None:
+        await send_views(loop, sock, [memoryview(frame(msg))])
+
+    async def recv(expect: Any, limit: int) -> Any | None:
+        body = await recv_frame(loop, sock, limit)
+        return None if body is None else decode(body, expect)
+
+    return send, recv

@@ -10,6 +10,8 @@ port, every interface) where each pair meets under its own key prefix. Receiver 
 
 Handshake, once per (sender, endpoint); nothing is sent before it passed:
 
+    S ↔ R  mutual authentication (kv_transfer.control.auth): KVAuth, KVAuthChallenge, KVAuthProof,
+           KVAuthReply; the store port and group are told only to a sender that proved the secret
     S → R  KVTorchDistHello{compat, sender_id, backends}    backends the sender can use, preferred first
     R → S  KVTorchDistHelloReply{ok, error, store_port, group, backend, num_blocks}
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone, ProtocolError
+from common.security.secret import InternalSecret
 from kv_transfer.backends.torch_dist.messages import KVTorchDistHello, KVTorchDistHelloReply
 from kv_transfer.backends.torch_dist.pair import (
     JOIN_S,
@@ -33,9 +34,9 @@ from kv_transfer.backends.torch_dist.pair import (
 )
 from kv_transfer.base import ReceiverOwner, TransferError
 from kv_transfer.control.endpoint import Endpoint
-from kv_transfer.control.framing import read_msg, write_msg
+from kv_transfer.control.framing import read_msg, stream_io, write_msg
 from kv_transfer.control.messages import KVLayerHeader
-from kv_transfer.control.preflight import PreflightReceiver
+from kv_transfer.control.preflight import HANDSHAKE_TIMEOUT_S, PreflightReceiver
 from kv_transfer.layout import check_layer_header
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,10 @@ class TorchDistReceiver(PreflightReceiver):
         port: int = 0,
         advertise_host: str | None = None,
         op_timeout_s: float = 60.0,
+        secret: InternalSecret | None = None,
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        super().__init__(kv, compat, owner)
+        super().__init__(kv, compat, owner, secret, handshake_timeout_s)
         self._addr = (host, port)
         self._advertise = advertise_host
         self.op_timeout_s = op_timeout_s  # a group call (build, recv) taking longer breaks the pair
@@ -116,7 +119,10 @@ class TorchDistReceiver(PreflightReceiver):
         if task is not None:
             self._serving.add(task)
         pair: _Pair | None = None
+        send, recv = stream_io(reader, writer)
         try:
+            if not await self._authenticate(send, recv, peer):
+                return  # before the store, the group or anything else about this side is said
             pair = await self._preflight(reader, writer, peer)
             if pair is None:
                 return
@@ -137,7 +143,7 @@ class TorchDistReceiver(PreflightReceiver):
         except TransferError as e:  # the pair's group failed (peer gone, timeout): its stream is lost
             log.warning("kv torch_dist: pair with %s broke: %s", peer, e)
         except OSError as e:
-            log.warning("kv torch_dist: connection from %s lost: %s", peer, e)
+            log.warning("kv torch_dist: connection from %s lost: %s", peer, e or type(e).__name__)
         finally:
             if task is not None:
                 self._serving.discard(task)
@@ -150,7 +156,8 @@ class TorchDistReceiver(PreflightReceiver):
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: str
     ) -> _Pair | None:
         try:
-            msg = await read_msg(reader, KVTorchDistHello)
+            async with asyncio.timeout(self.handshake_timeout_s):
+                msg = await read_msg(reader, KVTorchDistHello)
             if msg is None:
                 return None
             problems, sender, offered = self._compat_problems(msg.compat), msg.sender_id, msg.backends
@@ -177,7 +184,10 @@ class TorchDistReceiver(PreflightReceiver):
         built.add_done_callback(functools.partial(self._built, pair))
         port = self._store.port
         reply = KVTorchDistHelloReply(
-            store_port=port, group=prefix, backend=backend, num_blocks=self.kv.spec.num_blocks,
+            store_port=port,
+            group=prefix,
+            backend=backend,
+            num_blocks=self.kv.spec.num_blocks,
             incarnation=self.incarnation,
         )
         write_msg(writer, reply)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone, ProtocolError
+from common.security.secret import InternalSecret
 from kv_transfer.backends.torch_dist.messages import KVTorchDistHello, KVTorchDistHelloReply
 from kv_transfer.backends.torch_dist.pair import (
     JOIN_S,
@@ -68,8 +69,9 @@ class TorchDistSender(PreflightSender[_Peer]):
         sender_id: str = "",
         connect_timeout: float = 10.0,
         op_timeout_s: float = 60.0,
+        secret: InternalSecret | None = None,
     ) -> None:
-        super().__init__(kv, compat, sender_id, connect_timeout)
+        super().__init__(kv, compat, sender_id, connect_timeout, secret)
         self.op_timeout_s = op_timeout_s  # a send taking longer breaks the pair
         self._workers: set[PairWorker] = set()  # every pair's thread not joined yet
 
