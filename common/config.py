@@ -76,6 +76,9 @@ class ServiceConfig(BaseSettings):
         "router migrates them) and the process exits 0",
     )
 
+    ssl_certfile: str | None = Field(None, description="serve the internal HTTP API over HTTPS (PEM chain)")
+    ssl_keyfile: str | None = Field(None, description="the private key for ssl_certfile")
+
     @property
     def public_host(self) -> str:
         """The host other processes reach this one at."""
@@ -84,7 +87,8 @@ class ServiceConfig(BaseSettings):
     @property
     def url(self) -> str:
         h = self.public_host
-        return f"http://[{h}]:{self.port}" if ":" in h else f"http://{h}:{self.port}"
+        scheme = "https" if self.ssl_certfile else "http"
+        return f"{scheme}://[{h}]:{self.port}" if ":" in h else f"{scheme}://{h}:{self.port}"
 
     @property
     def worker_name(self) -> str:

@@ -7,24 +7,31 @@ The router never imports torch: everything it needs about the model comes from `
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.cluster.owners import RouterOwnership
 from common.cluster.state import ClusterState
+from common.runtime.http_server import HTTPLimits, server_config
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
+from common.security.internal_auth import SignedCalls
+from common.security.secret import InternalSecret
 from common.text.model_info import ModelInfo, load_model_info
+from router.access import Access
+from router.auth.keys import ApiKey
 from router.config import RouterConfig
 from router.errors import APIError, install_handlers
 from router.metrics import RouterMetrics
@@ -42,26 +49,33 @@ def create_app(
     *,
     http_client: httpx.AsyncClient | None = None,
     close_state: bool = False,
+    secret: InternalSecret | None = None,
 ) -> FastAPI:
-    """The router app. `state=None` runs without Redis (no request records; workers must come from
-    config.decode_urls/prefill_urls). `http_client` is for tests (fake services behind a transport);
-    by default the app makes one shared client and closes it at shutdown. With `close_state` the app
-    also closes `state` at shutdown."""
+    """The router app. `state=None` runs without Redis (no request records, no API keys in Redis;
+    workers must come from config.decode_urls/prefill_urls). `http_client` is for tests (fake services
+    behind a transport); by default the app makes one shared client, signing every call with `secret`
+    (default: SPLITSERVE_INTERNAL_SECRET), and closes it at shutdown. With `close_state` the app also
+    closes `state` at shutdown."""
     setup_tracing("router")
+    secret = InternalSecret.from_env() if secret is None else secret
     owns_client = http_client is None
     client = http_client or httpx.AsyncClient(
         # Connecting must be quick; reading must not time out (a decode stream lasts as long as the
         # generation): the request's own deadline bounds every wait instead.
         timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        auth=SignedCalls(secret),  # the services refuse /internal/ calls without the cluster secret's proof
+        verify=_internal_tls(config),
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await access.start()
         if isinstance(state, ClusterState):
             orch.owners = RouterOwnership(state.redis, state.prefix, router_id, state.records)
             orch.owners.start()
         yield
+        await access.stop()
         if orch.owners is not None:
             await orch.owners.stop()
         if orch.records is not None:
@@ -77,28 +91,34 @@ def create_app(
     router_id = f"router-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     orch = Orchestrator(config, state, client, metrics, router_id)
     metrics.watch(orch)
-    server = Server(config, model_info, orch, metrics)
+    redis = state.redis if isinstance(state, ClusterState) else None
+    access = Access(
+        config, redis, state.prefix if isinstance(state, ClusterState) else "splitserve:", metrics
+    )
+    server = Server(config, model_info, orch, metrics, access)
     started = int(time.time())
     install_handlers(app)
     app.add_middleware(RequestIdMiddleware)
-    app.state.server, app.state.metrics = server, metrics
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.state.server, app.state.metrics, app.state.access = server, metrics, access
+    inference = Depends(access.require("inference"))
 
     served = sorted(server.model_aliases)
 
     @app.post(
         "/v1/completions", openapi_extra={"requestBody": request_body_schema(CompletionRequest, served)}
     )
-    async def completions(request: Request) -> Response:
-        return await server.generate(request, chat=False)
+    async def completions(request: Request, key: ApiKey | None = inference) -> Response:
+        return await server.generate(request, chat=False, key=key)
 
     @app.post(
         "/v1/chat/completions",
         openapi_extra={"requestBody": request_body_schema(ChatCompletionRequest, served)},
     )
-    async def chat_completions(request: Request) -> Response:
-        return await server.generate(request, chat=True)
+    async def chat_completions(request: Request, key: ApiKey | None = inference) -> Response:
+        return await server.generate(request, chat=True, key=key)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[inference])
     async def models() -> dict[str, Any]:
         card = {
             "id": server.model_name,
@@ -118,13 +138,15 @@ def create_app(
             return JSONResponse({"status": "error", "error": repr(e)}, status_code=503)
         return JSONResponse({"status": "ok", "decode_workers": decode, "prefill_workers": prefill})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(access.require("metrics"))])
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/requests/{request_id}")
-    async def request_record(request_id: str) -> dict[str, Any]:
+    async def request_record(request_id: str, key: ApiKey | None = inference) -> dict[str, Any]:
         record = await state.records.get(request_id) if state is not None else None
+        if record is not None and not access.may_read(key, record.get("tenant")):
+            record = None  # another tenant's request: not found, as far as this key can tell
         if record is None:
             kept = "" if state is not None else " (this router keeps no records: no Redis configured)"
             raise APIError(404, f"no request `{request_id}`{kept}", "request_id", "request_not_found")
@@ -133,6 +155,15 @@ def create_app(
         return {k: str(v) if k == "state" else v for k, v in record.items()}
 
     return app
+
+
+def _internal_tls(config: RouterConfig) -> ssl.SSLContext | bool:
+    """How the router checks the services' HTTPS: the system's CAs, or internal_ca_file's."""
+    if not config.internal_ca_file:
+        return True
+    ctx = ssl.create_default_context(cafile=config.internal_ca_file)
+    ctx.check_hostname = config.internal_tls_check_hostname
+    return ctx
 
 
 class RequestIdMiddleware:
@@ -169,6 +200,52 @@ class RequestIdMiddleware:
             await APIError(500, "internal error").response()(scope, receive, send_with_id)
 
 
+class BodyLimit:
+    """A request body of more than `max_bytes` gets 413 (by its Content-Length before reading, else as
+    soon as it grows past the limit); one that does not arrive within `timeout_s` gets 408."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        too_large = APIError(413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large")
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
+                await too_large.response()(scope, receive, send)
+                return
+        chunks: list[bytes] = []
+        size, more = 0, True
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    more = message.get("more_body", False)
+                    if size > self.max_bytes:
+                        await too_large.response()(scope, receive, send)
+                        return
+        except TimeoutError:
+            slow = APIError(408, f"request body not received within {self.timeout_s:g} s", code="timeout")
+            await slow.response()(scope, receive, send)
+            return
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the disconnect, when it comes
+
+        await self.app(scope, replay, send)
+
+
 def build_app(config: RouterConfig | None = None) -> FastAPI:
     """An app from settings alone (SPLITSERVE_ROUTER_* env): tokenizer from config.model, Redis from
     config.redis_url. Usable as a uvicorn factory: `uvicorn router.app:build_app --factory`."""
@@ -183,4 +260,15 @@ def serve(config: RouterConfig | None = None) -> None:
     import uvicorn
 
     config = config or RouterConfig()
-    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level="info")
+    InternalSecret.from_env().require_for_bind(config.host, "the router")
+    limits = HTTPLimits(
+        header_timeout_s=config.header_timeout_s,
+        keep_alive_s=config.keep_alive_s,
+        max_connections=config.max_connections,
+    )
+    app = build_app(config)
+    uvicorn.Server(
+        server_config(
+            app, config.host, config.port, limits, config.ssl_certfile, config.ssl_keyfile, log_level="info"
+        )
+    ).run()

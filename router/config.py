@@ -55,6 +55,42 @@ class RouterConfig(BaseSettings):
         "when its first token is later",
     )
 
+    # --- who may call, and how much (docs/security.md) ---
+    require_api_key: bool = Field(
+        False, description="every call but /health needs an API key, even before the first key exists"
+    )
+    api_keys_file: str | None = Field(
+        None, description="static API keys, one per line: `<secret> [name=..] [tenant=..] [rpm=..] ...`"
+    )
+    allow_unauthenticated: bool = Field(
+        False, description="serve without API keys on an address other machines can reach"
+    )
+    ssl_certfile: str | None = Field(None, description="serve HTTPS: certificate chain (PEM)")
+    ssl_keyfile: str | None = Field(None, description="serve HTTPS: the certificate's private key")
+    internal_ca_file: str | None = Field(
+        None, description="CA bundle to verify the services' HTTPS (default: the system's)"
+    )
+    internal_tls_check_hostname: bool = Field(
+        True,
+        description="match the services' certificates to their registered host names; off: the chain to "
+        "internal_ca_file alone (a private CA whose certificates cannot name pod IPs)",
+    )
+    # --- limits on every input ---
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="largest request body (413 beyond)")
+    max_stop_chars: int = Field(256, ge=1, description="longest stop sequence, in characters")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request's headers must arrive this soon (slow-loris clients are cut)"
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="a request's body must arrive this soon")
+    keep_alive_s: int = Field(5, ge=1, description="idle keep-alive connections are closed after this")
+    max_connections: int | None = Field(
+        None, ge=1, description="open connections at once; beyond it new ones get 503"
+    )
+    log_content: bool = Field(
+        False,
+        description="put prompts and completions in logs and spans (OpenTelemetry GenAI content capture)",
+    )
+
     @field_validator("decode_urls", "prefill_urls", mode="before")
     @classmethod
     def _split_urls(cls, v: Any) -> Any:

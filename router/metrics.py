@@ -81,6 +81,19 @@ class RouterMetrics:
             self.migrations.labels(reason)  # 0 from the start, not "no data"
         for reason in ("queue_depth", "queue_wait", "start_timeout"):
             self.shed.labels(reason)
+        self.auth_refused = Counter(
+            p + "auth_refused",
+            "Calls refused for their API key (missing, malformed, unknown, revoked, expired: 401; "
+            "forbidden: 403)",
+            ["reason"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            p + "rate_limited",
+            "Requests refused with 429 by their key's limits (requests, tokens, concurrency)",
+            ["limit"],
+            registry=r,
+        )
         self.state_errors = Counter(p + "state_errors", "Redis record writes that failed", registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being served now", registry=r)
         self.slo_met = Counter(

@@ -96,9 +96,15 @@ class Orchestrator:
         return Route("split", "long_prompt")
 
     def generation(
-        self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, model: str
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        model: str,
+        owner: dict[str, str] | None = None,
     ) -> Generation:
-        return Generation(self, request_id, prompt_ids, sampling, model)
+        """`owner`: the caller's tenant and key id, kept in the request's record."""
+        return Generation(self, request_id, prompt_ids, sampling, model, owner)
 
     def unavailable(self, message: str) -> APIError:
         return APIError(503, message, headers={"Retry-After": str(self.config.retry_after_s)})
@@ -108,9 +114,16 @@ class Generation:
     """start() once, next() until it returns None, close() always (it is idempotent)."""
 
     def __init__(
-        self, orch: Orchestrator, request_id: str, prompt_ids: list[int], sampling: SamplingParams, model: str
+        self,
+        orch: Orchestrator,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        model: str,
+        owner: dict[str, str] | None = None,
     ) -> None:
         self.o, self.id, self.model = orch, request_id, model
+        self.owner = owner or {}
         self.prompt_ids, self.sampling = prompt_ids, sampling
         self.arrival = time.time()
         self.deadline = self.arrival + orch.config.request_timeout_s
@@ -444,7 +457,7 @@ class Generation:
         try:
             await self.o.records.create(
                 self.id, model=self.model, prompt_tokens=len(self.prompt_ids), router_id=self.o.router_id,
-                route=self.route.record,
+                route=self.route.record, **self.owner,
             )  # fmt: skip
             self._recorded = True
             if self.o.owners is not None:  # ended by another router if this one dies first

@@ -20,6 +20,8 @@ from starlette.background import BackgroundTask
 from common.runtime.telemetry import activate, context_from_headers, tracer
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.model_info import ModelInfo
+from router.access import Access, Admission
+from router.auth.keys import ApiKey
 from router.config import RouterConfig
 from router.errors import APIError, invalid
 from router.metrics import RouterMetrics
@@ -54,6 +56,8 @@ class _Run:
     outcome: str = "cancelled"  # until proven otherwise: a cancelled task never gets to say so
     counted_inflight: bool = False
     error: str | None = None
+    admission: Admission | None = None  # the key's rate-limit charge, released at the end
+    text: list[str] | None = None  # the completion, kept only when log_content is on
     done: bool = False  # _finish ran (it may be reached twice: the stream's end and its safety net)
     span: trace.Span = trace.INVALID_SPAN  # the request's root span (a no-op one while tracing is off)
 
@@ -62,14 +66,21 @@ class Server:
     """Holds what the endpoints share; one per app."""
 
     def __init__(
-        self, config: RouterConfig, model_info: ModelInfo, orch: Orchestrator, metrics: RouterMetrics
+        self,
+        config: RouterConfig,
+        model_info: ModelInfo,
+        orch: Orchestrator,
+        metrics: RouterMetrics,
+        access: Access | None = None,
     ) -> None:
         self.config, self.info, self.orch, self.metrics = config, model_info, orch, metrics
+        self.access = access
         self.model_name = config.served_model_name or model_info.model_id
         self.model_aliases = {self.model_name, model_info.model_id, "default"}
 
-    async def generate(self, request: Request, chat: bool) -> Response:
-        """POST /v1/completions (chat=False) or /v1/chat/completions (chat=True)."""
+    async def generate(self, request: Request, chat: bool, key: ApiKey | None = None) -> Response:
+        """POST /v1/completions (chat=False) or /v1/chat/completions (chat=True), for `key` (None while
+        auth is off)."""
         run = _Run("chat" if chat else "completions")
         op = "chat" if chat else "text_completion"  # gen_ai.operation.name values
         run.span = span = _tracer.start_span(
@@ -89,15 +100,18 @@ class Server:
                     f"The model `{req.model}` does not exist; this server serves `{self.model_name}`",
                     "model", "model_not_found",
                 )  # fmt: skip
+            self._check_stops(req.stop_list)
             prompt_ids = self._tokenize(req)
             max_tokens = self._max_tokens(req, len(prompt_ids))
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            request.state.request_id = request_id  # for the x-request-id middleware
+            if self.access is not None:
+                run.admission = await self.access.admit(key, request_id, len(prompt_ids) + max_tokens)
         except APIError as e:
             self.metrics.requests.labels(run.endpoint, "rejected").inc()
             span.set_status(Status(StatusCode.ERROR, e.message))
             span.end()
             raise
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        request.state.request_id = request_id  # for the x-request-id middleware
         if span.is_recording():
             span.set_attributes({
                 "gen_ai.request.model": req.model,
@@ -108,8 +122,12 @@ class Server:
                 "splitserve.request_id": request_id,
                 "splitserve.stream": bool(req.stream),
             })  # fmt: skip
-        gen = self.orch.generation(request_id, prompt_ids, req.sampling(max_tokens), self.model_name)
-        headers = {"x-request-id": request_id}
+        if self.config.log_content and span.is_recording():  # opt-in: prompts are the users' data
+            span.set_attribute("gen_ai.input.messages", req.model_dump_json(include={"messages", "prompt"}))
+            run.text = []
+        owner = {"tenant": key.tenant, "key_id": key.key_id} if key is not None else None
+        gen = self.orch.generation(request_id, prompt_ids, req.sampling(max_tokens), self.model_name, owner)
+        headers = {"x-request-id": request_id, **(run.admission.headers if run.admission else {})}
         self.metrics.inflight.inc()
         run.counted_inflight = True
         try:
@@ -143,6 +161,11 @@ class Server:
         return JSONResponse(result, headers=headers)
 
     # ---- request -> prompt tokens, max_tokens ----------------------------------------------------
+
+    def _check_stops(self, stops: tuple[str, ...]) -> None:
+        limit = self.config.max_stop_chars
+        if any(len(s) > limit for s in stops):
+            raise invalid(f"stop sequences may be at most {limit} characters long", "stop")
 
     def _tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tok = self.info.tokenizer
@@ -202,6 +225,8 @@ class Server:
                     self.metrics.itl.labels(_path(gen)).observe(now - run.t_last)
                 run.t_last = now
             if text:
+                if run.text is not None:
+                    run.text.append(text)
                 yield text
 
     async def _collect(self, gen: Generation, run: _Run, detok: IncrementalDetokenizer) -> str:
@@ -248,6 +273,8 @@ class Server:
         try:
             await gen.close(run.outcome, run.finish_reason, run.output_tokens, run.error)
         finally:
+            if self.access is not None:
+                await self.access.release(run.admission, len(gen.prompt_ids) + run.output_tokens)
             self._count(gen, run, error)
 
     def _count(self, gen: Generation, run: _Run, error: BaseException | None) -> None:
@@ -287,6 +314,8 @@ class Server:
             })  # fmt: skip
             if run.t_first is not None:
                 span.set_attribute("splitserve.ttft_s", run.t_first - run.t0)
+            if run.text is not None:
+                span.set_attribute("gen_ai.output.messages", "".join(run.text))
             if run.outcome == "failed":
                 span.set_status(Status(StatusCode.ERROR, run.error or ""))
         span.end()

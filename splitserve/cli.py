@@ -50,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=_generate)
 
     from bench.cli import add_bench_parser
+    from splitserve.keys_cli import add_keys_parser
     from splitserve.launch import add_parsers
 
     add_bench_parser(sub)
     add_parsers(sub)
+    add_keys_parser(sub)
 
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

@@ -45,6 +45,8 @@ def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--redis-url", default=None, help="Redis for the registry and request records")
     p.add_argument("--kv-port", type=int, default=None, help="decode: KV receiver port (default: any free)")
+    p.add_argument("--ssl-certfile", default=None, help="serve the internal API over HTTPS (PEM chain)")
+    p.add_argument("--ssl-keyfile", default=None, help="the private key of --ssl-certfile")
     p.add_argument("--max-queue", type=int, default=None)
     p.add_argument("--lease-s", type=float, default=None, help="transfer-ledger lease TTL (default 5 s)")
     p.add_argument(
@@ -87,6 +89,8 @@ def service_configs(args: argparse.Namespace) -> tuple[ServiceConfig, EngineConf
             "max_queue",
             "kv_backend",
             "lease_s",
+            "ssl_certfile",
+            "ssl_keyfile",
         }
     }
     if "port" not in svc_fields and not os.environ.get("SPLITSERVE_PORT"):
@@ -104,7 +108,15 @@ def run_service(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from common.runtime.http_server import server_config
+    from common.security.secret import InternalSecret, SecretError
+
     cfg, engine_cfg = service_configs(args)
+    try:  # before loading the model: a service others can reach must check who calls it
+        InternalSecret.from_env().require_for_bind(cfg.host, f"the {cfg.role} service")
+    except SecretError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.command == "decode":
         from decode_service.app import create_app
     else:
@@ -119,8 +131,14 @@ def run_service(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
 
     grace = max(1, math.ceil(cfg.drain_timeout_s))
-    config = uvicorn.Config(
-        app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=grace
+    config = server_config(
+        app,
+        cfg.host,
+        cfg.port,
+        ssl_certfile=cfg.ssl_certfile,
+        ssl_keyfile=cfg.ssl_keyfile,
+        log_level="warning",
+        timeout_graceful_shutdown=grace,
     )
     # uvicorn raises the signal again once it stopped; a drained service then exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -171,8 +189,16 @@ def supervise(procs: list[subprocess.Popen], commands: list[list[str]]) -> None:
 def up(args: argparse.Namespace) -> int:
     """`splitserve up`: everything on this machine; a service that exits is started again (with
     backoff); Ctrl-C or SIGTERM drains and stops them all."""
+    import secrets
+
     from common.cluster.redis_server import RedisServer
 
+    # One internal secret for this deployment's processes, unless the caller gave one: internal calls
+    # and KV connections are authenticated here too, as in every other deployment.
+    if not (
+        os.environ.get("SPLITSERVE_INTERNAL_SECRET") or os.environ.get("SPLITSERVE_INTERNAL_SECRET_FILE")
+    ):
+        os.environ["SPLITSERVE_INTERNAL_SECRET"] = secrets.token_urlsafe(32)
     redis = None
     redis_url = args.redis_url
     if redis_url is None:
@@ -276,9 +302,23 @@ def run_router(args: argparse.Namespace) -> int:
             "decode_stall_s",
             "max_decode_queue",
             "start_timeout_s",
+            "require_api_key",
+            "api_keys_file",
+            "allow_unauthenticated",
+            "ssl_certfile",
+            "ssl_keyfile",
+            "internal_ca_file",
+            "max_body_bytes",
+            "log_content",
         }
     }
-    serve(RouterConfig(**given))
+    from common.security.secret import SecretError
+
+    try:
+        serve(RouterConfig(**given))
+    except (SecretError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -314,6 +354,29 @@ def add_parsers(sub: Any) -> None:
         type=float,
         default=None,
         help="503 for a request that cannot get its first token this soon (default: no limit)",
+    )
+    r.add_argument(
+        "--require-api-key",
+        action="store_true",
+        default=None,
+        help="every call but /health needs an API key, even before one exists (splitserve keys create)",
+    )
+    r.add_argument("--api-keys-file", default=None, help="static API keys, one per line (docs/security.md)")
+    r.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=None,
+        help="serve without API keys on an address other machines can reach",
+    )
+    r.add_argument("--ssl-certfile", default=None, help="serve HTTPS: certificate chain (PEM)")
+    r.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: private key")
+    r.add_argument("--internal-ca-file", default=None, help="CA bundle for the services' HTTPS")
+    r.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (8 MiB)")
+    r.add_argument(
+        "--log-content",
+        action="store_true",
+        default=None,
+        help="put prompts and completions in spans (off: they are the users' data)",
     )
     r.add_argument("--decode-urls", default=None, help="comma-separated; instead of the registry")
     r.add_argument("--prefill-urls", default=None, help="comma-separated; instead of the registry")

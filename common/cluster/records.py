@@ -66,6 +66,8 @@ RECORD_FIELDS: dict[str, type] = {
     "migrated_from": str,  # the decode service it last left
     "migration_reason": str,  # why
     "restored": int,  # 1: Redis lost the record (restarted empty) and its end was written again
+    "tenant": str,  # the API key's tenant (a key reads only its own tenant's records)
+    "key_id": str,  # the API key's public id (never its secret)
 }
 
 # KEYS[1] record. ARGV: new_state, ttl_s (0 = none), n, n allowed current states ("" = no record),
