@@ -3,19 +3,25 @@ libhelm_c, shipped in its wheel: no helm binary, no cluster, no network), every 
 checked by `kubernetes-validate --strict` against the Kubernetes 1.30 schemas shipped in its wheel,
 and the renders held against what the values asked for.
 
-ServiceMonitor is a CRD (Prometheus Operator): kubernetes-validate ships schemas for built-in kinds
-only and merely warns about others. The test therefore accepts that one warning for ServiceMonitor
-alone (any other unknown kind fails) and checks the ServiceMonitor's structure itself."""
+ServiceMonitor (Prometheus Operator) and Certificate (cert-manager) are CRDs: kubernetes-validate ships
+schemas for built-in kinds only and merely warns about others. The tests therefore accept that warning
+for those two kinds alone (any other unknown kind fails) and check their structure themselves.
+
+The security posture is checked on the renders too: every container non-root, read-only, without
+capabilities; secrets only through Secret references and mounted files; NetworkPolicies evaluated
+flow by flow (who may open a connection to which port of which pod)."""
 
 from __future__ import annotations
 
 import base64
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import dockerfile
 import helm_python as helm
 import pytest
 import yaml
@@ -33,7 +39,16 @@ VALUE_SETS = {
     "external-redis": "ci/external-redis-values.yaml",
     "2p2d-rdma": "ci/2p2d-rdma-values.yaml",
     "ingress": "ci/ingress-values.yaml",
+    "tls-existing-secrets": "ci/tls-existing-secrets-values.yaml",
 }
+CERT_MANAGER = {
+    "tls": {"enabled": True, "certManager": {"issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"}}}
+}
+# the CRDs kubernetes-validate has no schema for (it warns), checked by the tests below instead
+CRDS = (
+    "kind ServiceMonitor with api version monitoring.coreos.com/v1",
+    "kind Certificate with api version cert-manager.io/v1",
+)
 Manifests = dict[tuple[str, str], dict[str, Any]]  # (kind, name) -> object
 
 
@@ -71,6 +86,34 @@ def env(c: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
 
 
+def workloads(m: Manifests) -> dict[str, dict[str, Any]]:
+    """component -> pod spec of every Deployment and StatefulSet."""
+    return {
+        d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["template"]["spec"]
+        for (kind, _), d in m.items()
+        if kind in ("Deployment", "StatefulSet")
+    }
+
+
+def kubernetes_validate(docs: list[str], tmp_path: Path, name: str) -> list[str]:
+    """Run kubernetes-validate --strict over the documents; return its lines that are not passes."""
+    manifest = tmp_path / f"{name}.yaml"
+    manifest.write_text("\n---\n".join(docs))
+    r = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", KUBE, str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    passed = [ln for ln in lines if ln.startswith("INFO ") and " passed for resource " in ln]
+    others = [ln for ln in lines if ln not in passed]
+    # the only resources without a built-in schema may be the CRDs checked by the tests below
+    assert all(any(crd in ln for crd in CRDS) for ln in others), others
+    return passed
+
+
 # ---- the tools ----
 
 
@@ -87,22 +130,19 @@ def test_every_manifest_passes_kubernetes_validate_strict(
     name: str, rendered: dict[str, dict[str, str]], tmp_path: Path
 ) -> None:
     docs = [t for p, t in sorted(rendered[name].items()) if p.endswith(".yaml") and t.strip()]
-    manifest = tmp_path / f"{name}.yaml"
-    manifest.write_text("\n---\n".join(docs))
-    r = subprocess.run(
-        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", KUBE, str(manifest)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    lines = r.stdout.splitlines()
-    passed = [ln for ln in lines if ln.startswith("INFO ") and " passed for resource " in ln]
-    others = [ln for ln in lines if ln not in passed]
-    # the only resource without a built-in schema may be the ServiceMonitor (checked below)
-    assert all("kind ServiceMonitor with api version monitoring.coreos.com/v1" in ln for ln in others), others
-    assert len(passed) + len(others) == sum(1 for _ in objects(rendered[name]))
+    m = objects(rendered[name])
+    passed = kubernetes_validate(docs, tmp_path, name)
+    assert len(passed) == sum(1 for kind, _ in m if kind not in ("ServiceMonitor", "Certificate"))
     assert len(passed) >= 15
+
+
+def test_cert_manager_render_passes_kubernetes_validate_strict(tmp_path: Path) -> None:
+    rendered = render(CERT_MANAGER)
+    docs = [t for p, t in sorted(rendered.items()) if p.endswith(".yaml") and t.strip()]
+    passed = kubernetes_validate(docs, tmp_path, "cert-manager")
+    m = objects(rendered)
+    assert ("Certificate", FULL) in m
+    assert len(passed) == sum(1 for kind, _ in m if kind != "Certificate")
 
 
 def test_kubernetes_validate_strict_refuses_an_unknown_field(
@@ -132,6 +172,15 @@ def test_kubernetes_validate_strict_refuses_an_unknown_field(
         ({"redis": {"enabled": False}}, "/redis/external"),  # external Redis without a host
         ({"ucx": {"TLS": "rc"}}, "TLS.*UCX_"),  # not a UCX_ variable
         ({"prefil": {"replicas": 2}}, "prefil"),
+        ({"auth": {"requireApiKey": True, "allowUnauthenticated": True}}, "/auth"),
+        (
+            {"auth": {"internalSecret": {"existingSecret": "Not_A_Name"}}},
+            "/auth/internalSecret/existingSecret",
+        ),
+        ({"tls": {"enabled": True}}, "/tls"),  # neither a Secret nor an issuer
+        ({"tls": {"enabled": True, "certManager": {"issuerRef": {"kind": "ClusterIssuer"}}}}, "/tls"),
+        ({"router": {"config": {"require_api_key": False}}}, "/router/config"),  # auth.* owns it
+        ({"engine": {"ssl_certfile": "/x.pem"}}, "/engine"),  # tls.* owns it
     ],
 )
 def test_schema_invalid_values_are_refused(bad: dict[str, Any], where: str) -> None:
@@ -168,11 +217,24 @@ def test_schema_settings_are_config_fields() -> None:
     assert set(defs["routerSettings"]["properties"]) <= set(RouterConfig.model_fields)
     # what the chart sets itself stays out of the user's settings
     settings = set(defs["settings"]["properties"])
-    assert not {"host", "port", "redis_url", "advertise_host", "worker_id"} & settings
+    assert (
+        not {"host", "port", "redis_url", "advertise_host", "worker_id", "ssl_certfile", "ssl_keyfile"}
+        & settings
+    )
     # and every setting a user may want is there (model: model.path; kv_backend: kvBackend)
     missing = set(EngineConfig.model_fields) - {"model"} - settings
     assert not missing, f"add {missing} to definitions.settings in helm/splitserve/values.schema.json"
     chart_owned = {"host", "port", "redis_url", "model", "decode_urls", "prefill_urls"}
+    # auth.* and tls.* set these (docs/security.md), never router.config
+    chart_owned |= {
+        "require_api_key",
+        "allow_unauthenticated",
+        "api_keys_file",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "internal_ca_file",
+    }
+    assert not chart_owned & set(defs["routerSettings"]["properties"])
     missing = set(RouterConfig.model_fields) - chart_owned - set(defs["routerSettings"]["properties"])
     assert not missing, f"add {missing} to definitions.routerSettings in helm/splitserve/values.schema.json"
 
@@ -242,7 +304,8 @@ def test_in_chart_redis_password_comes_from_a_secret(rendered: dict[str, dict[st
 
 def test_external_redis(rendered: dict[str, dict[str, str]]) -> None:
     m = objects(rendered["external-redis"])
-    assert not any(k in {"StatefulSet", "Secret"} for k, _ in m)
+    assert not any(k == "StatefulSet" for k, _ in m)
+    assert [name for k, name in m if k == "Secret"] == [f"{FULL}-internal"]  # no Redis password Secret
     assert ("NetworkPolicy", f"{FULL}-redis") not in m
     for role, var in (("router", "SPLITSERVE_ROUTER_REDIS_URL"), ("decode", "SPLITSERVE_REDIS_URL")):
         e = env(container(m, role))
@@ -281,65 +344,504 @@ def test_2p2d_with_rdma(rendered: dict[str, dict[str, str]]) -> None:
     assert m[("Deployment", f"{FULL}-router")]["spec"]["replicas"] == 2
 
 
+def servicemonitors(m: Manifests) -> dict[str, dict[str, Any]]:
+    """component -> the ServiceMonitor endpoint that scrapes its Services (each selected exactly once)."""
+    out: dict[str, dict[str, Any]] = {}
+    for (kind, _), sm in m.items():
+        if kind != "ServiceMonitor":
+            continue
+        assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+        spec = sm["spec"]
+        assert set(spec) == {"selector", "namespaceSelector", "endpoints"}
+        assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        (endpoint,) = spec["endpoints"]
+        (expr,) = spec["selector"]["matchExpressions"]
+        assert expr["key"] == "app.kubernetes.io/component" and expr["operator"] == "In"
+        for (k, _), svc in m.items():
+            labels = svc["metadata"]["labels"]
+            if (
+                k == "Service"
+                and spec["selector"]["matchLabels"].items() <= labels.items()
+                and labels["app.kubernetes.io/component"] in expr["values"]
+            ):
+                assert any(p["name"] == endpoint["port"] for p in svc["spec"]["ports"])
+                assert labels["app.kubernetes.io/component"] not in out
+                out[labels["app.kubernetes.io/component"]] = endpoint
+    return out
+
+
 def test_servicemonitor_structure(rendered: dict[str, dict[str, str]]) -> None:
     assert not any(k == "ServiceMonitor" for k, _ in objects(rendered["default"]))
     m = objects(rendered["2p2d-rdma"])
-    sm = m[("ServiceMonitor", FULL)]
-    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
-    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-    spec = sm["spec"]
-    assert set(spec) == {"selector", "namespaceSelector", "endpoints"}
-    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-    assert spec["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
-    (expr,) = spec["selector"]["matchExpressions"]
-    assert expr["key"] == "app.kubernetes.io/component" and expr["operator"] == "In"
-    selected = [
-        svc
-        for (kind, _), svc in m.items()
-        if kind == "Service"
-        and spec["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-        and svc["metadata"]["labels"]["app.kubernetes.io/component"] in expr["values"]
-    ]
-    assert {s["metadata"]["labels"]["app.kubernetes.io/component"] for s in selected} == {
-        "router",
-        "prefill",
-        "decode",
+    for name in (f"{FULL}-router", f"{FULL}-workers"):
+        assert m[("ServiceMonitor", name)]["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    endpoints = servicemonitors(m)
+    assert set(endpoints) == {"router", "prefill", "decode"}
+    plain = {"port": "http", "path": "/metrics", "interval": "15s"}
+    assert endpoints["prefill"] == endpoints["decode"] == plain
+    # the router's /metrics wants an API key with the metrics scope: a bearer token, to the router only
+    assert endpoints["router"] == {
+        **plain,
+        "authorization": {
+            "type": "Bearer",
+            "credentials": {"name": "splitserve-metrics-key", "key": "api-key"},
+        },
     }
-    for svc in selected:
-        assert any(p["name"] == "http" for p in svc["spec"]["ports"])
 
 
-def test_network_policy_admits_only_the_router_from_outside(rendered: dict[str, dict[str, str]]) -> None:
-    for name in VALUE_SETS:
-        m = objects(rendered[name])
-        release_pods = {"app.kubernetes.io/name": "splitserve", "app.kubernetes.io/instance": RELEASE}
-        monitoring = values(name) is not None and (values(name) or {}).get("serviceMonitor", {}).get(
-            "enabled"
+def test_servicemonitor_scrapes_https_against_the_release_ca() -> None:
+    vals = {
+        **(values("2p2d-rdma") or {}),
+        "tls": {"enabled": True, "secretName": "splitserve-tls", "router": False},
+    }
+    endpoints = servicemonitors(objects(render(vals)))
+    assert "scheme" not in endpoints["router"]  # tls.router=false: its own port stays plain
+    for role in ("prefill", "decode"):
+        assert endpoints[role]["scheme"] == "https"
+        assert endpoints[role]["tlsConfig"] == {
+            "ca": {"secret": {"name": "splitserve-tls", "key": "ca.crt"}},
+            "serverName": f"{FULL}-router.{NAMESPACE}.svc",  # one certificate for all: a name it has
+        }
+        assert "authorization" not in endpoints[role]
+
+
+# ---- security posture ----
+
+
+@pytest.fixture(scope="module")
+def all_renders(rendered: dict[str, dict[str, str]]) -> dict[str, Manifests]:
+    """Every value set, plus TLS from a cert-manager issuer and the tcp KV backend."""
+    out = {name: objects(r) for name, r in rendered.items()}
+    out["cert-manager"] = objects(render(CERT_MANAGER))
+    out["tcp"] = objects(render({"kvBackend": "tcp"}))
+    return out
+
+
+def test_every_container_runs_non_root_read_only_without_capabilities(
+    all_renders: dict[str, Manifests],
+) -> None:
+    user = [c.value[0] for c in dockerfile.parse_file(str(ROOT / "Dockerfile")) if c.cmd == "USER"]
+    assert user[-1] == "10001:10001", "the chart's runAsUser/runAsGroup are the image's user"
+    for name, m in all_renders.items():
+        pods = workloads(m)
+        assert {"router", "prefill", "decode"} <= set(pods), name
+        for component, pod in pods.items():
+            where = f"{name}/{component}"
+            uid = 999 if component == "redis" else 10001  # the redis image's own user
+            psc = pod["securityContext"]
+            assert psc["runAsNonRoot"] is True, where
+            assert (psc["runAsUser"], psc["runAsGroup"], psc["fsGroup"]) == (uid, uid, uid), where
+            assert psc["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            assert pod["automountServiceAccountToken"] is False, where
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            for c in pod["containers"] + pod.get("initContainers", []):
+                sc = c["securityContext"]
+                assert sc["readOnlyRootFilesystem"] is True, where
+                assert sc["allowPrivilegeEscalation"] is False, where
+                assert sc["capabilities"]["drop"] == ["ALL"], where
+                rdma = any(r.startswith("rdma/") for r in c.get("resources", {}).get("limits", {}))
+                assert set(sc["capabilities"].get("add", [])) <= ({"IPC_LOCK"} if rdma else set()), where
+                assert not sc.get("privileged") and sc.get("runAsUser", uid) == uid, where
+                # the writable places are volumes: /tmp and /dev/shm emptyDirs (Redis: its /data)
+                mounts = {vm["mountPath"]: vm for vm in c["volumeMounts"]}
+                writable = {"/data"} if component == "redis" else {"/tmp", "/dev/shm"}
+                for path, vm in mounts.items():
+                    if path in writable:
+                        assert "emptyDir" in volumes[vm["name"]], where
+                    else:
+                        assert vm.get("readOnly") is True, f"{where}: {path}"
+                if component != "redis":
+                    assert volumes[mounts["/tmp"]["name"]]["emptyDir"] == {}, where
+                if component in ("prefill", "decode") and not pod.get("hostIPC"):
+                    assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory", where
+
+
+def secret_file(m: Manifests, component: str, path: str) -> tuple[str, str]:
+    """(Secret name, key) behind a file path of a component's container, through its mounts."""
+    pod = workloads(m)[component]
+    (c,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    directory, _, filename = path.rpartition("/")
+    (vm,) = (vm for vm in c["volumeMounts"] if vm["mountPath"] == directory)
+    assert vm["readOnly"] is True
+    secret = volumes[vm["name"]]["secret"]
+    assert secret["defaultMode"] == 0o440  # the pod's group (fsGroup) reads, nobody else
+    items = {i["path"]: i["key"] for i in secret.get("items", [])}
+    if items:
+        return secret["secretName"], items[filename]
+    return secret["secretName"], filename
+
+
+def secret_values(m: Manifests) -> set[str]:
+    out = set()
+    for (kind, _), obj in m.items():
+        if kind == "Secret":
+            out |= {base64.b64decode(v).decode() for v in obj.get("data", {}).values()}
+            out |= set(obj.get("stringData", {}).values())
+    return out
+
+
+def test_internal_secret_is_generated_once_and_mounted_as_a_file(rendered: dict[str, dict[str, str]]) -> None:
+    m = objects(rendered["default"])
+    secret = m[("Secret", f"{FULL}-internal")]
+    value = base64.b64decode(secret["data"]["internal-secret"]).decode()
+    assert len(value) == 48 and value.isalnum()
+    # `helm template` has no cluster to look the old value up in: a new one each render (documented);
+    # install/upgrade keep the live one through lookup
+    again = objects(render(None))[("Secret", f"{FULL}-internal")]["data"]["internal-secret"]
+    assert again != secret["data"]["internal-secret"]
+    template = (CHART / "templates/internal-secret.yaml").read_text()
+    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
+    for role in ("router", "prefill", "decode"):
+        e = env(container(m, role))
+        assert "SPLITSERVE_INTERNAL_SECRET" not in e and "SPLITSERVE_INTERNAL_SECRET_ACCEPT_FILE" not in e
+        assert secret_file(m, role, e["SPLITSERVE_INTERNAL_SECRET_FILE"]) == (
+            f"{FULL}-internal",
+            "internal-secret",
         )
-        for component in ("prefill", "decode", "redis"):
-            np = m.get(("NetworkPolicy", f"{FULL}-{component}"))
-            if np is None:
-                assert component == "redis" and name == "external-redis"
+    assert "SPLITSERVE_INTERNAL_SECRET_FILE" not in env(workloads(m)["redis"]["containers"][0])
+
+
+def test_existing_secrets_are_mounted_and_nothing_is_generated(rendered: dict[str, dict[str, str]]) -> None:
+    m = objects(rendered["tls-existing-secrets"])
+    assert not any(kind == "Secret" for kind, _ in m)
+    for role in ("router", "prefill", "decode"):
+        e = env(container(m, role))
+        assert secret_file(m, role, e["SPLITSERVE_INTERNAL_SECRET_FILE"]) == (
+            "splitserve-internal",
+            "internal-secret",
+        )
+        assert secret_file(m, role, e["SPLITSERVE_INTERNAL_SECRET_ACCEPT_FILE"]) == (
+            "splitserve-internal-previous",
+            "internal-secret",
+        )
+        assert e["REDIS_PASSWORD"] == {"secretKeyRef": {"name": "splitserve-redis", "key": "redis-password"}}
+        if role != "router":
+            assert "SPLITSERVE_ROUTER_API_KEYS_FILE" not in e
+            assert not any(v["name"] == "api-keys" for v in workloads(m)[role]["volumes"])
+    e = env(container(m, "router"))
+    assert secret_file(m, "router", e["SPLITSERVE_ROUTER_API_KEYS_FILE"]) == (
+        "splitserve-api-keys",
+        "api-keys",
+    )
+
+
+def test_no_secret_value_in_plain_env_or_config(all_renders: dict[str, Manifests]) -> None:
+    sensitive = re.compile(r"SECRET|PASSWORD|_TOKEN$|API_KEY|_AUTH$")
+    for name, m in all_renders.items():
+        values_ = secret_values(m)
+        assert values_ or name == "tls-existing-secrets", name  # the chart's own Secrets were rendered
+        for component, pod in workloads(m).items():
+            for c in pod["containers"]:
+                for e in c.get("env", []):
+                    where = f"{name}/{component}: {e['name']}"
+                    if "value" in e:
+                        assert not any(v in e["value"] for v in values_), where
+                        assert (
+                            not sensitive.search(e["name"])
+                            or e["name"].endswith("_FILE")
+                            or e["name"] == "SPLITSERVE_ROUTER_REQUIRE_API_KEY"
+                        ), where
+                        if "REDIS_URL" in e["name"] and "@" in e["value"]:
+                            assert ":$(REDIS_PASSWORD)@" in e["value"], where  # expanded by the kubelet
+                    elif sensitive.search(e["name"]):
+                        assert set(e["valueFrom"]) == {"secretKeyRef"}, where
+                # the args see the password only through $(REDIS_PASSWORD) too
+                assert not any(v in " ".join(c.get("args", [])) for v in values_), f"{name}/{component}"
+        for (kind, _), obj in m.items():
+            if kind == "ConfigMap":
+                assert not any(v in yaml.safe_dump(obj["data"]) for v in values_), name
+                assert not any(sensitive.search(k) for k in obj["data"]), name
+
+
+def test_api_keys_are_required_by_default(rendered: dict[str, dict[str, str]]) -> None:
+    m = objects(rendered["default"])
+    e = env(container(m, "router"))
+    assert e["SPLITSERVE_ROUTER_REQUIRE_API_KEY"] == "true"
+    assert "SPLITSERVE_ROUTER_ALLOW_UNAUTHENTICATED" not in e and "SPLITSERVE_ROUTER_API_KEYS_FILE" not in e
+    for role in ("prefill", "decode"):
+        assert not any(k.startswith("SPLITSERVE_ROUTER_") for k in env(container(m, role)))
+    notes = rendered["default"]["splitserve/templates/NOTES.txt"]
+    # the command reads the router's Redis URL from the pod's environment (SPLITSERVE_ROUTER_REDIS_URL)
+    assert f"kubectl -n {NAMESPACE} exec deploy/{FULL}-router -- splitserve keys create --name me" in notes
+    assert "docs/security.md" in notes and "authorization: Bearer" in notes
+
+
+def test_unauthenticated_router_is_an_explicit_opt_out() -> None:
+    r = render({"auth": {"requireApiKey": False, "allowUnauthenticated": True}})
+    e = env(container(objects(r), "router"))
+    assert (e["SPLITSERVE_ROUTER_REQUIRE_API_KEY"], e["SPLITSERVE_ROUTER_ALLOW_UNAUTHENTICATED"]) == (
+        "false",
+        "true",
+    )
+    assert "WARNING: auth.allowUnauthenticated is on" in r["splitserve/templates/NOTES.txt"]
+
+
+def probe_schemes(c: dict[str, Any]) -> set[str]:
+    return {
+        c[p]["httpGet"].get("scheme", "HTTP") for p in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
+
+
+def test_tls_certificates_are_mounted_and_wired(rendered: dict[str, dict[str, str]]) -> None:
+    m = objects(rendered["tls-existing-secrets"])
+    for role in ("prefill", "decode"):
+        e = env(container(m, role))
+        assert secret_file(m, role, e["SPLITSERVE_SSL_CERTFILE"]) == ("splitserve-tls", "tls.crt")
+        assert secret_file(m, role, e["SPLITSERVE_SSL_KEYFILE"]) == ("splitserve-tls", "tls.key")
+        assert probe_schemes(container(m, role)) == {"HTTPS"}
+    e = env(container(m, "router"))
+    assert secret_file(m, "router", e["SPLITSERVE_ROUTER_SSL_CERTFILE"]) == ("splitserve-tls", "tls.crt")
+    assert secret_file(m, "router", e["SPLITSERVE_ROUTER_SSL_KEYFILE"]) == ("splitserve-tls", "tls.key")
+    assert secret_file(m, "router", e["SPLITSERVE_ROUTER_INTERNAL_CA_FILE"]) == ("splitserve-tls", "ca.crt")
+    assert probe_schemes(container(m, "router")) == {"HTTPS"}
+    # Redis: the TLS port only, the same certificate; clients verify it against ca.crt (redis-py reads
+    # ssl_ca_certs from the URL)
+    redis_pod = workloads(m)["redis"]
+    (redis,) = redis_pod["containers"]
+    args = redis["args"]
+    opts = dict(zip(args[::2], args[1::2], strict=True))
+    assert (opts["--port"], opts["--tls-port"], opts["--tls-auth-clients"]) == ("0", "6379", "no")
+    tls_volume = next(v for v in redis_pod["volumes"] if v["name"] == "tls")["secret"]
+    assert tls_volume["secretName"] == "splitserve-tls"
+    for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file"):
+        assert opts[flag].startswith(
+            next(vm["mountPath"] for vm in redis["volumeMounts"] if vm["name"] == "tls")
+        )
+    assert "--tls" in redis["readinessProbe"]["exec"]["command"]
+    for role, var in (("router", "SPLITSERVE_ROUTER_REDIS_URL"), ("prefill", "SPLITSERVE_REDIS_URL")):
+        url = env(container(m, role))[var]
+        head, _, ca = url.partition("?ssl_ca_certs=")
+        assert head == f"rediss://:$(REDIS_PASSWORD)@{FULL}-redis:6379/0"
+        assert secret_file(m, role, ca) == ("splitserve-tls", "ca.crt")
+
+
+def test_tls_off_by_default_and_per_part(rendered: dict[str, dict[str, str]]) -> None:
+    m = objects(rendered["default"])
+    for role in ("router", "prefill", "decode"):
+        c = container(m, role)
+        assert not [k for k in env(c) if "SSL" in k or "CA_FILE" in k]
+        assert probe_schemes(c) == {"HTTP"}
+        assert not any(v["name"] == "tls" for v in workloads(m)[role]["volumes"])
+    # the router's own port plain (an Ingress terminates TLS) and the in-chart Redis plain
+    m = objects(
+        render({"tls": {"enabled": True, "secretName": "splitserve-tls", "router": False, "redis": False}})
+    )
+    e = env(container(m, "router"))
+    assert "SPLITSERVE_ROUTER_SSL_CERTFILE" not in e and probe_schemes(container(m, "router")) == {"HTTP"}
+    assert secret_file(m, "router", e["SPLITSERVE_ROUTER_INTERNAL_CA_FILE"]) == ("splitserve-tls", "ca.crt")
+    tls_volume = next(v for v in workloads(m)["router"]["volumes"] if v["name"] == "tls")["secret"]
+    assert tls_volume["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # not the key it does not use
+    assert probe_schemes(container(m, "decode")) == {"HTTPS"}
+    assert e["SPLITSERVE_ROUTER_REDIS_URL"] == f"redis://:$(REDIS_PASSWORD)@{FULL}-redis:6379/0"
+    assert "--tls-port" not in workloads(m)["redis"]["containers"][0]["args"]
+    with pytest.raises(helm.HelmValuesError, match="/tls"):
+        render({"tls": {"enabled": True}})
+
+
+def test_cert_manager_certificate_names_every_service() -> None:
+    m = objects(render(CERT_MANAGER))
+    cert = m[("Certificate", FULL)]
+    assert cert["apiVersion"] == "cert-manager.io/v1"
+    spec = cert["spec"]
+    assert set(spec) == {
+        "secretName",
+        "issuerRef",
+        "duration",
+        "renewBefore",
+        "privateKey",
+        "usages",
+        "dnsNames",
+    }
+    assert spec["secretName"] == f"{FULL}-tls"
+    assert spec["issuerRef"] == {"name": "internal-ca", "kind": "ClusterIssuer"}
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    names = set(spec["dnsNames"])
+    assert len(names) == len(spec["dnsNames"])
+    for svc in ("router", "redis", "prefill", "decode"):
+        assert {
+            f"{FULL}-{svc}",
+            f"{FULL}-{svc}.{NAMESPACE}.svc",
+            f"{FULL}-{svc}.{NAMESPACE}.svc.cluster.local",
+        } <= names
+    assert {f"*.{FULL}-prefill.{NAMESPACE}.svc", f"*.{FULL}-decode.{NAMESPACE}.svc"} <= names
+    # what the clients connect to by name is in it: the Redis URL's host
+    url = env(container(m, "router"))["SPLITSERVE_ROUTER_REDIS_URL"]
+    assert url.split("@")[1].split(":")[0] in names
+    for role in ("router", "prefill", "decode", "redis"):
+        tls = next(v for v in workloads(m)[role]["volumes"] if v["name"] == "tls")
+        assert tls["secret"]["secretName"] == f"{FULL}-tls"
+    assert not any(
+        k == "Certificate" for k, _ in objects(render({"tls": {"enabled": True, "secretName": "x"}}))
+    )
+
+
+# ---- NetworkPolicy, flow by flow ----
+
+OTHER_NS = {"kubernetes.io/metadata.name": "elsewhere"}
+SOURCES: dict[str, tuple[dict[str, str], dict[str, str]]] = {  # name -> (namespace labels, pod labels)
+    "client-elsewhere": (OTHER_NS, {"app": "client"}),
+    "neighbour-pod": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app": "neighbour"}),
+    "ingress-controller": ({"kubernetes.io/metadata.name": "ingress-nginx"}, {"app": "ingress-nginx"}),
+    "prometheus": ({"kubernetes.io/metadata.name": "monitoring"}, {"app": "prometheus"}),
+    "other-release-router": (
+        {"kubernetes.io/metadata.name": NAMESPACE},
+        {
+            "app.kubernetes.io/name": "splitserve",
+            "app.kubernetes.io/instance": "other",
+            "app.kubernetes.io/component": "router",
+        },
+    ),
+}
+OTHER_PORT = 40000  # a port nothing declares: where UCX, gloo and NCCL listen
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        have = labels.get(e["key"])
+        ok = {
+            "In": have in e.get("values", []),
+            "NotIn": have not in e.get("values", []),
+            "Exists": have is not None,
+            "DoesNotExist": have is None,
+        }[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def admits(peer: dict[str, Any], ns_labels: dict[str, str], pod_labels: dict[str, str]) -> bool:
+    assert "ipBlock" not in peer  # not modelled here
+    if "namespaceSelector" in peer:
+        ns_ok = selects(peer["namespaceSelector"], ns_labels)
+    else:
+        ns_ok = ns_labels.get("kubernetes.io/metadata.name") == NAMESPACE
+    return ns_ok and ("podSelector" not in peer or selects(peer["podSelector"], pod_labels))
+
+
+def allowed(m: Manifests, source: str, component: str, port: int) -> bool:
+    """Whether NetworkPolicy admits a TCP connection from `source` to `component`'s pods on `port`."""
+    pods = workloads(m)
+    ns_labels, src_labels = SOURCES.get(source) or (
+        {"kubernetes.io/metadata.name": NAMESPACE},
+        _pod_labels(m, source),
+    )
+    dst = _pod_labels(m, component)
+    named = {p["name"]: p["containerPort"] for c in pods[component]["containers"] for p in c.get("ports", [])}
+    policies = [
+        np["spec"]
+        for (kind, _), np in m.items()
+        if kind == "NetworkPolicy"
+        and "Ingress" in np["spec"]["policyTypes"]
+        and selects(np["spec"]["podSelector"], dst)
+    ]
+    if not policies:
+        return True  # not isolated
+    for spec in policies:
+        for rule in spec.get("ingress", []):
+            peers = rule.get("from") or []
+            ports = rule.get("ports") or []
+            if peers and not any(admits(p, ns_labels, src_labels) for p in peers):
                 continue
-            assert np["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
-            assert np["spec"]["policyTypes"] == ["Ingress"]
-            rules = np["spec"]["ingress"]
-            assert rules[0] == {"from": [{"podSelector": {"matchLabels": release_pods}}]}
-            extra = rules[1:]
-            if monitoring and component != "redis":
-                (metrics,) = extra  # /metrics only, from the monitoring namespace
-                assert metrics["ports"] == [{"port": "http", "protocol": "TCP"}]
-                assert "namespaceSelector" in metrics["from"][0]
-            else:
-                assert extra == []
-        router = m[("NetworkPolicy", f"{FULL}-router")]["spec"]["ingress"][0]
-        assert router["ports"] == [{"port": "http", "protocol": "TCP"}]
-        if name == "ingress":
-            assert router["from"] == [
-                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}}
-            ]
-        else:
-            assert "from" not in router  # anyone may reach the router
+            if ports and not any(
+                p.get("protocol", "TCP") == "TCP"
+                and ("port" not in p or named.get(p["port"], p["port"]) == port)
+                for p in ports
+            ):
+                continue
+            return True
+    return False
+
+
+def _pod_labels(m: Manifests, component: str) -> dict[str, str]:
+    for (kind, _), d in m.items():
+        if kind in ("Deployment", "StatefulSet"):
+            labels: dict[str, str] = d["spec"]["template"]["metadata"]["labels"]
+            if labels["app.kubernetes.io/component"] == component:
+                return labels
+    raise KeyError(component)
+
+
+def flows(m: Manifests) -> set[tuple[str, str, str]]:
+    """Every admitted (source, destination component, port name) over the candidates."""
+    pods = workloads(m)
+    ports = {
+        component: {
+            **{p["name"]: p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])},
+            "other": OTHER_PORT,
+        }
+        for component, pod in pods.items()
+    }
+    out = set()
+    for source in [*SOURCES, *pods]:
+        for component, named in ports.items():
+            for port_name, port in named.items():
+                if source != component and allowed(m, source, component, port):
+                    out.add((source, component, port_name))
+    return out
+
+
+def expected_flows(
+    m: Manifests, router_from: str | None, monitoring: bool, kv_any_port: bool
+) -> set[tuple[str, str, str]]:
+    pods = workloads(m)
+    everyone = [*SOURCES, *pods]
+    out = {(s, "router", "http") for s in everyone if router_from is None or s == router_from}
+    out |= {("router", "prefill", "http"), ("router", "decode", "http"), ("prefill", "decode", "kv")}
+    if "redis" in pods:
+        out |= {(s, "redis", "redis") for s in ("router", "prefill", "decode")}
+    if monitoring:
+        out |= {("prometheus", c, "http") for c in ("router", "prefill", "decode")}
+    if kv_any_port:  # the data plane: either side, any port
+        out |= {("prefill", "decode", p) for p in ("http", "kv", "other")}
+        out |= {("decode", "prefill", p) for p in ("http", "other")}
+    return {f for f in out if f[0] != f[1]}
+
+
+@pytest.mark.parametrize(
+    "name, router_from, monitoring, kv_any_port",
+    [
+        ("default", None, False, True),
+        ("external-redis", None, False, True),
+        ("2p2d-rdma", None, True, True),
+        ("ingress", "ingress-controller", False, True),
+        ("tls-existing-secrets", None, False, True),
+        ("cert-manager", None, False, True),
+        ("tcp", None, False, False),
+    ],
+)
+def test_network_policies_admit_exactly_the_needed_flows(
+    all_renders: dict[str, Manifests], name: str, router_from: str | None, monitoring: bool, kv_any_port: bool
+) -> None:
+    m = all_renders[name]
+    got = flows(m)
+    want = expected_flows(m, router_from, monitoring, kv_any_port)
+    assert got == want, (
+        f"admitted but not wanted: {sorted(got - want)}; wanted but refused: {sorted(want - got)}"
+    )
+    # every pod of the release is isolated by the default-deny policy, whatever else selects it
+    deny = m[("NetworkPolicy", f"{FULL}-default-deny")]["spec"]
+    assert deny["policyTypes"] == ["Ingress"] and not deny.get("ingress")
+    for component in workloads(m):
+        assert selects(deny["podSelector"], _pod_labels(m, component))
+    assert ("NetworkPolicy", f"{FULL}-redis") in m or name == "external-redis"
+
+
+def test_decode_kv_port_is_fixed_named_and_only_for_prefill(all_renders: dict[str, Manifests]) -> None:
+    m = all_renders["tcp"]
+    c = container(m, "decode")
+    assert {"name": "kv", "containerPort": 8202, "protocol": "TCP"} in c["ports"]
+    assert env(c)["SPLITSERVE_KV_PORT"] == "8202"
+    admitted = {s for s in [*SOURCES, "router", "prefill", "redis"] if allowed(m, s, "decode", 8202)}
+    assert admitted == {"prefill"}
+
+
+def test_metrics_scrapes_reach_the_router_behind_router_from() -> None:
+    vals = {**(values("ingress") or {}), "serviceMonitor": {"enabled": True}}
+    m = objects(render(vals))
+    assert flows(m) == expected_flows(m, "ingress-controller", True, True)
 
 
 def test_network_policy_and_pdb_can_be_turned_off() -> None:

@@ -99,23 +99,25 @@ spec:
               value: {{ max 1 (sub (int $c.terminationGracePeriodSeconds) 10) | quote }}
             - name: OTEL_SERVICE_NAME
               value: splitserve-{{ $role }}
+            {{- include "splitserve.securityEnv" $ctx | trim | nindent 12 }}
             {{- with include "splitserve.redisEnv" (dict "root" $root "name" "SPLITSERVE_REDIS_URL") | trim }}{{ . | nindent 12 }}{{ end }}
             {{- with include "splitserve.settingsEnv" (dict "prefix" "SPLITSERVE_" "map" $c.engine) | trim }}{{ . | nindent 12 }}{{ end }}
             {{- with $c.extraEnv }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+          {{- $health := include "splitserve.healthGet" $ctx }}
           startupProbe:
-            httpGet: {path: /health, port: http}
+            httpGet: {{ $health }}
             periodSeconds: 10
             timeoutSeconds: 5
             failureThreshold: {{ max 1 (div (int $c.startupTimeoutSeconds) 10) }}
           readinessProbe:
-            httpGet: {path: /health, port: http}
+            httpGet: {{ $health }}
             periodSeconds: 10
             timeoutSeconds: 5
             failureThreshold: 3
           livenessProbe:
-            httpGet: {path: /health, port: http}
+            httpGet: {{ $health }}
             periodSeconds: 20
             timeoutSeconds: 10
             failureThreshold: 6
@@ -128,8 +130,10 @@ spec:
             - name: dshm
               mountPath: /dev/shm
             {{- end }}
+            # the only writable place (readOnlyRootFilesystem): temporary files and every cache
             - name: tmp
               mountPath: /tmp
+            {{- include "splitserve.securityVolumeMounts" $ctx | trim | nindent 12 }}
             {{- with include "splitserve.modelVolumeMount" $root | trim }}{{ . | nindent 12 }}{{ end }}
       volumes:
         {{- if not $c.hostIPC }}
@@ -140,6 +144,7 @@ spec:
         {{- end }}
         - name: tmp
           emptyDir: {}
+        {{- include "splitserve.securityVolumes" $ctx | trim | nindent 8 }}
         {{- with include "splitserve.modelVolume" $root | trim }}{{ . | nindent 8 }}{{ end }}
       {{- with $c.nodeSelector }}
       nodeSelector:
