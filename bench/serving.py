@@ -1,6 +1,7 @@
-"""End-to-end serving: one real stack (Redis, prefill, decode, two routers), one workload run through
+"""End-to-end serving: one real stack (Redis, prefill, decode, three routers), one workload run through
 the split path (prefill service + KV push) and through the colocated path (prefill on the decode
-service), and the router's own overhead per request."""
+service), and the router's own overhead per request: without API keys, and with an API key that has
+rate limits (its check and its Lua charge and refund on every request), alternated in rounds."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from bench.loadgen import Result, Spec, arrival_offsets, make_specs, run_load, s
 from common.cluster.redis_server import RedisServer
 from common.protocol import DecodeFrame, ErrorFrame, FrameReader, GenerateRequest, TokenFrame, encode
 from common.sampling_params import SamplingParams
+from common.security.internal_auth import SignedCalls
+from common.security.secret import InternalSecret, ensure_for_children
 from common.text.model_info import load_model_info
 from common.text.tokenizer import Tokenizer
 
@@ -92,33 +95,62 @@ async def warm_up(url: str, tok: Tokenizer, want_route: str, timeout_s: float = 
         await send(client, url, spec, timeout_s)
 
 
-async def router_overhead(router_url: str, decode_url: str, tok: Tokenizer, n: int) -> tuple[float, float]:
-    """p50 (ms) of a one-token, non-streaming completion through the (local-path) router, and of the
-    same prompt ids sent straight to the decode service; alternated so drift hits both alike."""
+async def router_overhead(
+    router_url: str, auth_url: str, api_key: str, decode_url: str, tok: Tokenizer, n: int
+) -> dict[str, list[float]]:
+    """Latencies (s) of a one-token, non-streaming completion through the (local-path) router without
+    keys ("open"), through one requiring a rate-limited key ("auth"), and of the same prompt ids sent
+    straight to the decode service ("direct"); in rounds of the three, so drift hits each alike."""
     prompt = "The quick brown fox jumps over the lazy dog. " * 2
     ids = tok.encode(prompt)  # what the router's tokenizer makes of it
     body = {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    via_router, direct = [], []
+    times: dict[str, list[float]] = {"open": [], "auth": [], "direct": []}
+    signed = SignedCalls(InternalSecret.from_env())  # the services check the cluster secret
     async with httpx.AsyncClient(timeout=30) as client:
-        for i in range(n + 3):  # the first three warm both paths
+        for i in range(n + 3):  # the first three warm every path
             t0 = time.perf_counter()
             resp = await client.post(f"{router_url}/v1/completions", json=body)
             resp.raise_for_status()
             t1 = time.perf_counter()
-            msg = GenerateRequest(f"bench-direct-{i}", ids, sampling, mode="local", deadline=time.time() + 30)
-            await _generate_direct(client, decode_url, msg)
+            resp = await client.post(
+                f"{auth_url}/v1/completions", json=body, headers={"authorization": f"Bearer {api_key}"}
+            )
+            resp.raise_for_status()
             t2 = time.perf_counter()
+            msg = GenerateRequest(f"bench-direct-{i}", ids, sampling, mode="local", deadline=time.time() + 30)
+            await _generate_direct(client, decode_url, msg, signed)
+            t3 = time.perf_counter()
             if i >= 3:
-                via_router.append(t1 - t0)
-                direct.append(t2 - t1)
-    return float(np.median(via_router)) * 1000, float(np.median(direct)) * 1000
+                times["open"].append(t1 - t0)
+                times["auth"].append(t2 - t1)
+                times["direct"].append(t3 - t2)
+    return times
 
 
-async def _generate_direct(client: httpx.AsyncClient, decode_url: str, msg: GenerateRequest) -> None:
+def _create_key(redis_url: str) -> str:
+    """An API key whose limits are never reached but are checked and charged on every request."""
+    from common.cluster.state import connect
+    from router.auth.keys import KeyStore, Limits
+
+    async def create() -> str:
+        r = connect(redis_url)
+        try:
+            limits = Limits(rpm=1_000_000, tpm=1_000_000_000, max_concurrent=10_000)
+            secret, _ = await KeyStore(r).create("bench", "bench", limits=limits)
+            return secret
+        finally:
+            await r.aclose()
+
+    return asyncio.run(create())
+
+
+async def _generate_direct(
+    client: httpx.AsyncClient, decode_url: str, msg: GenerateRequest, auth: httpx.Auth
+) -> None:
     headers = {"content-type": "application/msgpack"}
     url = f"{decode_url}/internal/generate"
-    async with client.stream("POST", url, content=encode(msg), headers=headers) as resp:
+    async with client.stream("POST", url, content=encode(msg), headers=headers, auth=auth) as resp:
         resp.raise_for_status()
         reader = FrameReader(DecodeFrame)
         async for chunk in resp.aiter_raw():
@@ -184,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_flags = ["--model", args.model] if args.model else []
     engine_flags = [*model_flags, "--threads", str(args.threads)]
     run_timeout = arrival_offsets(n, rate, args.seed)[-1] + args.request_timeout_s
+    ensure_for_children()  # the stack's processes share a secret, as in any deployment
     redis = RedisServer()
     log_dir = tempfile.mkdtemp(prefix="splitserve-bench-")
     stack = Stack(log_dir)
@@ -200,6 +233,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "router", *shared, *model_flags, "--local-prefill-threshold", str(LOCAL_THRESHOLD)
             ),
         }
+        auth_url = stack.start(
+            "router", *shared, *model_flags, "--local-prefill-threshold", str(LOCAL_THRESHOLD),
+            "--require-api-key",
+        )  # fmt: skip
+        api_key = _create_key(redis.url)
         runs: dict[str, list[Result]] = {}
         out: dict[str, Any] = {"rate": rate, "requests": n}
         for salt, (name, url) in enumerate(urls.items(), start=1):
@@ -215,16 +253,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if name == "split":
                 out["prompt_tokens_p50"] = int(np.median([s.prompt_tokens for s in specs]))
                 out["output_tokens_p50"] = int(np.median([s.max_tokens for s in specs]))
-        via_router, direct = asyncio.run(router_overhead(urls["colocated"], decode_url, tok, args.overhead_n))
+        times = asyncio.run(
+            router_overhead(urls["colocated"], auth_url, api_key, decode_url, tok, args.overhead_n)
+        )
         plot(runs, PLOT)
     finally:
         stack.stop()
         redis.stop()
     errs = [r.error for rs in runs.values() for r in rs if r.error]
+    p50 = {k: float(np.median(v)) * 1000 for k, v in times.items()}
+    # per round: what the router adds over the direct call, with and without keys and limits
+    open_extra = np.subtract(times["open"], times["direct"]) * 1000
+    auth_extra = np.subtract(times["auth"], times["direct"]) * 1000
     return out | {
-        "router_p50_ms": round(via_router, 2),
-        "direct_p50_ms": round(direct, 2),
-        "router_overhead_ms": round(via_router - direct, 2),
+        "router_p50_ms": round(p50["open"], 2),
+        "router_auth_p50_ms": round(p50["auth"], 2),
+        "direct_p50_ms": round(p50["direct"], 2),
+        "router_overhead_ms": round(p50["open"] - p50["direct"], 2),
+        "router_overhead_auth_ms": round(p50["auth"] - p50["direct"], 2),
+        "auth_overhead_ms": round(p50["auth"] - p50["open"], 2),
+        "router_overhead_iqr_ms": [round(float(x), 2) for x in np.percentile(open_extra, [25, 75])],
+        "router_overhead_auth_iqr_ms": [round(float(x), 2) for x in np.percentile(auth_extra, [25, 75])],
         "errors": len(errs),
         "first_error": errs[0] if errs else None,
         "slo_ttft_ms": args.slo_ttft_ms,

@@ -31,6 +31,7 @@ from router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0
+LIMITS_TIMEOUT_S = 1.0  # a rate-limit check that Redis does not answer this soon is skipped (counted)
 
 
 @dataclass
@@ -138,11 +139,14 @@ class Access:
             return None
         hold_s = self.config.request_timeout_s + 60  # a router that dies frees its slots this late
         try:
-            d = await self.limiter.acquire(key, request_id, tokens, hold_s)
-        except Exception as e:  # Redis unreachable: refuse (retryably) rather than serve unmetered
-            raise APIError(
-                503, f"cannot check rate limits now: {e!r}", headers={"Retry-After": "1"}
-            ) from None
+            async with asyncio.timeout(LIMITS_TIMEOUT_S):
+                d = await self.limiter.acquire(key, request_id, tokens, hold_s)
+        except Exception as e:
+            # Redis unreachable: serve the request unmetered rather than lock every limited key out for
+            # the outage (limits share a budget, they guard no secret); counted and logged, not silent
+            self.metrics.limits_unenforced.inc()
+            log.warning("rate limits of %s not enforced for %s: %r", key.key_id, request_id, e)
+            return None
         if d.allowed:
             return Admission(key, request_id, tokens, dict(d.headers))
         self.metrics.rate_limited.labels(d.reason).inc()
@@ -169,12 +173,13 @@ class Access:
         if admission is None or self.limiter is None:
             return
         try:
-            await self.limiter.release(
-                admission.key,
-                admission.request_id,
-                admission.charged_tokens,
-                min(used_tokens, admission.charged_tokens),
-            )
+            async with asyncio.timeout(LIMITS_TIMEOUT_S):
+                await self.limiter.release(
+                    admission.key,
+                    admission.request_id,
+                    admission.charged_tokens,
+                    min(used_tokens, admission.charged_tokens),
+                )
         except Exception:  # the slot expires by itself (hold_s); the refund is lost
             log.exception("could not release the rate-limit charge of %s", admission.request_id)
 

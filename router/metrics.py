@@ -94,6 +94,11 @@ class RouterMetrics:
             ["limit"],
             registry=r,
         )
+        self.limits_unenforced = Counter(
+            p + "rate_limits_unenforced",
+            "Requests of rate-limited keys served without a limit check because Redis did not answer",
+            registry=r,
+        )
         self.state_errors = Counter(p + "state_errors", "Redis record writes that failed", registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being served now", registry=r)
         self.slo_met = Counter(

@@ -189,16 +189,10 @@ def supervise(procs: list[subprocess.Popen], commands: list[list[str]]) -> None:
 def up(args: argparse.Namespace) -> int:
     """`splitserve up`: everything on this machine; a service that exits is started again (with
     backoff); Ctrl-C or SIGTERM drains and stops them all."""
-    import secrets
-
     from common.cluster.redis_server import RedisServer
+    from common.security.secret import ensure_for_children
 
-    # One internal secret for this deployment's processes, unless the caller gave one: internal calls
-    # and KV connections are authenticated here too, as in every other deployment.
-    if not (
-        os.environ.get("SPLITSERVE_INTERNAL_SECRET") or os.environ.get("SPLITSERVE_INTERNAL_SECRET_FILE")
-    ):
-        os.environ["SPLITSERVE_INTERNAL_SECRET"] = secrets.token_urlsafe(32)
+    ensure_for_children()  # one internal secret for this deployment's processes, unless one is given
     redis = None
     redis_url = args.redis_url
     if redis_url is None:

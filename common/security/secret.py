@@ -101,6 +101,16 @@ class InternalSecret:
             )
 
 
+def ensure_for_children(environ: dict[str, str] | None = None) -> None:
+    """Give the processes this one starts (`splitserve up`, benchmarks) a random shared secret, unless
+    one is configured: local deployments authenticate internal calls like every other."""
+    import secrets
+
+    env = os.environ if environ is None else environ
+    if not (env.get("SPLITSERVE_INTERNAL_SECRET") or env.get("SPLITSERVE_INTERNAL_SECRET_FILE")):
+        env["SPLITSERVE_INTERNAL_SECRET"] = secrets.token_urlsafe(32)
+
+
 def _mac(key: bytes, parts: tuple[bytes | str, ...]) -> str:
     m = hmac.new(key, digestmod=hashlib.sha256)
     for p in parts:  # length-prefixed: ("ab", "c") and ("a", "bc") sign differently

@@ -17,6 +17,7 @@ expiry takes effect within a second on every router while a busy key costs Redis
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import hashlib
 import hmac
@@ -161,8 +162,16 @@ class KeyStore:
         prefix: str = "splitserve:",
         static: Sequence[tuple[str, ApiKey]] = (),
         cache_s: float = 0.5,
+        stale_s: float = 300.0,
+        redis_timeout_s: float = 1.0,
     ) -> None:
         self.redis, self.prefix, self.cache_s = redis, prefix, cache_s
+        # Redis unreachable: a key verified from Redis within stale_s is still accepted (expiry checked),
+        # so an outage does not lock every client out; a revocation made during it waits for Redis.
+        self.stale_s, self.redis_timeout_s = stale_s, redis_timeout_s
+        self.served_stale = 0  # authentications answered from `_known` while Redis was unreachable
+        # sha256(secret) -> (key, monotonic time it was last verified against Redis)
+        self._known: dict[str, tuple[ApiKey, float]] = {}
         self._static = list(static)
         self._static_by_id = {key.key_id: key for _, key in self._static}
         # sha256(secret) -> (key, monotonic deadline): successful authentications only
@@ -262,6 +271,8 @@ class KeyStore:
             raise KeyStoreUnavailable(f"Redis: {e}") from e
         for digest in [d for d, (k, _) in self._cache.items() if k.key_id == key_id]:
             self._cache.pop(digest, None)
+        for digest in [d for d, (k, _) in self._known.items() if k.key_id == key_id]:
+            self._known.pop(digest, None)
         return bool(exists)
 
     async def any_keys(self) -> bool:
@@ -297,7 +308,14 @@ class KeyStore:
         if match is None:
             raise InvalidKey("malformed" if token.startswith(SECRET_PREFIX) else "unknown")
         key_id = match.group(1)
-        row = await self._fetch(key_id) if self.redis is not None else {}
+        try:
+            row = await self._fetch(key_id) if self.redis is not None else {}
+        except KeyStoreUnavailable:
+            known = self._known.get(digest)
+            if known is None or now - known[1] > self.stale_s:
+                raise
+            self.served_stale += 1
+            return self._admit(known[0])
         if not row or "hash" not in row or "salt" not in row:
             hmac.compare_digest(_secret_hash(_DUMMY_SALT, token), _DUMMY_HASH)  # same work as a miss
             raise InvalidKey("unknown")
@@ -310,6 +328,12 @@ class KeyStore:
                 if len(self._cache) >= CACHE_MAX_ENTRIES:
                     self._cache.clear()
             self._cache[digest] = (key, now + self.cache_s)
+        if self.stale_s > 0:
+            if len(self._known) >= CACHE_MAX_ENTRIES:
+                self._known = {d: e for d, e in self._known.items() if now - e[1] <= self.stale_s}
+                if len(self._known) >= CACHE_MAX_ENTRIES:
+                    self._known.clear()
+            self._known[digest] = (key, now)
         return key
 
     @staticmethod
@@ -322,9 +346,10 @@ class KeyStore:
 
     async def _fetch(self, key_id: str) -> dict[str, str]:
         try:
-            return cast(dict[str, str], await self._client().hgetall(self._key(key_id)))
-        except (RedisError, OSError) as e:
-            raise KeyStoreUnavailable(f"Redis: {e}") from e
+            async with asyncio.timeout(self.redis_timeout_s):  # redis-py's own retries take far longer
+                return cast(dict[str, str], await self._client().hgetall(self._key(key_id)))
+        except (RedisError, OSError, TimeoutError) as e:
+            raise KeyStoreUnavailable(f"Redis: {e!r}") from e
 
     @staticmethod
     def _from_hash(key_id: str, row: dict[str, str]) -> ApiKey:

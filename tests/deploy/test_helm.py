@@ -233,6 +233,7 @@ def test_schema_settings_are_config_fields() -> None:
         "ssl_certfile",
         "ssl_keyfile",
         "internal_ca_file",
+        "internal_tls_check_hostname",
     }
     assert not chart_owned & set(defs["routerSettings"]["properties"])
     missing = set(RouterConfig.model_fields) - chart_owned - set(defs["routerSettings"]["properties"])

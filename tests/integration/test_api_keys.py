@@ -220,6 +220,37 @@ def test_unreachable_redis_is_unavailable_not_unauthorized() -> None:
         asyncio.run(main())
 
 
+def test_known_keys_ride_out_a_redis_outage() -> None:
+    """Redis stops: a key verified before is still accepted (for stale_s), an unseen one is not; both
+    answers come within the store's Redis timeout, not after redis-py's retries."""
+    from common.cluster.redis_server import RedisServer
+
+    server = RedisServer().start()
+
+    async def main() -> None:
+        client = connect(server.url)
+        store = KeyStore(client, prefix="outage:", cache_s=0.0, stale_s=2.0, redis_timeout_s=0.5)
+        known, _ = await store.create("known")
+        unseen, _ = await store.create("unseen")
+        assert (await store.authenticate(f"Bearer {known}")).name == "known"
+        server.stop()
+        t0 = time.monotonic()
+        assert (await store.authenticate(f"Bearer {known}")).name == "known"
+        assert store.served_stale == 1
+        with pytest.raises(KeyStoreUnavailable):
+            await store.authenticate(f"Bearer {unseen}")
+        assert time.monotonic() - t0 < 5.0  # bounded by redis_timeout_s (two calls), with slack
+        await asyncio.sleep(2.1)
+        with pytest.raises(KeyStoreUnavailable):  # verified too long ago to vouch for it now
+            await store.authenticate(f"Bearer {known}")
+        await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
 # ---- rate limits ----
 
 

@@ -210,3 +210,32 @@ def test_the_first_key_turns_auth_on_and_an_open_router_stays_on_loopback(tmp_pa
     cmd = [sys.executable, "-m", "splitserve", "router", "--host", "0.0.0.0", "--port", str(free_port())]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "--allow-unauthenticated" in p.stdout + p.stderr
+
+
+def test_keys_seen_before_ride_out_a_redis_outage(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Redis goes away: keys the router verified before keep working (their limits unenforced and
+    counted), a key it never saw gets a retryable 503, not a 401."""
+    redis = RedisServer(port=free_port()).start()
+    c = Cluster(redis.url, str(tmp_path))
+    try:
+        c.start("decode", "--threads", "1", "--kv-cache-mb", "64")
+        router = c.start("router", "--require-api-key")
+        time.sleep(1.5)  # the registry cache sees the decode service
+        limited = create_key(redis.url, "limited", limits=Limits(rpm=100))
+        admin = create_key(redis.url, "ops", scopes=("admin",))
+        unseen = create_key(redis.url, "unseen")
+        assert complete(router, limited).status_code == 200
+        assert (
+            httpx.get(router.url + "/metrics", headers={"Authorization": f"Bearer {admin}"}).status_code
+            == 200
+        )
+        redis.stop()
+        r = complete(router, limited)
+        assert r.status_code == 200, r.text
+        r = complete(router, unseen)
+        assert r.status_code == 503 and "retry-after" in r.headers, r.text
+        m = httpx.get(router.url + "/metrics", headers={"Authorization": f"Bearer {admin}"}, timeout=30)
+        assert "splitserve_router_rate_limits_unenforced_total 1.0" in m.text
+    finally:
+        c.stop()
+        redis.stop()
