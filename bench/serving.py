@@ -225,6 +225,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shared = ["--redis-url", redis.url]
         stack.start("prefill", *shared, *engine_flags)
         decode_url = stack.start("decode", *shared, *engine_flags)
+        # the key made below turns auth on for every router on this Redis; these two opt out explicitly
+        shared += ["--allow-unauthenticated"]
         urls = {
             "split": stack.start(
                 "router", *shared, *model_flags, "--local-prefill-threshold", str(SPLIT_THRESHOLD)
@@ -234,8 +236,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ),
         }
         auth_url = stack.start(
-            "router", *shared, *model_flags, "--local-prefill-threshold", str(LOCAL_THRESHOLD),
-            "--require-api-key",
+            "router", "--redis-url", redis.url, *model_flags, "--local-prefill-threshold",
+            str(LOCAL_THRESHOLD), "--require-api-key",
         )  # fmt: skip
         api_key = _create_key(redis.url)
         runs: dict[str, list[Result]] = {}

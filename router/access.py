@@ -4,7 +4,9 @@
 Auth is on when `require_api_key` is set, when a static keys file is given, or once any key exists in
 Redis (checked at start and every second after, so the first `splitserve keys create` turns it on).
 With auth off the router serves everyone; it says so at start, and refuses to start on an address
-other machines can reach unless `allow_unauthenticated` is set.
+other machines can reach unless `allow_unauthenticated` is set. `allow_unauthenticated` (without
+`require_api_key`) is the explicit opt-out: calls without a key are served even once keys exist, and a
+key that is sent is still checked.
 
 Scopes: "inference" may generate, list models and read its own tenant's request records; "metrics" may
 read /metrics; "admin" may do everything, and read any tenant's records.
@@ -53,6 +55,9 @@ class Access:
         if self.limiter is None and any(_limited(k) for _, k in static):
             raise ValueError("API key limits are kept in Redis: give the router a --redis-url")
         self.enabled = config.require_api_key or bool(static)
+        # the explicit opt-out: a call without an Authorization header is served (no tenant, no limits);
+        # a key that is sent is still checked, and brings its tenant and limits
+        self.anonymous_ok = config.allow_unauthenticated and not config.require_api_key
         self._redis = redis
         self._poll: asyncio.Task[None] | None = None
 
@@ -97,7 +102,7 @@ class Access:
         """A FastAPI dependency: the caller's key (None while auth is off); 401/403 otherwise."""
 
         async def dependency(request: Request) -> ApiKey | None:
-            if not self.enabled:
+            if not self.enabled or (self.anonymous_ok and "authorization" not in request.headers):
                 return None
             try:
                 key = await self.keys.authenticate(request.headers.get("authorization"))

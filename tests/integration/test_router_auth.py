@@ -200,8 +200,18 @@ def test_the_first_key_turns_auth_on_and_an_open_router_stays_on_loopback(tmp_pa
         router = c.start("router", "--decode-urls", "http://127.0.0.1:9")
         assert httpx.get(router.url + "/v1/models").status_code == 200  # no key exists: open
         assert "serves anyone" in router.log_tail(50)
-        create_key(redis.url, "first")
+        opted_out = c.start("router", "--decode-urls", "http://127.0.0.1:9", "--allow-unauthenticated")
+        key = create_key(redis.url, "first")
         wait_until(lambda: httpx.get(router.url + "/v1/models").status_code == 401, 5, "auth on")
+        # the explicit opt-out: no key is still served, a key sent is still checked
+        time.sleep(1.5)
+        assert httpx.get(opted_out.url + "/v1/models").status_code == 200
+        bad = httpx.get(
+            opted_out.url + "/v1/models", headers={"Authorization": "Bearer sk-not-a-real-key-at-all"}
+        )
+        assert bad.status_code == 401
+        good = httpx.get(opted_out.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        assert good.status_code == 200
     finally:
         c.stop()
         redis.stop()
