@@ -8,10 +8,31 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router.auth.keys import InvalidKey
+
 # Seconds; TTFT spans a queued prefill, ITL a single decode step.
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+# The label values the router's code uses (router/serving.py, orchestrator.py, access.py): their children
+# are made at start, so each reads 0 until its first event (tests/integration/test_observability.py
+# queries every dashboard panel through a real Prometheus).
+ENDPOINTS = ("completions", "chat")
+STATUSES = ("finished", "failed", "cancelled", "rejected")
+ROUTES = (
+    ("split", "long_prompt"),
+    ("local", "short_prompt"),
+    ("local", "no_prefill_worker"),
+    ("local", "prefill_failed"),
+)
+PATHS = ("split", "local")
+MIGRATION_REASONS = ("lost", "stalled", "gave_up")
+SHED_REASONS = ("queue_depth", "queue_wait", "start_timeout")
+AUTH_REFUSALS = (*InvalidKey.MESSAGES, "forbidden")  # 401 reasons, then 403
+LIMITS = ("requests", "tokens", "concurrency")
+# transfer_failure_policy -> the outcomes it can count (retry falls back to recomputing on the last try)
+POLICY_OUTCOMES = {"retry": ("retried", "recomputed"), "recompute": ("recomputed",), "fail": ("failed",)}
 
 
 class RouterMetrics:
@@ -77,10 +98,6 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
-        for reason in ("lost", "stalled", "gave_up"):
-            self.migrations.labels(reason)  # 0 from the start, not "no data"
-        for reason in ("queue_depth", "queue_wait", "start_timeout"):
-            self.shed.labels(reason)
         self.auth_refused = Counter(
             p + "auth_refused",
             "Calls refused for their API key (missing, malformed, unknown, revoked, expired: 401; "
@@ -116,9 +133,35 @@ class RouterMetrics:
             registry=r,
         )
         self._met = self._judged = 0
+        self._zero()
+
+    def _zero(self) -> None:
+        """Every labelled child whose label values are known up front, exported as 0 from the start:
+        a dashboard panel or an alert then reads 0 rather than "no data" until the first event."""
+        for endpoint in ENDPOINTS:
+            for status in STATUSES:
+                self.requests.labels(endpoint, status)
+        for route, reason in ROUTES:
+            self.routes.labels(route, reason)
+        for path in PATHS:
+            for hist in (self.ttft, self.itl, self.tpot, self.e2e):
+                hist.labels(path)
+        for slo in ("ttft", "tpot"):
+            self.slo_misses.labels(slo)
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason)
+        for reason in SHED_REASONS:
+            self.shed.labels(reason)
+        for reason in AUTH_REFUSALS:
+            self.auth_refused.labels(reason)
+        for limit in LIMITS:
+            self.rate_limited.labels(limit)
 
     def watch(self, orch: Any) -> None:
-        """Gauges read from the orchestrator at scrape time: what waits for Redis."""
+        """Gauges read from the orchestrator at scrape time: what waits for Redis. The transfer-failure
+        outcomes its policy can produce start at 0."""
+        for outcome in POLICY_OUTCOMES.get(orch.config.transfer_failure_policy, ()):
+            self.transfer_failures.labels(orch.config.transfer_failure_policy, outcome)
         r, p = self.registry, "splitserve_router_"
         pending = Gauge(p + "record_writes_pending", "Record writes waiting for Redis to be back", registry=r)
         pending.set_function(lambda: orch.records.pending if orch.records else 0)

@@ -16,6 +16,19 @@ _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
+# Label values the services' code uses, exported as 0 from the start so that a panel or an alert reads 0
+# rather than "no data" until the first event. Outcomes: prefill_service/service.py, decode_service/
+# service.py; transfer failures: the prefill service's TransferError subclasses (kv_transfer/base.py) and
+# a decode side whose lease expired; internal auth: common/security/internal_auth.py `check` and the body
+# limit of its middleware; preemptions: the scheduler's two kinds.
+OUTCOMES = {
+    "prefill": ("finished", "refused", "transfer_failed", "aborted", "decode_lease_expired"),
+    "decode": ("finished", "refused", "aborted"),
+}
+TRANSFER_FAILURES = ("TransferError", "PreflightError", "AuthError", "decode_lease_expired")
+INTERNAL_AUTH_REFUSALS = ("missing", "malformed", "stale", "bad_signature", "replayed", "too_large")
+PREEMPTION_KINDS = ("swap", "recompute")
+
 
 class ServiceMetrics:
     """A service's own registry: histograms and counters observed as requests go, plus the engine's
@@ -67,6 +80,13 @@ class ServiceMetrics:
             ["reason"],
             registry=r,
         )
+        for outcome in OUTCOMES.get(role, ()):
+            self.requests.labels(role, outcome)
+        if role == "prefill":  # the side that sends, and so counts failed transfers
+            for reason in TRANSFER_FAILURES:
+                self.transfer_failures.labels(reason)
+        for reason in INTERNAL_AUTH_REFUSALS:
+            self.internal_auth_refused.labels(reason)
 
 
 class EngineCollector:
@@ -103,9 +123,9 @@ class EngineCollector:
         )
         yield gauge("splitserve_kv_blocks_total", "KV blocks", load["total_blocks"])
         preempt = CounterMetricFamily("splitserve_preemptions", "preemptions by kind", labels=["kind"])
-        for key, n in list(self.engine.scheduler.stats.items()):
-            if key.startswith("preempt_"):
-                preempt.add_metric([key.removeprefix("preempt_")], n)
+        stats = self.engine.scheduler.stats  # single lookups: the engine thread may be adding keys
+        for kind in PREEMPTION_KINDS:  # both, 0 before the first
+            preempt.add_metric([kind], stats.get(f"preempt_{kind}", 0))
         yield preempt
         queries, hits = bm.prefix_queries, bm.prefix_hits
         yield CounterMetricFamily(
