@@ -152,3 +152,60 @@ async def test_framework_validation_errors_are_400_not_422() -> None:
 def test_router_does_not_import_torch() -> None:
     code = "import sys, router.app, router.orchestrator; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+# ---- limits on the request itself (docs/security.md) ----
+
+
+async def test_a_body_over_the_limit_is_413_before_anything_runs(cluster: FakeCluster) -> None:
+    big = {"model": "default", "prompt": "x" * 4096}
+    async with make_router(cluster, max_body_bytes=2048) as client:
+        declared = await client.post(COMPLETIONS, json=big)  # refused by its Content-Length
+
+        async def chunks():  # type: ignore[no-untyped-def]
+            for _ in range(8):  # no Content-Length: refused once it grows past the limit
+                yield b" " * 512
+
+        streamed = await client.post(
+            COMPLETIONS, content=chunks(), headers={"content-type": "application/json"}
+        )
+        small = await client.post(COMPLETIONS, json={"model": "default", "prompt": "hi"})
+    for r in (declared, streamed):
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert small.status_code == 200
+    assert len(cluster.generate_calls) == 1  # only the small one reached a worker
+
+
+async def test_a_long_stop_sequence_is_400(cluster: FakeCluster) -> None:
+    async with make_router(cluster, max_stop_chars=8) as client:
+        resp = await client.post(COMPLETIONS, json={"model": "default", "prompt": "hi", "stop": ["x" * 9]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stop"
+    assert not cluster.generate_calls
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+async def test_prompts_and_completions_reach_spans_only_when_opted_in(
+    cluster: FakeCluster, monkeypatch: pytest.MonkeyPatch, opt_in: bool
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from router import serving
+
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    monkeypatch.setattr(serving, "_tracer", provider.get_tracer("test"))  # a local provider, not the global
+    async with make_router(cluster, log_content=opt_in) as client:
+        resp = await client.post(
+            CHAT, json={"model": "default", "messages": [{"role": "user", "content": "secret"}]}
+        )
+    assert resp.status_code == 200, resp.text
+    (root,) = [s for s in spans.get_finished_spans() if s.name.startswith("chat ")]
+    attrs = dict(root.attributes or {})
+    assert attrs["gen_ai.usage.input_tokens"] > 0  # the span is there either way
+    if opt_in:
+        assert "secret" in attrs["gen_ai.input.messages"] and "fine thanks" in attrs["gen_ai.output.messages"]
+    else:
+        assert not any("secret" in str(v) or "fine" in str(v) for v in attrs.values())
