@@ -29,6 +29,7 @@ from common.connector.remote_kv import IncomingKV
 from common.engine.api import AddRequest, Admission, Finish, KVArrived, RemoteKV, TokenOutput
 from common.engine.llm_engine import LLMEngine
 from common.protocol import ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
+from common.runtime.metrics import TransportCount
 from common.runtime.service import Interrupt, Job, Service
 from common.runtime.telemetry import context_from, span_scope, tracer
 from decode_service.timeline import Timeline
@@ -56,16 +57,19 @@ class DecodeService(Service):
         super().__init__(cfg, engine)
         self.kv_backend, why = resolve_backend(cfg.kv_backend)
         log.warning("decode %s: KV transfer backend %s (%s)", cfg.worker_name, self.kv_backend, why)
+        self.rank = 0  # the tensor-parallel rank whose KV shard this process holds: 0, no TP yet
         self.receiver = make_receiver(
             self.kv_backend,
             engine.kv_cache,
             engine.kv_compat(),
             self.connector,
             incarnation=self.incarnation,
+            rank=self.rank,
             host=cfg.host,
             port=cfg.kv_port,
             advertise_host=cfg.advertise_host,
         )
+        self.metrics.init_transfer(self.kv_backend, self.rank)  # observed by the sender: 0 here
         self.kv_endpoint = ""
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -77,24 +81,27 @@ class DecodeService(Service):
         await super().stop()
         await self.receiver.close()
 
-    def transfer_counters(self) -> list[tuple[str, str, int]]:
-        s = self.receiver.stats
+    def transfer_counters(self) -> list[TransportCount]:
+        s, backend, rank = self.receiver.stats, self.kv_backend, self.receiver.rank
         return [
-            ("splitserve_kv_transfer_bytes", "KV bytes received and written", s.bytes_received),
-            ("splitserve_kv_transfer_layers", "layer writes received", s.layers_received),
-            ("splitserve_kv_transfer_dones", "kv_done notifications received", s.dones_received),
-            ("splitserve_kv_transfer_stale_drops", "layers dropped: stale fence", s.stale_drops),
-            (
-                "splitserve_kv_transfer_preflight_refusals",
-                "senders refused: incompatible",
-                s.preflight_refusals,
-            ),
-            ("splitserve_kv_transfer_bad_messages", "malformed transfer messages", s.bad_messages),
-            (
-                "splitserve_kv_transfer_auth_failures",
-                "KV connections refused: the peer did not prove the internal secret",
-                s.auth_failures,
-            ),
+            TransportCount(name, doc, backend, rank, value)
+            for name, doc, value in (
+                ("splitserve_kv_transfer_bytes", "KV bytes received and written", s.bytes_received),
+                ("splitserve_kv_transfer_layers", "layer writes received", s.layers_received),
+                ("splitserve_kv_transfer_dones", "kv_done notifications received", s.dones_received),
+                ("splitserve_kv_transfer_stale_drops", "layers dropped: stale fence", s.stale_drops),
+                (
+                    "splitserve_kv_transfer_preflight_refusals",
+                    "senders refused: incompatible",
+                    s.preflight_refusals,
+                ),
+                ("splitserve_kv_transfer_bad_messages", "malformed transfer messages", s.bad_messages),
+                (
+                    "splitserve_kv_transfer_auth_failures",
+                    "KV connections refused: the peer did not prove the internal secret",
+                    s.auth_failures,
+                ),
+            )
         ]
 
     # --- the connector's news (event loop) ----------------------------------------------------------

@@ -78,21 +78,26 @@ def _check(backend: str) -> None:
         raise ValueError(f"unknown KV transfer backend {backend!r}; available: {', '.join(BACKENDS)}")
 
 
-def make_sender(backend: str, kv: PagedKVCache, compat: KVCompat, **options: Any) -> KVSender:
-    """The prefill side of `backend`; `options` go to its constructor (tcp, nixl, torch_dist: sender_id,
-    connect_timeout, secret (default: InternalSecret.from_env()); torch_dist: op_timeout_s)."""
+def make_sender(backend: str, kv: PagedKVCache, compat: KVCompat, rank: int = 0, **options: Any) -> KVSender:
+    """The prefill side of `backend`, sending from `kv`, the KV shard of tensor-parallel `rank` (its
+    transfers' metrics and spans say it); `options` go to its constructor (tcp, nixl, torch_dist:
+    sender_id, connect_timeout, secret (default: InternalSecret.from_env()); torch_dist: op_timeout_s)."""
     _check(backend)
+    sender: KVSender
     if backend == "torch_dist":
         from kv_transfer.backends.torch_dist import TorchDistSender
 
-        return TorchDistSender(kv, compat, **options)
-    if backend == "nixl":
+        sender = TorchDistSender(kv, compat, **options)
+    elif backend == "nixl":
         from kv_transfer.backends.nixl import NixlSender
 
-        return NixlSender(kv, compat, **options)
-    from kv_transfer.backends.tcp import TcpSender
+        sender = NixlSender(kv, compat, **options)
+    else:
+        from kv_transfer.backends.tcp import TcpSender
 
-    return TcpSender(kv, compat, **options)
+        sender = TcpSender(kv, compat, **options)
+    sender.rank = rank
+    return sender
 
 
 def make_receiver(
@@ -101,13 +106,14 @@ def make_receiver(
     compat: KVCompat,
     owner: ReceiverOwner,
     incarnation: str | None = None,
+    rank: int = 0,
     **options: Any,
 ) -> KVReceiver:
-    """The decode side of `backend`, writing into `kv` for `owner` (who says which fences are current
-    and hears of every layer and kv_done), advertising `incarnation` (default: a new id); `options` go
-    to its constructor (tcp: host, port,
-    advertise_host, secret (default: InternalSecret.from_env()), handshake_timeout_s; nixl: those and
-    poll_active_s, poll_idle_s, lost_peer_grace_s; torch_dist: tcp's and op_timeout_s)."""
+    """The decode side of `backend`, writing into `kv` (the KV shard of tensor-parallel `rank`) for
+    `owner` (who says which fences are current and hears of every layer and kv_done), advertising
+    `incarnation` (default: a new id); `options` go to its constructor (tcp: host, port, advertise_host,
+    secret (default: InternalSecret.from_env()), handshake_timeout_s; nixl: those and poll_active_s,
+    poll_idle_s, lost_peer_grace_s; torch_dist: tcp's and op_timeout_s)."""
     _check(backend)
     receiver: KVReceiver
     if backend == "torch_dist":
@@ -124,4 +130,5 @@ def make_receiver(
         receiver = TcpReceiver(kv, compat, owner, **options)
     if incarnation:
         receiver.incarnation = incarnation  # the service's own: one id for its registration and endpoint
+    receiver.rank = rank
     return receiver

@@ -83,6 +83,7 @@ class KVReceiver(ABC):
         self.compat = compat
         self.owner = owner
         self.stats = ReceiverStats()
+        self.rank = 0  # the tensor-parallel rank whose KV shard `kv` is (0: no tensor parallelism)
         # this process's start: part of the advertised endpoint, and said in every preflight reply
         self.incarnation = uuid.uuid4().hex[:12]
 
@@ -112,6 +113,7 @@ class KVSender(ABC):
         self.kv = kv
         self.compat = compat
         self.stats = SenderStats()
+        self.rank = 0  # the tensor-parallel rank whose KV shard `kv` is (0: no tensor parallelism)
 
     @abstractmethod
     async def send_layer(

@@ -26,9 +26,10 @@ from common.connector.remote_kv import OutgoingKV, TransferState
 from common.engine.api import AddRequest, Admission, Finish, TokenOutput
 from common.engine.llm_engine import LLMEngine
 from common.protocol import PrefillRequest, PrefillResult
+from common.runtime.metrics import TransportCount
 from common.runtime.service import Interrupt, Job, Service, error_response, msgpack_response
 from common.runtime.telemetry import context_from, span_ctx, tracer
-from kv_transfer import KVSender, TransferError, make_sender
+from kv_transfer import KVSender, SenderStats, TransferError, make_sender, resolve_backend
 from prefill_service.spans import compute_spans, fail, transfer_done
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,14 @@ class PrefillService(Service):
         super().__init__(cfg, engine)
         self._compat = engine.kv_compat()
         self.senders: dict[str, KVSender] = {}  # by backend: a decode service's endpoint names its own
-        self._tasks: set[asyncio.Task[None]] = set()  # clean-ups after an answer
+        # The tensor-parallel rank whose KV shard this process sends: 0, there is no tensor parallelism
+        # yet. Its senders carry it, and the transfer's metrics, span and record take it from them.
+        self.rank = 0
+        # the configured backend (auto: as a decode service here would choose): its metrics read 0 from
+        # the start; those of another backend a decode service names appear with its first transfer
+        self.kv_backend, _ = resolve_backend(cfg.kv_backend)
+        self.metrics.init_transfer(self.kv_backend, self.rank)
+        self._tasks: set[asyncio.Task[None]] = set()  # clean-ups and record writes after an answer
 
     async def stop(self) -> None:
         if self._tasks:
@@ -57,13 +65,21 @@ class PrefillService(Service):
         for sender in self.senders.values():
             await sender.close()
 
-    def transfer_counters(self) -> list[tuple[str, str, int]]:
-        stats = [s.stats for s in self.senders.values()]
-        return [
-            ("splitserve_kv_transfer_bytes", "KV bytes sent", sum(s.bytes_sent for s in stats)),
-            ("splitserve_kv_transfer_layers", "layer writes sent", sum(s.layers_sent for s in stats)),
-            ("splitserve_kv_transfer_dones", "kv_done notifications sent", sum(s.dones_sent for s in stats)),
-        ]
+    def transfer_counters(self) -> list[TransportCount]:
+        out: list[TransportCount] = []
+        for backend in dict.fromkeys([self.kv_backend, *self.senders]):  # the configured one, 0 until used
+            sender = self.senders.get(backend)
+            s, rank = (sender.stats, sender.rank) if sender is not None else (SenderStats(), self.rank)
+            out += [
+                TransportCount("splitserve_kv_transfer_bytes", "KV bytes sent", backend, rank, s.bytes_sent),
+                TransportCount(
+                    "splitserve_kv_transfer_layers", "layer writes sent", backend, rank, s.layers_sent
+                ),
+                TransportCount(
+                    "splitserve_kv_transfer_dones", "kv_done notifications sent", backend, rank, s.dones_sent
+                ),
+            ]
+        return out
 
     def sender_for(self, endpoint: str) -> KVSender:
         """The sender for the backend a decode service's endpoint names ("nixl://..." or "tcp://...").
@@ -71,7 +87,7 @@ class PrefillService(Service):
         backend = endpoint.split("://", 1)[0]
         if backend not in self.senders:
             self.senders[backend] = make_sender(
-                backend, self.engine.kv_cache, self._compat, sender_id=self.cfg.worker_name
+                backend, self.engine.kv_cache, self._compat, rank=self.rank, sender_id=self.cfg.worker_name
             )
         return self.senders[backend]
 
@@ -121,7 +137,17 @@ class PrefillService(Service):
             span.set_attribute("splitserve.num_cached_tokens", num_cached)
             await self.record(rid, RequestState.TRANSFERRING)
             await self.connector.finish_sending(rkv, out.token_ids[0], len(req.token_ids))
-            transfer_done(self.metrics, rkv)
+            sender = self.sender_for(rkv.endpoint)
+            transfer_s = transfer_done(self.metrics, rkv, sender.rank)
+            # the record says what the transfer cost (GET /v1/requests/{id}), written off the answer's path
+            self._spawn(
+                self.record_fields(
+                    rid,
+                    transfer_bytes=rkv.nbytes,
+                    transfer_ms=round(transfer_s * 1e3, 3),
+                    transfer_backend=rkv.endpoint.split("://", 1)[0],
+                )
+            )
             self.metrics.requests.labels(role="prefill", outcome="finished").inc()
             prefill_ms = (time.perf_counter() - t0) * 1e3
             first = out.token_ids[0]

@@ -47,29 +47,33 @@ def compute_spans(metrics: ServiceMetrics, rkv: OutgoingKV, num_cached_tokens: i
     compute.end(end_time=last)
 
 
-def transfer_done(metrics: ServiceMetrics, rkv: OutgoingKV) -> None:
-    """The kv.transfer span's figures and the transfer histograms, once kv_done went out."""
+def transfer_done(metrics: ServiceMetrics, rkv: OutgoingKV, rank: int) -> float:
+    """The kv.transfer span's figures and the transfer histograms, once kv_done went out; returns the
+    transfer's time in seconds (0 when nothing was written: the decode service held every block)."""
     if not rkv.writes:
-        return
+        return 0.0
+    backend = rkv.endpoint.split("://", 1)[0]
     # first write out to kv_done delivered: the transfer's wall time (compute gaps included)
     duration = time.perf_counter() - min((a for a, _ in rkv.active), default=time.perf_counter())
     active = rkv.active_s()
-    metrics.transfer.observe(duration)
-    metrics.transfer_active.observe(active)
+    metrics.observe_transfer(backend, rank, duration, active)
     span = rkv.span
     if span.is_recording():
         span.set_attributes({
-            "splitserve.kv.backend": rkv.endpoint.split("://", 1)[0],
+            "splitserve.kv.rank": rank,
+            "splitserve.kv.backend": backend,
             "splitserve.kv.bytes": rkv.nbytes,
             "splitserve.kv.blocks": len(rkv.dst_blocks),
             "splitserve.kv.layers": len(rkv.layers),
             "splitserve.kv.writes": len(rkv.writes),
             "splitserve.kv.duration_s": duration,
             "splitserve.kv.active_s": active,
-            "splitserve.kv.bandwidth_bytes_per_s": rkv.nbytes / active if active > 0 else 0.0,
             "splitserve.kv.endpoint": rkv.endpoint,
         })  # fmt: skip
+        if active > 0:  # gigabits per second, as link speeds are quoted; over the time a write was in flight
+            span.set_attribute("splitserve.kv.bandwidth_gbps", rkv.nbytes * 8 / active / 1e9)
     span.end()
+    return duration
 
 
 def fail(span: trace.Span, e: BaseException | str) -> None:

@@ -1,7 +1,8 @@
 """Request records in Redis: one hash per request, moved through a fixed state machine atomically.
 
     req:{id}   hash: state, t_<state> per transition, history (JSON [[state, ts], ...]), worker ids,
-               token counts, finish_reason, error, model, route; TTL once terminal
+               token counts, finish_reason, error, model, route, the KV transfer's bytes, time and
+               backend; TTL once terminal
 
 Every check-then-write runs as one Lua script, so concurrent writers cannot interleave between the
 check and the write. Transition timestamps come from the Redis server's clock (TIME): one clock for
@@ -68,6 +69,10 @@ RECORD_FIELDS: dict[str, type] = {
     "restored": int,  # 1: Redis lost the record (restarted empty) and its end was written again
     "tenant": str,  # the API key's tenant (a key reads only its own tenant's records)
     "key_id": str,  # the API key's public id (never its secret)
+    # the KV transfer, written by the prefill service once kv_done went out (the latest attempt's)
+    "transfer_bytes": int,  # KV bytes it sent
+    "transfer_ms": float,  # its first layer write to kv_done delivered
+    "transfer_backend": str,  # nixl, tcp, torch_dist
 }
 
 # KEYS[1] record. ARGV: new_state, ttl_s (0 = none), n, n allowed current states ("" = no record),
@@ -214,9 +219,9 @@ class RequestRecords:
         return record
 
 
-def _pairs(fields: Mapping[str, Any]) -> list[str | int]:
+def _pairs(fields: Mapping[str, Any]) -> list[str | int | float]:
     """Field/value pairs for HSET, types checked against RECORD_FIELDS; None values are left out."""
-    pairs: list[str | int] = []
+    pairs: list[str | int | float] = []
     for name, value in fields.items():
         if name not in RECORD_FIELDS:
             raise ValueError(f"unknown request field {name!r}; known: {sorted(RECORD_FIELDS)}")

@@ -4,7 +4,7 @@ and the engine's, leases' and KV transport's figures read at scrape time (nothin
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,6 +28,19 @@ OUTCOMES = {
 TRANSFER_FAILURES = ("TransferError", "PreflightError", "AuthError", "decode_lease_expired")
 INTERNAL_AUTH_REFUSALS = ("missing", "malformed", "stale", "bad_signature", "replayed", "too_large")
 PREEMPTION_KINDS = ("swap", "recompute")
+# The KV transfer's figures are labelled by backend and by rank (the tensor-parallel rank whose KV shard
+# moved; 0 until there is tensor parallelism): a bounded set, never a request id.
+TRANSFER_LABELS = ("backend", "rank")
+
+
+class TransportCount(NamedTuple):
+    """One KV-transport counter of one sender or receiver, read at scrape time."""
+
+    name: str  # without _total
+    doc: str
+    backend: str
+    rank: int
+    value: int
 
 
 class ServiceMetrics:
@@ -40,8 +53,8 @@ class ServiceMetrics:
         self.role = role
         self.requests = Counter("splitserve_requests", "requests by outcome", ["role", "outcome"], registry=r)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, registry=r, buckets=buckets)
+        def hist(name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(name, doc, labels, registry=r, buckets=buckets)
 
         self.queue_wait = hist(
             "splitserve_queue_wait_seconds", "arrival to admission (KV blocks granted)", _WAIT_BUCKETS
@@ -61,14 +74,16 @@ class ServiceMetrics:
         )
         self.transfer = hist(
             "splitserve_kv_transfer_seconds",
-            "first layer write to kv_done delivered (prefill)",
+            "first layer write to kv_done delivered (prefill), by backend and rank",
             _WAIT_BUCKETS,
+            TRANSFER_LABELS,
         )
         self.transfer_active = hist(
             "splitserve_kv_transfer_active_seconds",
-            "time at least one layer write was in flight (prefill); bandwidth = "
+            "time at least one layer write was in flight (prefill), by backend and rank; bandwidth = "
             "rate(splitserve_kv_transfer_bytes_total) / rate(this _sum)",
             _WAIT_BUCKETS,
+            TRANSFER_LABELS,
         )
         self.transfer_failures = Counter(
             "splitserve_kv_transfer_failures", "KV transfers that failed, by reason", ["reason"], registry=r
@@ -88,6 +103,16 @@ class ServiceMetrics:
         for reason in INTERNAL_AUTH_REFUSALS:
             self.internal_auth_refused.labels(reason)
 
+    def init_transfer(self, backend: str, rank: int) -> None:
+        """The transfer histograms' children of the service's own backend and rank, so that panels read
+        0 before the first transfer (another backend's children appear with its first transfer)."""
+        for h in (self.transfer, self.transfer_active):
+            h.labels(backend, str(rank))
+
+    def observe_transfer(self, backend: str, rank: int, duration_s: float, active_s: float) -> None:
+        self.transfer.labels(backend, str(rank)).observe(duration_s)
+        self.transfer_active.labels(backend, str(rank)).observe(active_s)
+
 
 class EngineCollector:
     """Gauges and counters read from the engine, block manager, leases and KV transport per scrape.
@@ -98,7 +123,7 @@ class EngineCollector:
         engine: LLMEngine,
         load: Callable[[], dict[str, Any]],
         expired_leases: Callable[[], int],
-        transfer_counters: Callable[[], list[tuple[str, str, int]]],
+        transfer_counters: Callable[[], list[TransportCount]],
     ) -> None:
         self.engine, self.load = engine, load
         self.expired_leases, self.transfer_counters = expired_leases, transfer_counters
@@ -144,5 +169,9 @@ class EngineCollector:
             "transfers ended because the peer's lease expired",
             value=self.expired_leases(),
         )
-        for name, doc, value in self.transfer_counters():
-            yield CounterMetricFamily(name, doc, value=value)
+        transport: dict[str, CounterMetricFamily] = {}  # one family per name, a sample per backend/rank
+        for c in self.transfer_counters():
+            if c.name not in transport:
+                transport[c.name] = CounterMetricFamily(c.name, c.doc, labels=TRANSFER_LABELS)
+            transport[c.name].add_metric([c.backend, str(c.rank)], c.value)
+        yield from transport.values()

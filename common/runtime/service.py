@@ -29,7 +29,7 @@ from common.config import ServiceConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
 from common.protocol import MAX_FRAME_BYTES, AbortRequest, Message, ProtocolError, decode, encode
-from common.runtime.metrics import EngineCollector, ServiceMetrics
+from common.runtime.metrics import EngineCollector, ServiceMetrics, TransportCount
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
 from common.security.internal_auth import InternalAuthMiddleware
 from common.security.secret import InternalSecret
@@ -121,8 +121,8 @@ class Service:
             "total_blocks": bm.num_blocks,
         }
 
-    def transfer_counters(self) -> list[tuple[str, str, int]]:
-        """(name, help, value) of the KV transport's counters, for /metrics."""
+    def transfer_counters(self) -> list[TransportCount]:
+        """The KV transport's counters, per backend and rank, for /metrics."""
         return []
 
     def refusal(self) -> Response | None:
@@ -239,6 +239,16 @@ class Service:
             await self.records.transition(request_id, new_state, **fields)
         except Exception:
             log.exception("could not record %s -> %s", request_id, new_state)
+
+    async def record_fields(self, request_id: str, **fields: Any) -> None:
+        """Fields of the request's record set without a transition; never takes the request down, like
+        `record`."""
+        if self.records is None:
+            return
+        try:
+            await self.records.set_fields(request_id, **fields)
+        except Exception:
+            log.exception("could not record %s of %s", sorted(fields), request_id)
 
     # --- the app ----------------------------------------------------------------------------------
     def make_app(self) -> FastAPI:

@@ -14,7 +14,7 @@ import pytest
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
-from tests.support.cluster import Cluster, get_json
+from tests.support.cluster import Cluster, get_json, internal_auth
 
 pytestmark = pytest.mark.slow
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
@@ -57,6 +57,8 @@ def record(router_url: str, request_id: str) -> dict:
 @pytest.mark.parametrize(("prompts", "route"), [(LONG, "split"), (SHORT, "local")])
 def test_greedy_matches_generate(stack, smollm, prompts, route) -> None:  # type: ignore[no-untyped-def]
     router = stack[3]
+    kv = httpx.get(stack[2].url + "/internal/kv", auth=internal_auth, timeout=10)
+    decode_backend = kv.json()["backend"]
     for prompt in prompts:
         r = httpx.post(
             router.url + "/v1/completions",
@@ -77,6 +79,11 @@ def test_greedy_matches_generate(stack, smollm, prompts, route) -> None:  # type
             else ["queued", "reserved", "decoding", "finished"]
         )
         assert states == expected, rec
+        if route == "split":  # what the KV transfer cost, written by the prefill service
+            assert rec["transfer_bytes"] > 0 and rec["transfer_ms"] >= 0, rec
+            assert rec["transfer_backend"] == decode_backend, rec
+        else:
+            assert "transfer_bytes" not in rec, rec
         stamps = [t for _, t in rec["history"]]
         assert stamps == sorted(stamps)
         assert rec["finish_reason"] == body["choices"][0]["finish_reason"]

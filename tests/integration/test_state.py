@@ -42,6 +42,8 @@ def test_split_path_records_every_transition_in_order(redis_url: str) -> None:
         await store.records.transition("r1", S.RESERVED, decode_id="decode-0")
         await store.records.transition("r1", S.PREFILLING, prefill_id="prefill-0")
         await store.records.transition("r1", S.TRANSFERRING)
+        transfer = {"transfer_bytes": 4096, "transfer_ms": 1.25, "transfer_backend": "tcp"}
+        assert await store.records.set_fields("r1", **transfer)
         await store.records.transition("r1", S.DECODING)
         await store.records.transition("r1", S.FINISHED, output_tokens=7, finish_reason="stop")
 
@@ -60,6 +62,7 @@ def test_split_path_records_every_transition_in_order(redis_url: str) -> None:
             "decode-0",
         )
         assert (rec["route"], rec["model"], rec["finish_reason"]) == ("split", "smollm2", "stop")
+        assert (rec["transfer_bytes"], rec["transfer_ms"], rec["transfer_backend"]) == (4096, 1.25, "tcp")
         assert await store.records.get("missing") is None
 
     run_with_store(redis_url, body)

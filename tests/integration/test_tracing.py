@@ -139,9 +139,12 @@ def test_one_trace_across_router_prefill_transfer_decode(stack, receiver) -> Non
     xa = {a.key: a.value for a in xfer.attributes}
     assert xa["splitserve.kv.bytes"].int_value > 0
     assert xa["splitserve.kv.blocks"].int_value > 0 and xa["splitserve.kv.layers"].int_value > 0
-    assert xa["splitserve.kv.bandwidth_bytes_per_s"].double_value > 0
-    assert xa["splitserve.kv.active_s"].double_value <= xa["splitserve.kv.duration_s"].double_value
-    assert xa["splitserve.kv.backend"].string_value
+    active_s = xa["splitserve.kv.active_s"].double_value
+    assert 0 < active_s <= xa["splitserve.kv.duration_s"].double_value
+    gbps = xa["splitserve.kv.bandwidth_gbps"].double_value  # bits over the time a write was in flight
+    assert gbps == pytest.approx(xa["splitserve.kv.bytes"].int_value * 8 / active_s / 1e9)
+    assert xa["splitserve.kv.rank"].int_value == 0  # no tensor parallelism: the one rank
+    assert xa["splitserve.kv.backend"].string_value in ("tcp", "nixl", "torch_dist")
     gen = next(s for s in spans if s.name == "decode.generate")
     assert {a.key: a.value for a in gen.attributes}["gen_ai.usage.output_tokens"].int_value == 8
 
@@ -155,6 +158,12 @@ def scrape(url: str) -> dict[str, float]:
         for s in fam.samples:
             out[s.name] += s.value
     return out
+
+
+def labels_of(url: str, sample: str) -> list[dict[str, str]]:
+    """The label sets of one sample name on /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return [s.labels for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == sample]
 
 
 SERVICE_MOVES = [  # must grow with one split request, on both services
@@ -212,6 +221,16 @@ def test_metrics_exposed_and_move(stack) -> None:  # type: ignore[no-untyped-def
         "splitserve_kv_transfer_active_seconds_count", 0
     )
     assert after["prefill"]["splitserve_prefix_cache_queries_total"] > 0
+    # the transfer's figures by backend and rank, never by request: one series per backend and rank
+    for role, proc in (("prefill", prefill), ("decode", decode_)):
+        for sample in (
+            "splitserve_kv_transfer_seconds_count",
+            "splitserve_kv_transfer_active_seconds_count",
+            "splitserve_kv_transfer_bytes_total",
+        ):
+            got = labels_of(proc.url, sample)
+            assert got, (role, sample)
+            assert all(set(ls) == {"backend", "rank"} and ls["rank"] == "0" for ls in got), (role, got)
     for name in ROUTER_MOVES:
         assert after["router"][name] > before["router"].get(name, 0), f"router {name} did not move"
     assert after["router"]["splitserve_router_goodput_ratio"] == 1.0  # no SLO configured: all met
