@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +25,7 @@ from fastapi import Request
 
 from common.security.secret import is_loopback
 from router.auth.keys import ApiKey, InvalidKey, KeyStore, KeyStoreUnavailable, load_keys_file
-from router.auth.ratelimit import RateLimiter
+from router.auth.ratelimit import RateLimiter, retry_after_header
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -52,7 +51,7 @@ class Access:
         static = load_keys_file(config.api_keys_file) if config.api_keys_file else []
         self.keys = KeyStore(redis, prefix, static)
         self.limiter = RateLimiter(redis, prefix) if redis is not None else None
-        if self.limiter is None and any(_limited(k) for _, k in static):
+        if self.limiter is None and any(k.limits.any() for _, k in static):
             raise ValueError("API key limits are kept in Redis: give the router a --redis-url")
         self.enabled = config.require_api_key or bool(static)
         # the explicit opt-out: a call without an Authorization header is served (no tenant, no limits);
@@ -140,7 +139,7 @@ class Access:
     async def admit(self, key: ApiKey | None, request_id: str, tokens: int) -> Admission | None:
         """Charge one request and `tokens` (prompt + max output) to the key, and hold a concurrency slot;
         429 with Retry-After and the x-ratelimit-* headers when a limit says no."""
-        if key is None or self.limiter is None or not _limited(key):
+        if key is None or self.limiter is None or not key.limits.any():
             return None
         hold_s = self.config.request_timeout_s + 60  # a router that dies frees its slots this late
         try:
@@ -155,7 +154,7 @@ class Access:
         if d.allowed:
             return Admission(key, request_id, tokens, dict(d.headers))
         self.metrics.rate_limited.labels(d.reason).inc()
-        if d.retry_after_s < 0:  # more tokens than the key may ever use in a minute
+        if d.never:  # more tokens than the key may ever use in a minute
             raise APIError(
                 429,
                 f"this request needs {tokens} tokens (prompt + max_tokens) but the key's limit is "
@@ -165,7 +164,7 @@ class Access:
         what = {"requests": "requests per minute", "tokens": "tokens per minute"}.get(
             d.reason, "concurrent requests"
         )
-        headers = {**d.headers, "Retry-After": str(max(1, math.ceil(d.retry_after_s)))}
+        headers = {**d.headers, "Retry-After": retry_after_header(d.retry_after_s)}
         raise APIError(
             429,
             f"rate limit reached for {what} on API key {key.key_id!r}: retry after "
@@ -187,8 +186,3 @@ class Access:
                 )
         except Exception:  # the slot expires by itself (hold_s); the refund is lost
             log.exception("could not release the rate-limit charge of %s", admission.request_id)
-
-
-def _limited(key: ApiKey) -> bool:
-    lim = key.limits
-    return lim.rpm is not None or lim.tpm is not None or lim.max_concurrent is not None

@@ -18,7 +18,6 @@ scrapers; the NetworkPolicy decides who reaches them).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import secrets
 import time
@@ -26,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Generator, Mapping
 
 import httpx
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.security.secret import InternalSecret
@@ -139,7 +139,9 @@ class InternalAuthMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body:
-            await self._refuse(send, 413, "too_large", f"body exceeds the {self.max_body}-byte limit")
+            await self._refuse(
+                scope, receive, send, 413, "too_large", f"body exceeds the {self.max_body}-byte limit"
+            )
             return
         body = bytearray()
         more = True
@@ -150,7 +152,9 @@ class InternalAuthMiddleware:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.max_body:
-                await self._refuse(send, 413, "too_large", f"body exceeds the {self.max_body}-byte limit")
+                await self._refuse(
+                    scope, receive, send, 413, "too_large", f"body exceeds the {self.max_body}-byte limit"
+                )
                 return
         target = scope.get("raw_path") or scope["path"].encode()
         if scope.get("query_string"):
@@ -159,7 +163,7 @@ class InternalAuthMiddleware:
         if why:
             client = scope.get("client")
             log.warning("refused %s %s from %s: %s", scope["method"], scope["path"], client, why)
-            await self._refuse(send, 401, why, f"internal call not authenticated ({why})")
+            await self._refuse(scope, receive, send, 401, why, f"internal call not authenticated ({why})")
             return
 
         replayed = False
@@ -173,18 +177,10 @@ class InternalAuthMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send, status: int, reason: str, message: str) -> None:
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, status: int, reason: str, message: str
+    ) -> None:
         if self.on_refused is not None:
             self.on_refused(reason)
-        body = json.dumps({"error": {"message": message, "code": status}}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        body = {"error": {"message": message, "code": status}}  # the services' error shape
+        await JSONResponse(body, status_code=status)(scope, receive, send)

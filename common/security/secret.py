@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import secrets
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -104,8 +105,6 @@ class InternalSecret:
 def ensure_for_children(environ: dict[str, str] | None = None) -> None:
     """Give the processes this one starts (`splitserve up`, benchmarks) a random shared secret, unless
     one is configured: local deployments authenticate internal calls like every other."""
-    import secrets
-
     env = os.environ if environ is None else environ
     if not (env.get("SPLITSERVE_INTERNAL_SECRET") or env.get("SPLITSERVE_INTERNAL_SECRET_FILE")):
         env["SPLITSERVE_INTERNAL_SECRET"] = secrets.token_urlsafe(32)

@@ -169,13 +169,13 @@ class KeyStore:
         # Redis unreachable: a key verified from Redis within stale_s is still accepted (expiry checked),
         # so an outage does not lock every client out; a revocation made during it waits for Redis.
         self.stale_s, self.redis_timeout_s = stale_s, redis_timeout_s
-        self.served_stale = 0  # authentications answered from `_known` while Redis was unreachable
-        # sha256(secret) -> (key, monotonic time it was last verified against Redis)
-        self._known: dict[str, tuple[ApiKey, float]] = {}
+        self.served_stale = 0  # authentications answered from `_verified` while Redis was unreachable
+        # sha256(secret) -> (key, monotonic time it was last verified against Redis): successful
+        # authentications only. Younger than cache_s it answers without Redis; younger than stale_s it
+        # answers when Redis cannot.
+        self._verified: dict[str, tuple[ApiKey, float]] = {}
         self._static = list(static)
         self._static_by_id = {key.key_id: key for _, key in self._static}
-        # sha256(secret) -> (key, monotonic deadline): successful authentications only
-        self._cache: dict[str, tuple[ApiKey, float]] = {}
         self._create_script = redis.register_script(_CREATE_LUA) if redis is not None else None
 
     def _key(self, key_id: str) -> str:
@@ -269,10 +269,8 @@ class KeyStore:
                 await client.hset(self._key(key_id), "revoked", "1")
         except (RedisError, OSError) as e:
             raise KeyStoreUnavailable(f"Redis: {e}") from e
-        for digest in [d for d, (k, _) in self._cache.items() if k.key_id == key_id]:
-            self._cache.pop(digest, None)
-        for digest in [d for d, (k, _) in self._known.items() if k.key_id == key_id]:
-            self._known.pop(digest, None)
+        for digest in [d for d, (k, _) in self._verified.items() if k.key_id == key_id]:
+            self._verified.pop(digest, None)
         return bool(exists)
 
     async def any_keys(self) -> bool:
@@ -292,12 +290,9 @@ class KeyStore:
         token = _bearer_token(authorization)
         digest = _sha256(token)
         now = time.monotonic()
-        hit = self._cache.get(digest)
-        if hit is not None:
-            key, deadline = hit
-            if now < deadline:
-                return self._admit(key)
-            del self._cache[digest]
+        hit = self._verified.get(digest)
+        if hit is not None and now - hit[1] < self.cache_s:
+            return self._admit(hit[0])
         static = None
         for stored_digest, candidate in self._static:  # all compared, no early exit
             if hmac.compare_digest(stored_digest, digest):
@@ -311,29 +306,23 @@ class KeyStore:
         try:
             row = await self._fetch(key_id) if self.redis is not None else {}
         except KeyStoreUnavailable:
-            known = self._known.get(digest)
-            if known is None or now - known[1] > self.stale_s:
+            if hit is None or now - hit[1] > self.stale_s:
                 raise
             self.served_stale += 1
-            return self._admit(known[0])
+            return self._admit(hit[0])
         if not row or "hash" not in row or "salt" not in row:
             hmac.compare_digest(_secret_hash(_DUMMY_SALT, token), _DUMMY_HASH)  # same work as a miss
             raise InvalidKey("unknown")
         if not hmac.compare_digest(_secret_hash(row["salt"], token), row["hash"]):
             raise InvalidKey("unknown")
         key = self._admit(self._from_hash(key_id, row))  # raises on revoked / expired: not cached
-        if self.cache_s > 0:
-            if len(self._cache) >= CACHE_MAX_ENTRIES:
-                self._cache = {d: e for d, e in self._cache.items() if e[1] > now}
-                if len(self._cache) >= CACHE_MAX_ENTRIES:
-                    self._cache.clear()
-            self._cache[digest] = (key, now + self.cache_s)
-        if self.stale_s > 0:
-            if len(self._known) >= CACHE_MAX_ENTRIES:
-                self._known = {d: e for d, e in self._known.items() if now - e[1] <= self.stale_s}
-                if len(self._known) >= CACHE_MAX_ENTRIES:
-                    self._known.clear()
-            self._known[digest] = (key, now)
+        keep_s = max(self.cache_s, self.stale_s)
+        if keep_s > 0:
+            if len(self._verified) >= CACHE_MAX_ENTRIES:
+                self._verified = {d: e for d, e in self._verified.items() if now - e[1] <= keep_s}
+                if len(self._verified) >= CACHE_MAX_ENTRIES:
+                    self._verified.clear()
+            self._verified[digest] = (key, now)
         return key
 
     @staticmethod
