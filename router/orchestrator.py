@@ -44,6 +44,7 @@ from router.upstream import (
 from router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
+ABORT_WAIT_S = 30.0  # a service's /internal/abort answers within this once the request is gone there
 _background: set[asyncio.Task[Any]] = set()
 _tracer = tracer(__name__)
 
@@ -254,8 +255,10 @@ class Generation:
             except PrefillFailed as e:
                 await self._abort(prefill)
                 # Drop the reservation: a late write from the failed worker then meets a stale fence.
+                # Wait until it is gone: the request (same id) is placed on a decode service again next,
+                # maybe this one, which refuses an id it is still tearing down (409).
                 if self._stream is not None:
-                    await self._abort(self._stream.worker)
+                    await self._abort(self._stream.worker, until_gone=True)
                 await self._close_decode()
                 log.warning(
                     "request %s: prefill on %s failed (%s); policy %s", self.id, prefill.id, e, policy
@@ -444,10 +447,13 @@ class Generation:
                 if fut is not None and not fut.done():
                     fut.cancel()
 
-    async def _abort(self, w: Worker) -> None:
+    async def _abort(self, w: Worker, until_gone: bool = False) -> None:
+        """Abort the request on `w`; with until_gone, wait as long as the service takes to let go of it
+        (a loaded engine thread needs more than the default 2 s), up to the request's deadline."""
         if w is self._prefill:
             self._prefill = None
-        await post_abort(self.o.client, w, self.id)
+        timeout_s = max(2.0, min(ABORT_WAIT_S, self.deadline - time.time())) if until_gone else 2.0
+        await post_abort(self.o.client, w, self.id, timeout_s)
 
     # ---- records ---------------------------------------------------------------------------------
 

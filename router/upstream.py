@@ -188,11 +188,13 @@ async def call_prefill(client: httpx.AsyncClient, w: Worker, req: PrefillRequest
     return int(result.first_token)
 
 
-async def post_abort(client: httpx.AsyncClient, w: Worker, request_id: str) -> None:
-    """Best effort: tell a service to drop the request (its leases expire on their own anyway)."""
+async def post_abort(client: httpx.AsyncClient, w: Worker, request_id: str, timeout_s: float = 2.0) -> None:
+    """Best effort: tell a service to drop the request (its leases expire on their own anyway). The
+    service answers once the request is gone there, so a caller that waits for the answer may place
+    the same request id on it again."""
     try:
         body = encode(AbortRequest(request_id))
-        await client.post(f"{w.url}/internal/abort", content=body, headers=MSGPACK, timeout=2.0)
+        await client.post(f"{w.url}/internal/abort", content=body, headers=MSGPACK, timeout=timeout_s)
     except httpx.HTTPError as e:
         log.warning("request %s: abort on %s failed: %r", request_id, w.id, e)
 
