@@ -10,6 +10,14 @@ key that is sent is still checked.
 
 Scopes: "inference" may generate, list models and read its own tenant's request records; "metrics" may
 read /metrics; "admin" may do everything, and read any tenant's records.
+
+Observability (docs/operations.md, "Metrics"): each generation past authentication counts once in
+`splitserve_router_tenant_requests_total{tenant,status}` at `admit` (status "accepted" or
+"rate_limited"), and its tokens in `splitserve_router_tenant_tokens_total{tenant,kind}` at `release`;
+the tenant label is bounded (RouterMetrics.tenant: `metrics_max_tenants` names, then "_other"; "_none"
+without a key). Calls refused for their key have no tenant and count in `auth_refused_total` only. Each
+refusal adds a span event to the current span: `splitserve.auth_refused` (reason) and
+`splitserve.rate_limited` (limit, tenant, key id).
 """
 
 from __future__ import annotations
@@ -22,13 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from opentelemetry import trace
 
 from common.security.secret import is_loopback
 from router.auth.keys import ApiKey, InvalidKey, KeyStore, KeyStoreUnavailable, load_keys_file
 from router.auth.ratelimit import RateLimiter, retry_after_header
 from router.config import RouterConfig
 from router.errors import APIError
-from router.metrics import RouterMetrics
+from router.metrics import TENANT_NONE, RouterMetrics
 
 log = logging.getLogger(__name__)
 POLL_S = 1.0
@@ -37,17 +46,22 @@ LIMITS_TIMEOUT_S = 1.0  # a rate-limit check that Redis does not answer this soo
 
 @dataclass
 class Admission:
-    """A generation's charge against its key's limits, released exactly once at its end."""
+    """A generation let in: its charge against its key's limits (if any) and its tenant's metrics label,
+    released exactly once at its end."""
 
-    key: ApiKey
+    key: ApiKey | None  # None: no key (auth off, or the allow_unauthenticated opt-out)
     request_id: str
-    charged_tokens: int
-    headers: dict[str, str]
+    charged_tokens: int  # charged to the key's limits; 0 with `charged` False
+    headers: dict[str, str]  # the x-ratelimit-* headers for the answer
+    tenant: str = TENANT_NONE  # the bounded `tenant` label value (RouterMetrics.tenant)
+    prompt_tokens: int | None = None  # to split the tokens used into prompt and output
+    charged: bool = False  # holds a rate-limit charge (a concurrency slot, tokens) to give back
 
 
 class Access:
     def __init__(self, config: RouterConfig, redis: Any, prefix: str, metrics: RouterMetrics) -> None:
         self.config, self.metrics = config, metrics
+        metrics.tenants.limit = config.metrics_max_tenants
         static = load_keys_file(config.api_keys_file) if config.api_keys_file else []
         self.keys = KeyStore(redis, prefix, static)
         self.limiter = RateLimiter(redis, prefix) if redis is not None else None
@@ -107,6 +121,7 @@ class Access:
                 key = await self.keys.authenticate(request.headers.get("authorization"))
             except InvalidKey as e:
                 self.metrics.auth_refused.labels(e.reason).inc()
+                trace.get_current_span().add_event("splitserve.auth_refused", {"splitserve.reason": e.reason})
                 raise APIError(
                     401,
                     str(e),
@@ -121,6 +136,14 @@ class Access:
                 ) from None
             if scope not in key.scopes and "admin" not in key.scopes:
                 self.metrics.auth_refused.labels("forbidden").inc()
+                trace.get_current_span().add_event(
+                    "splitserve.auth_refused",
+                    {
+                        "splitserve.reason": "forbidden",
+                        "splitserve.key_id": key.key_id,
+                        "splitserve.scope": scope,
+                    },
+                )
                 raise APIError(
                     403, f"the API key {key.key_id!r} lacks the {scope!r} scope", code="permission_denied"
                 )
@@ -136,11 +159,17 @@ class Access:
 
     # ---- limits ----------------------------------------------------------------------------------
 
-    async def admit(self, key: ApiKey | None, request_id: str, tokens: int) -> Admission | None:
+    async def admit(
+        self, key: ApiKey | None, request_id: str, tokens: int, prompt_tokens: int | None = None
+    ) -> Admission:
         """Charge one request and `tokens` (prompt + max output) to the key, and hold a concurrency slot;
-        429 with Retry-After and the x-ratelimit-* headers when a limit says no."""
+        429 with Retry-After and the x-ratelimit-* headers when a limit says no. Counted for the key's
+        tenant either way; `prompt_tokens` (of `tokens`) lets `release` count prompt and output apart."""
+        tenant = self.metrics.tenant(key.tenant if key is not None else None)
+        admission = Admission(key, request_id, 0, {}, tenant, prompt_tokens)
         if key is None or self.limiter is None or not key.limits.any():
-            return None
+            self.metrics.tenant_requests.labels(tenant, "accepted").inc()
+            return admission
         hold_s = self.config.request_timeout_s + 60  # a router that dies frees its slots this late
         try:
             async with asyncio.timeout(LIMITS_TIMEOUT_S):
@@ -149,11 +178,19 @@ class Access:
             # Redis unreachable: serve the request unmetered rather than lock every limited key out for
             # the outage (limits share a budget, they guard no secret); counted and logged, not silent
             self.metrics.limits_unenforced.inc()
+            self.metrics.tenant_requests.labels(tenant, "accepted").inc()
             log.warning("rate limits of %s not enforced for %s: %r", key.key_id, request_id, e)
-            return None
+            return admission
         if d.allowed:
-            return Admission(key, request_id, tokens, dict(d.headers))
+            self.metrics.tenant_requests.labels(tenant, "accepted").inc()
+            admission.charged_tokens, admission.headers, admission.charged = tokens, dict(d.headers), True
+            return admission
         self.metrics.rate_limited.labels(d.reason).inc()
+        self.metrics.tenant_requests.labels(tenant, "rate_limited").inc()
+        trace.get_current_span().add_event(
+            "splitserve.rate_limited",
+            {"splitserve.limit": d.reason, "splitserve.tenant": key.tenant, "splitserve.key_id": key.key_id},
+        )
         if d.never:  # more tokens than the key may ever use in a minute
             raise APIError(
                 429,
@@ -173,8 +210,15 @@ class Access:
         )  # fmt: skip
 
     async def release(self, admission: Admission | None, used_tokens: int) -> None:
-        """Give back the concurrency slot and the tokens charged but not used."""
-        if admission is None or self.limiter is None:
+        """Count the tokens used (prompt + output) for the tenant; give back the concurrency slot and the
+        tokens charged but not used."""
+        if admission is None:
+            return
+        if admission.prompt_tokens is not None:  # else unknown: the split, and so the count, is left out
+            prompt = min(admission.prompt_tokens, used_tokens)
+            self.metrics.tenant_tokens.labels(admission.tenant, "prompt").inc(prompt)
+            self.metrics.tenant_tokens.labels(admission.tenant, "output").inc(used_tokens - prompt)
+        if not admission.charged or admission.key is None or self.limiter is None:
             return
         try:
             async with asyncio.timeout(LIMITS_TIMEOUT_S):

@@ -90,6 +90,12 @@ class RouterConfig(BaseSettings):
         False,
         description="put prompts and completions in logs and spans (OpenTelemetry GenAI content capture)",
     )
+    metrics_max_tenants: int = Field(
+        20,
+        ge=0,
+        description="tenants that get a `tenant` label value of their own in the router's metrics (the "
+        "first seen since start); the rest are counted as `_other`",
+    )
 
     @field_validator("decode_urls", "prefill_urls", mode="before")
     @classmethod

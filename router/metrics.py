@@ -3,6 +3,8 @@ several apps (tests) without duplicate-metric errors."""
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -31,8 +33,35 @@ MIGRATION_REASONS = ("lost", "stalled", "gave_up")
 SHED_REASONS = ("queue_depth", "queue_wait", "start_timeout")
 AUTH_REFUSALS = (*InvalidKey.MESSAGES, "forbidden")  # 401 reasons, then 403
 LIMITS = ("requests", "tokens", "concurrency")
+# Tenants (router.access): a bounded label. The first `max_tenants` tenants seen since start keep their
+# name; later ones are counted as TENANT_OTHER, requests without a key (auth off) as TENANT_NONE.
+TENANT_NONE, TENANT_OTHER = "_none", "_other"
+TENANT_STATUSES = ("accepted", "rate_limited")  # admitted past the key's limits, or refused with 429
+TOKEN_KINDS = ("prompt", "output")
+DEFAULT_MAX_TENANTS = 20
+WORKER_ROLES = ("prefill", "decode")
 # transfer_failure_policy -> the outcomes it can count (retry falls back to recomputing on the last try)
 POLICY_OUTCOMES = {"retry": ("retried", "recomputed"), "recompute": ("recomputed",), "fail": ("failed",)}
+
+
+class TenantLabels:
+    """The `tenant` label value of a tenant: its own name for the first `limit` distinct tenants seen
+    (this process, since start), TENANT_OTHER for the rest, TENANT_NONE for no tenant (no key). A tenant
+    whose name is one of those two is counted as TENANT_OTHER, so they keep their meaning."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_TENANTS) -> None:
+        self.limit = limit
+        self.named: set[str] = set()
+
+    def __call__(self, tenant: str | None) -> str:
+        if tenant is None:
+            return TENANT_NONE
+        if tenant in self.named:
+            return tenant
+        if tenant in (TENANT_NONE, TENANT_OTHER) or len(self.named) >= self.limit:
+            return TENANT_OTHER
+        self.named.add(tenant)
+        return tenant
 
 
 class RouterMetrics:
@@ -40,7 +69,7 @@ class RouterMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "splitserve_router_"
         self.requests = Counter(
@@ -116,6 +145,23 @@ class RouterMetrics:
             "Requests of rate-limited keys served without a limit check because Redis did not answer",
             registry=r,
         )
+        self.tenant_requests = Counter(
+            p + "tenant_requests",
+            "Generation requests past authentication, by tenant (bounded: the first "
+            "metrics_max_tenants tenants, then _other; _none: no key) and admission (accepted, or "
+            "rate_limited: refused with 429)",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            p + "tenant_tokens",
+            "Tokens of accepted requests by tenant (as tenant_requests) and kind (prompt, output): what "
+            "the key's tokens-per-minute limit counts",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.tenants = TenantLabels(max_tenants)
+        self._tenant_children: set[str] = set()
         self.state_errors = Counter(p + "state_errors", "Redis record writes that failed", registry=r)
         self.inflight = Gauge(p + "inflight_requests", "Requests being served now", registry=r)
         self.slo_met = Counter(
@@ -157,6 +203,18 @@ class RouterMetrics:
         for limit in LIMITS:
             self.rate_limited.labels(limit)
 
+    def tenant(self, tenant: str | None) -> str:
+        """The bounded label value of `tenant` (None: no key); its children start at 0 when first seen,
+        so a tenant's 429 and token series exist from its first request."""
+        label = self.tenants(tenant)
+        if label not in self._tenant_children:
+            self._tenant_children.add(label)
+            for status in TENANT_STATUSES:
+                self.tenant_requests.labels(label, status)
+            for kind in TOKEN_KINDS:
+                self.tenant_tokens.labels(label, kind)
+        return label
+
     def watch(self, orch: Any) -> None:
         """Gauges read from the orchestrator at scrape time: what waits for Redis. The transfer-failure
         outcomes its policy can produce start at 0."""
@@ -175,6 +233,15 @@ class RouterMetrics:
             registry=r,
         )
         orphans.set_function(lambda: orch.owners.swept if orch.owners else 0)
+        workers = Gauge(
+            p + "registered_workers",
+            "Prefill / decode services the router routes on, as of its last registry read (each routed "
+            "request and each /health; the last known list while Redis is away; a static list's length)",
+            ["worker_role"],
+            registry=r,
+        )
+        for role in WORKER_ROLES:
+            workers.labels(role).set_function(functools.partial(_known_workers, orch.pool, role))
 
     def judge(self, met: bool) -> None:
         """Count one finished request against the SLOs."""
@@ -187,3 +254,11 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _known_workers(pool: Any, role: str) -> float:
+    """The pool's last known count of `role` workers; NaN rather than a failed scrape (never raises)."""
+    try:
+        return float(pool.known(role))
+    except Exception:
+        return math.nan

@@ -58,6 +58,15 @@ class WorkerPool:
             workers = []
         return sorted(workers, key=self._key)
 
+    def known(self, role: str) -> int:
+        """How many `role` workers the router routes on now, as of its last registry read (every routed
+        request and every /health reads it, at most once per CACHE_S): the last known list while it
+        serves stale; a static list's length. 0 before the first read. Never touches Redis: read at
+        scrape time."""
+        if self.static.get(role):
+            return len(self.static[role])
+        return len(self._cache.get(role, (0.0, []))[1])
+
     async def _read(self, role: str) -> list[Worker]:
         assert self.state is not None
         now = time.monotonic()

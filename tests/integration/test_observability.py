@@ -3,9 +3,9 @@ fetched by tests/support/prometheus.py; skipped where it cannot be) scrape a rea
 decode service and load deploy/prometheus/rules.yaml. One scrapes as compose does (deploy/prometheus.yml:
 its job names and `role` labels, the router's /metrics behind a bearer key with the metrics scope), the
 other as the chart's ServiceMonitors do (jobs named after the release's Services, a namespace label, no
-`role`). After split, local, failed, cancelled, unauthenticated, rate-limited and forged requests, on both,
-every expression of the Grafana dashboard returns a series, every rule evaluates without error, and the
-alerts that must be active are."""
+`role`). After split, local, failed, cancelled, unauthenticated, rate-limited and forged requests of two
+tenants (the router names one: METRICS_MAX_TENANTS=1), on both, every expression of the Grafana dashboard
+returns a series, every rule evaluates without error, and the alerts that must be active are."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from tests.support.prometheus import Prometheus, Unavailable, dashboard_targets,
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
-# static API keys (the router's keys file): Prometheus' (metrics only), a user's, one limited to 1 rpm
+# static API keys (the router's keys file): Prometheus' (metrics only), a user's (tenant team-a), one of
+# tenant team-b limited to 1 rpm
 METRICS_KEY = "metrics-key-for-prometheus-0123456789"
 USER_KEY = "user-key-for-the-observability-test-0123"
 LIMITED_KEY = "limited-key-one-request-a-minute-01234"
@@ -90,8 +91,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     keys = tmp / "api-keys"
     keys.write_text(
         f"{METRICS_KEY} name=prometheus scopes=metrics\n"
-        f"{USER_KEY} name=user\n"
-        f"{LIMITED_KEY} name=limited rpm=1\n"
+        f"{USER_KEY} name=user tenant=team-a\n"
+        f"{LIMITED_KEY} name=limited tenant=team-b rpm=1\n"
     )
     (tmp / "metrics-key").write_text(METRICS_KEY)
     ports = {role: free_port() for role in ("router", "prefill", "decode")}
@@ -116,7 +117,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "--api-keys-file", str(keys),
             "--decode-stall-s", str(STALL_S),
             "--max-migrations", "0",  # a stalled decode stream fails its request: a real failure
-            env={"SPLITSERVE_ROUTER_SLO_TTFT_MS": "1"},  # every request misses: the TTFT burn alert
+            env={
+                "SPLITSERVE_ROUTER_SLO_TTFT_MS": "1",  # every request misses: the TTFT burn alert
+                "SPLITSERVE_ROUTER_METRICS_MAX_TENANTS": "1",  # team-a comes first; team-b is _other
+            },
             port=ports["router"],
         )  # fmt: skip
         for prom in proms.values():
@@ -250,6 +254,15 @@ def test_every_dashboard_query_returns_a_series_and_the_rules_work(served: Stack
         'sum(splitserve_router_rate_limited_total{limit="requests"})': 1,
         'sum(splitserve_internal_auth_refused_total{job=~".*splitserve-decode",reason="missing"})': 1,
         'sum(splitserve_kv_transfer_dones_total{job=~".*splitserve-decode"})': 3,
+        # by tenant: team-a's 7 requests (3 split, 2 local, cancelled, failed); team-b's past the cap
+        'sum(splitserve_router_tenant_requests_total{tenant="team-a",status="accepted"})': 7,
+        'sum(splitserve_router_tenant_requests_total{tenant="team-a",status="rate_limited"})': 0,
+        'sum(splitserve_router_tenant_requests_total{tenant="_other",status="accepted"})': 1,
+        'sum(splitserve_router_tenant_requests_total{tenant="_other",status="rate_limited"})': 1,
+        "count(count by (tenant) (splitserve_router_tenant_requests_total))": 2,  # no team-b, no _none
+        "count(count by (tenant, kind) (splitserve_router_tenant_tokens_total))": 4,
+        'sum(splitserve_router_registered_workers{worker_role="prefill"})': 1,
+        'sum(splitserve_router_registered_workers{worker_role="decode"})': 1,
     }
     got = {expr: prom.value(expr) for expr in counts}
     assert got == {expr: float(n) for expr, n in counts.items()}, got
@@ -276,8 +289,19 @@ def test_every_dashboard_query_returns_a_series_and_the_rules_work(served: Stack
     assert prom.value("splitserve:slo_ttft_errors:ratio_rate5m") >= 1  # a 1 ms TTFT objective: all miss
     assert prom.value("splitserve:slo_tpot_errors:ratio_rate5m") == 0  # no TPOT objective: none
 
-    # 4. the alerts: the TTFT budget burns (pending: `for: 2m`); no leaked KV blocks, decode is up
+    # 4. the alerts: the TTFT budget burns (pending: `for: 2m`); the unsigned internal call fires at once;
+    # no leaked KV blocks, decode is up and registered, one 429 and one 401 are no spike
     active = {(a["labels"]["alertname"], a["state"]) for a in prom.api("alerts")["alerts"]}
     assert active & {("SplitserveTTFTBudgetBurn", "pending"), ("SplitserveTTFTBudgetBurn", "firing")}, active
-    quiet = {"SplitserveKVBlocksLeaked", "SplitserveNoDecodeService", "SplitserveTPOTBudgetBurn"}
+    assert ("SplitserveInternalAuthRefused", "firing") in active, active
+    quiet = {
+        "SplitserveKVBlocksLeaked",
+        "SplitserveNoDecodeService",
+        "SplitserveTPOTBudgetBurn",
+        "SplitservePrefillNotRegistered",
+        "SplitserveNoDecodeRegistered",
+        "SplitserveAuthRefusalsSpike",
+        "SplitserveRateLimitsUnenforced",
+        "SplitserveTenantRateLimited",
+    }
     assert not {name for name, _ in active} & quiet, active
