@@ -38,6 +38,7 @@ from router.metrics import RouterMetrics
 from router.openai_types import ChatCompletionRequest, CompletionRequest, request_body_schema
 from router.orchestrator import Orchestrator
 from router.serving import Server
+from router.tokenize import detokenize, detokenize_body_schema, tokenize, tokenize_body_schema
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,18 @@ def create_app(
     )
     async def chat_completions(request: Request, key: ApiKey | None = inference) -> Response:
         return await server.generate(request, chat=True, key=key)
+
+    @app.post(
+        "/tokenize", dependencies=[inference], openapi_extra={"requestBody": tokenize_body_schema(served)}
+    )
+    async def tokenize_endpoint(request: Request) -> dict[str, Any]:
+        return tokenize(server, await request.body())
+
+    @app.post(
+        "/detokenize", dependencies=[inference], openapi_extra={"requestBody": detokenize_body_schema(served)}
+    )
+    async def detokenize_endpoint(request: Request) -> dict[str, Any]:
+        return detokenize(server, await request.body())
 
     @app.get("/v1/models", dependencies=[inference])
     async def models() -> dict[str, Any]:
