@@ -56,7 +56,7 @@ def real_step_overhead(model_path: str | None, batch: int = 16, steps: int = 30)
         b = time.perf_counter()
         sampled = engine.runner.run(out)
         c = time.perf_counter()
-        engine.scheduler.postprocess(out, sampled)
+        engine.scheduler.postprocess(out, [s.token_id if s is not None else None for s in sampled])
         d = time.perf_counter()
         t_sched, t_run, t_post = t_sched + b - a, t_run + c - b, t_post + d - c
     total = t_sched + t_run + t_post

@@ -19,9 +19,11 @@ from typing import Any, Literal, TypeVar, overload
 
 import msgspec
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TokenLogprob
 
-PROTOCOL_VERSION = 2
+# 3: sampling gained penalties, logit bias, min_p, logprobs and structured-output guides; a version-2
+# peer would ignore them and sample differently, so it is refused instead
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 16 << 20  # one message: a 1M-token prompt is ~5 MB of msgpack ints
 _LEN = struct.Struct(">I")
 
@@ -160,6 +162,9 @@ class TokenFrame(Message, tag="tokens"):
     token_ids: list[int]
     index: int
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request's sampling asks
+    # local mode, sampling.prompt_logprobs: the first frame scores the prompt (None for its first token)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -200,6 +205,8 @@ class PrefillResult(Message, tag="prefill_result"):
     num_cached_tokens: int  # prefix-cache hits on the prefill service
     prefill_ms: float
     transfer_bytes: int
+    first_logprob: TokenLogprob | None = None  # sampling.logprobs: token 0's
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sampling.prompt_logprobs: the prompt's
 
 
 class AbortRequest(Message, tag="abort"):

@@ -180,7 +180,12 @@ class DecodeService(Service):
                         job.tl.on_frame(self.metrics, ev.index, len(ev.token_ids), ev.finish_reason)
                     else:
                         job.tl.finish_reason = ev.finish_reason  # token 0 itself ended it
-                    yield frame(TokenFrame(rid, ev.token_ids, ev.index, ev.finish_reason))
+                    yield frame(
+                        TokenFrame(
+                            rid, ev.token_ids, ev.index, ev.finish_reason,
+                            logprobs=ev.logprobs, prompt_logprobs=ev.prompt_logprobs,
+                        )
+                    )  # fmt: skip
         finally:
             # the reader may have gone away (cancellation): clean-up must still run to the end
             with anyio.CancelScope(shield=True):

@@ -108,8 +108,12 @@ class PrefillService(Service):
                 f"{len(req.token_ids)} prompt tokens need {-(-len(req.token_ids) // bs)} "
                 f"blocks of {bs}, got {len(req.block_ids)} destination blocks",
             )
-        # one token here (after the output a migrated request already has); stop rules are the decode side's
-        params = req.sampling.replace(max_tokens=req.num_output_tokens + 1, min_tokens=0)
+        # One token here (after the output a migrated request already has); stop rules are the decode
+        # side's. min_tokens is capped to stay valid, which keeps EOS masked for token 0 exactly when the
+        # decode service would mask it; everything else the sampler reads is the request's own.
+        n_out = req.num_output_tokens
+        min_tokens = min(req.sampling.min_tokens, n_out + 1)
+        params = req.sampling.replace(max_tokens=n_out + 1, min_tokens=min_tokens)
         refused = self.refusal()
         if refused is not None:
             self.metrics.requests.labels(role="prefill", outcome="refused").inc()
@@ -151,9 +155,13 @@ class PrefillService(Service):
             self.metrics.requests.labels(role="prefill", outcome="finished").inc()
             prefill_ms = (time.perf_counter() - t0) * 1e3
             first = out.token_ids[0]
+            first_lp = out.logprobs[0] if out.logprobs else None
             return msgpack_response(
-                PrefillResult(rid, first, len(req.token_ids), num_cached, prefill_ms, rkv.nbytes)
-            )
+                PrefillResult(
+                    rid, first, len(req.token_ids), num_cached, prefill_ms, rkv.nbytes,
+                    first_logprob=first_lp, prompt_logprobs=out.prompt_logprobs,
+                )
+            )  # fmt: skip
         except TransferError as e:
             self.metrics.requests.labels(role="prefill", outcome="transfer_failed").inc()
             self.metrics.transfer_failures.labels(reason=type(e).__name__).inc()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TokenLogprob
 
 RemoteKV = Literal["receive", "send"]
 """How a request's KV relates to another service: "receive" (decode service: reserve blocks for the
@@ -70,6 +70,9 @@ class TokenOutput:
     token_ids: list[int]
     index: int
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when params.logprobs asks
+    # when params.prompt_logprobs asks: on the request's first output, one per prompt token (None first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -40,6 +40,7 @@ from common.model.loader import load_model
 from common.protocol import KVCompat
 from common.sampling_params import SamplingParams
 from common.text.detokenizer import IncrementalDetokenizer
+from common.text.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
 
 log = logging.getLogger("splitserve.engine")
@@ -115,7 +116,10 @@ class LLMEngine:
         self.scheduler = scheduler(
             sched_cfg, self.block_manager, tuple(mc.eos_token_ids), holds_blocks=self.connector.holds_blocks
         )
-        self.runner = ModelRunner(model, self.kv_cache, self.placement.attention_backend, self.connector)
+        self.runner = ModelRunner(
+            model, self.kv_cache, self.placement.attention_backend, self.connector, tuple(mc.eos_token_ids)
+        )
+        self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         if self.placement.cuda_graphs:
             t0 = time.monotonic()
             sizes = graph_batch_sizes(config.max_num_seqs)
@@ -229,9 +233,19 @@ class LLMEngine:
         seq.remote_kv, seq.num_prompt_tokens = remote_kv, len(ids) - num_output_tokens
         if seq.seq_id in self._seqs:
             raise ValueError(f"request id {seq.seq_id} is already in use")
+        if params.guide is not None:  # GuideError (a ValueError) for a guide that does not compile
+            seq.grammar = self.grammars.matcher(params.guide, ids[seq.num_prompt_tokens :])
+        if params.prompt_logprobs is not None and num_output_tokens == 0 and remote_kv != "receive":
+            seq.prompt_logprobs = [None]  # the first prompt token has no logprob
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size)
+        return self._grammars
 
     def kv_arrived(self, request_id: str, first_token: int) -> TokenOutput | None:
         """A prefill service wrote the prompt's KV into this request's reserved blocks and sampled
@@ -278,12 +292,16 @@ class LLMEngine:
             return result
         meta = self.connector.build_meta(out)
         sampled = self.runner.run(out, meta)
-        self.scheduler.postprocess(out, sampled)
-        for (seq, _), tok in zip(out.scheduled, sampled, strict=True):
-            if tok is None:
+        self.scheduler.postprocess(out, [s.token_id if s is not None else None for s in sampled])
+        for (seq, _), s in zip(out.scheduled, sampled, strict=True):
+            if s is None:
                 continue
             index = seq.num_output_tokens - 1
-            result.outputs.append(TokenOutput(seq.seq_id, [tok], index, seq.finish_reason))
+            lps = [s.logprob] if s.logprob is not None else None
+            prompt_lps, seq.prompt_logprobs = seq.prompt_logprobs, None  # sent once, with the first token
+            result.outputs.append(
+                TokenOutput(seq.seq_id, [s.token_id], index, seq.finish_reason, lps, prompt_lps)
+            )
             self._let_go(seq)
         return result
 

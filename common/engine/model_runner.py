@@ -20,7 +20,7 @@ import torch
 
 from common.engine.cuda_graphs import DecodeGraphs
 from common.engine.kv_connector import KVConnector
-from common.engine.sampler import Sampler
+from common.engine.sampler import Sampled, Sampler, prompt_logprobs
 from common.engine.scheduler import SchedulerOutput
 from common.kv.kv_cache import PagedKVCache
 from common.model.attention import AttentionMetadata, KernelMetadata
@@ -38,6 +38,8 @@ class StepInputs:
     context_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    # prompt logprobs: (sequence index in out.scheduled, first row, first position, row count)
+    prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -47,12 +49,13 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         attention_backend: str = "torch",
         connector: KVConnector | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.connector = connector or KVConnector()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         self.device = kv_cache.k.device
         self.use_kernels = attention_backend == "triton"
         self.graphs: DecodeGraphs | None = None
@@ -71,8 +74,16 @@ class ModelRunner:
         # padding rows (static baseline) recompute their last token in place: same cost, no new KV
         rows = [(seq, seq.num_computed_tokens, n, True) for seq, n in out.scheduled]
         rows += [(seq, seq.num_tokens - 1, 1, False) for seq in out.padding]
-        for seq, start, n, samples in rows:
+        for i, (seq, start, n, samples) in enumerate(rows):
             end = start + n
+            if samples and seq.prompt_logprobs is not None:
+                # rows whose next token is a prompt token not scored yet (a recomputed prompt is not
+                # scored twice); the row at position p scores token p + 1
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(end, seq.num_prompt_tokens - 1)
+                if last > first:
+                    row0 = step.query_start_loc[-1] + first - start
+                    step.prompt_rows.append((i, row0, first, last - first))
             step.ids.extend(seq.token_ids[start:end])
             step.positions.extend(range(start, end))
             bt = seq.block_table
@@ -97,9 +108,10 @@ class ModelRunner:
         return AttentionMetadata(qsl, ctx_lens, table_t, slot_t)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, transfer: Any | None = None) -> list[int | None]:
+    def run(self, out: SchedulerOutput, transfer: Any | None = None) -> list[Sampled | None]:
         """Forward the step and sample; one entry per scheduled sequence (None: chunk mid-prompt).
-        `transfer` is the connector's metadata for this step: each layer is handed to its worker side."""
+        `transfer` is the connector's metadata for this step: each layer is handed to its worker side.
+        Sequences that asked for prompt logprobs get this step's rows scored (seq.prompt_logprobs)."""
         step = self.prepare(out)
         ids = torch.tensor(step.ids, dtype=torch.long)
         positions = torch.tensor(step.positions, dtype=torch.long)
@@ -124,19 +136,26 @@ class ModelRunner:
                 meta,
                 on_layer_done=on_layer_done,
             )
-        result: list[int | None] = [None] * len(out.scheduled)
+        result: list[Sampled | None] = [None] * len(out.scheduled)
+        for i, row0, pos0, n in step.prompt_rows:
+            self._score_prompt(out.scheduled[i][0], hidden[row0 : row0 + n], pos0)
         if not step.sample_rows:
             return result
         logits = self.model.compute_logits(hidden[step.sample_rows])  # (N, vocab)
         sampling = [
             (i, seq) for i, (seq, _) in enumerate(out.scheduled) if step.context_lens[i] == seq.num_tokens
         ]
-        tokens = self.sampler(
-            logits, [s.params for _, s in sampling], [s.num_output_tokens for _, s in sampling]
-        )
+        tokens = self.sampler(logits, [seq for _, seq in sampling])
         for (i, _), tok in zip(sampling, tokens, strict=True):
             result[i] = tok
         return result
+
+    def _score_prompt(self, seq: Any, hidden: torch.Tensor, pos0: int) -> None:
+        """Logprobs of prompt tokens pos0 + 1 .. pos0 + n from the rows of positions pos0 .. pos0 + n - 1."""
+        assert seq.prompt_logprobs is not None
+        k = seq.params.prompt_logprobs or 0
+        targets = seq.token_ids[pos0 + 1 : pos0 + 1 + hidden.shape[0]]
+        seq.prompt_logprobs.extend(prompt_logprobs(self.model.compute_logits(hidden), targets, k))
 
     def _decode_only(self, step: StepInputs) -> bool:
         assert self.graphs is not None

@@ -16,6 +16,7 @@ finishes it again once the transfer let go (`holds_blocks`, asked of the KV conn
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from typing import Literal
 
 from common.engine.sequence import Sequence, SequenceStatus
 from common.kv.block_manager import BlockManager
+
+log = logging.getLogger("splitserve.scheduler")
 
 Policy = Literal["fcfs", "priority", "static"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
@@ -217,9 +220,11 @@ class Scheduler:
         for seq in queue:
             if budget == 0 or self.num_active >= self.config.max_num_seqs:
                 break
-            if not self.bm.can_allocate(seq):
+            # prompt logprobs need every prompt row computed: no prefix-cache hits for such a request
+            cache = seq.prompt_logprobs is None
+            if not self.bm.can_allocate(seq, use_prefix_cache=cache):
                 break  # head-of-line blocking on purpose: skipping ahead would starve long prompts
-            self.bm.allocate(seq)
+            self.bm.allocate(seq, use_prefix_cache=cache)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -298,7 +303,15 @@ class Scheduler:
         return finished
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        """Why seq ends with the token it just appended (None: it goes on). Called once per output
+        token: it also advances the sequence's grammar."""
         p = seq.params
+        if seq.grammar is not None:
+            if not seq.grammar.accept(tok):  # the sampler masks what the grammar refuses: a bug if reached
+                log.error("request %s: token %d refused by its grammar; ending it", seq.seq_id, tok)
+                return "stop"
+            if seq.grammar.is_finished:
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens:
             return "length"
         if seq.num_output_tokens <= p.min_tokens:

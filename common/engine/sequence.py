@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import itertools
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from common.engine.api import RemoteKV
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from common.text.grammar import GrammarMatcher
 
 
 class SequenceStatus(Enum):
@@ -47,6 +51,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.remote_kv = remote_kv  # the prompt's KV comes from ("receive") or goes to ("send") elsewhere
+        self.grammar: GrammarMatcher | None = None  # structured output: advanced over every output token
+        # params.prompt_logprobs: one entry per prompt token computed so far (None for the first)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __repr__(self) -> str:
         return (

@@ -85,10 +85,12 @@ class BlockManager:
             parent = h
         return hits
 
-    def can_allocate(self, seq: BlockOwner, num_tokens: int | None = None, reserve: int = 0) -> bool:
+    def can_allocate(
+        self, seq: BlockOwner, num_tokens: int | None = None, reserve: int = 0, use_prefix_cache: bool = True
+    ) -> bool:
         """Room for `num_tokens` (default: all of seq's tokens) plus `reserve` spare blocks?"""
         n = len(seq.token_ids) if num_tokens is None else num_tokens
-        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids)))
+        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids))) if use_prefix_cache else []
         evictable_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         need = self.blocks_needed(n) - len(hits) + reserve
         return need <= self.num_free_blocks - evictable_hits

@@ -87,13 +87,17 @@ class Tokenizer:
         env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
         return env.from_string(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """The prompt text; `variables` are further template variables (e.g. `tools`)."""
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.id_to_token(self.bos_token_id),
             eos_token=self.id_to_token(eos),
+            **variables,
         )
 
     # --- constructors ------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.protocol import ProtocolError, decode
+from common.protocol import PROTOCOL_VERSION, ProtocolError, decode
 from kv_transfer.control.messages import KVLayerHeader
 from kv_transfer.layout import block_bytes, byte_view, check_layer_header, layer_views, runs
 
@@ -55,6 +55,6 @@ def test_check_layer_header() -> None:
     assert "duplicate" in (check_layer_header(_header([3, 3]), kv) or "")
     # a mistyped header never reaches the check: it does not decode
     bad = msgspec.msgpack.encode({"kind": "kv_layer", "request_id": "r", "fence": 1, "layer": 0,
-                                  "block_ids": "xx", "nbytes": 0, "protocol_version": 2})  # fmt: skip
+                                  "block_ids": "xx", "nbytes": 0, "protocol_version": PROTOCOL_VERSION})  # fmt: skip
     with pytest.raises(ProtocolError, match="block_ids"):
         decode(bad, KVLayerHeader)
