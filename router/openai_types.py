@@ -8,8 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_LOGPROBS, Guide, SamplingParams
+from common.text.grammar import GuideError, validate_guide
 from router.errors import APIError, from_validation, invalid
+from router.tools import Tool, ToolCall, ToolChoice
 
 
 class StreamOptions(BaseModel):
@@ -17,24 +19,55 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """Extension (vLLM's name): exactly one constraint besides response_format."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+
+
 class _Common(BaseModel):
     # strict: "5" is not a number. extra fields (user, metadata, ...) are accepted and ignored.
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 turns it off")
+    min_p: float = Field(0.0, ge=0, le=1, description="extension")
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=64, description="extension")
     seed: int | None = None
     ignore_eos: bool = False  # extension
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0, description="extension")
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension")
+    logit_bias: dict[str, float] | None = Field(None, max_length=300)
+    logprobs_mode: Literal["processed", "raw"] = Field("processed", description="extension")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="extension")
     user: str | None = None
 
     @field_validator("n")
@@ -44,18 +77,14 @@ class _Common(BaseModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError("penalties are not supported; use 0")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, b in (v or {}).items():
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
         return v
 
     @field_validator("stop")
@@ -76,22 +105,77 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per output token, None when none are asked for."""
+        return None
+
+    def guide(self) -> Guide | None:
+        """The structured-output constraint response_format / structured_outputs ask for (400 if both,
+        or if structured_outputs names several)."""
+        rf, so = self.response_format, self.structured_outputs
+        guides: list[tuple[str, Guide]] = []
+        if rf is not None and rf.type == "json_object":
+            guides.append(("response_format", Guide("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise invalid("response_format json_schema needs json_schema.schema", "response_format")
+            guides.append(("response_format", Guide("json_schema", json.dumps(rf.json_schema.json_schema))))
+        if so is not None:
+            if so.json_ is not None:
+                spec = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+                guides.append(("structured_outputs.json", Guide("json_schema", spec)))
+            if so.regex is not None:
+                guides.append(("structured_outputs.regex", Guide("regex", so.regex)))
+            if so.choice is not None:
+                guides.append(("structured_outputs.choice", Guide("choice", json.dumps(so.choice))))
+            if so.grammar is not None:
+                guides.append(("structured_outputs.grammar", Guide("grammar", so.grammar)))
+        if len(guides) > 1:
+            names = ", ".join(n for n, _ in guides)
+            raise invalid(f"only one structured-output constraint per request, got {names}", guides[1][0])
+        if not guides:
+            return None
+        param, guide = guides[0]
+        try:
+            validate_guide(guide)
+        except GuideError as e:
+            raise invalid(str(e), param) from e
+        return guide
+
+    def sampling(self, max_tokens: int, vocab_size: int, guide: Guide | None = None) -> SamplingParams:
         """The services' sampling parameters; stop strings stay at the router (it has the text)."""
+        bias = tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items())
+        stop_ids = tuple(self.stop_token_ids or ())
+        for param, ids in (("logit_bias", [t for t, _ in bias]), ("stop_token_ids", stop_ids)):
+            if any(not 0 <= t < vocab_size for t in ids):
+                raise invalid(f"{param} token ids must be in [0, {vocab_size})", param)
+        if self.min_tokens > max_tokens:
+            raise invalid(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=float(self.temperature),
             top_p=float(self.top_p),
             top_k=max(self.top_k, 0),
+            min_p=float(self.min_p),
             seed=self.seed,
+            stop_token_ids=stop_ids,
             ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            logit_bias=bias,
+            logprobs=self.num_logprobs,
+            logprobs_mode=self.logprobs_mode,
+            guide=guide,
         )
 
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -106,25 +190,11 @@ class CompletionRequest(_Common):
             raise ValueError("prompt must not be empty")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v: str | None) -> str | None:
         if v:
             raise ValueError("suffix is not supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("logprobs are not supported")
         return v
 
     @field_validator("best_of")
@@ -134,12 +204,18 @@ class CompletionRequest(_Common):
             raise ValueError("only best_of=1 is supported")
         return v
 
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this is the result of
 
     def text(self) -> str:
         """Content parts of type "text" joined; other part types are refused."""
@@ -157,23 +233,39 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     def template_messages(self) -> list[dict[str, Any]]:
         out = []
         for i, m in enumerate(self.messages):
             try:
-                out.append({"role": m.role, "content": m.text()})
+                msg: dict[str, Any] = {"role": m.role, "content": m.text()}
             except ValueError as e:
                 raise invalid(str(e), f"messages.{i}.content") from e
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
         return out
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools offered, or calls and results in the history: the template input needs rendering."""
+        return bool(self.tools) or any(m.tool_calls or m.role == "tool" for m in self.messages)
 
 
 def parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes) -> Any:
@@ -187,49 +279,82 @@ def parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: by
 # --- responses ------------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 class Builder:
     """Builds one request's response objects; `chat` picks chat.completion vs text_completion shapes."""
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, chat: bool, fingerprint: str | None = None) -> None:
         self.id, self.model, self.chat = request_id, model, chat
+        self.fingerprint = fingerprint
         self.created = int(time.time())
 
-    def _choice(self, text: str | None, finish_reason: str | None, stream: bool) -> dict[str, Any]:
+    def _choice(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        stream: bool,
+        logprobs: Any = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         key = "delta" if stream else "message"
         body: dict[str, Any] = {} if stream and text is None else {"content": text or ""}
         if not stream:
             body = {"role": "assistant", **body}
-        return {"index": 0, key: body, "logprobs": None, "finish_reason": finish_reason}
+            if tool_calls:
+                body["content"] = text or None
+        if tool_calls:
+            body["tool_calls"] = tool_calls
+        lp = {"content": logprobs} if logprobs is not None else None
+        return {"index": 0, key: body, "logprobs": lp, "finish_reason": finish_reason}
 
     def _head(self, stream: bool) -> dict[str, Any]:
         obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        head = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        if self.fingerprint is not None:
+            head["system_fingerprint"] = self.fingerprint
+        return head
 
-    def full(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def full(
+        self,
+        text: str | None,
+        finish_reason: str,
+        usage: dict[str, Any],
+        logprobs: Any = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         return {
             **self._head(False),
-            "choices": [self._choice(text, finish_reason, False)],
-            "usage": usage(prompt_tokens, completion_tokens),
+            "choices": [self._choice(text, finish_reason, False, logprobs, tool_calls)],
+            "usage": usage,
         }
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> str:
-        choice = self._choice(text, finish_reason, True)
+    def chunk(
+        self,
+        text: str | None,
+        finish_reason: str | None = None,
+        role: bool = False,
+        logprobs: Any = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> str:
+        choice = self._choice(text, finish_reason, True, logprobs, tool_calls)
         if role:
             choice["delta"] = {"role": "assistant", "content": ""}
         return sse({**self._head(True), "choices": [choice]})
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
-        return sse({**self._head(True), "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    def usage_chunk(self, usage: dict[str, Any]) -> str:
+        return sse({**self._head(True), "choices": [], "usage": usage})
 
 
 def sse(obj: dict[str, Any]) -> str:

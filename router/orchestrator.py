@@ -25,9 +25,17 @@ from common.cluster.owners import RouterOwnership
 from common.cluster.record_writer import RecordWriter
 from common.cluster.records import RequestState
 from common.cluster.state import ClusterState
-from common.protocol import ErrorFrame, GenerateRequest, PrefillRequest, Reserved, TokenFrame, encode
+from common.protocol import (
+    ErrorFrame,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResult,
+    Reserved,
+    TokenFrame,
+    encode,
+)
 from common.runtime.telemetry import span_scope, traceparent, tracer
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TokenLogprob
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -130,6 +138,9 @@ class Generation:
         self.deadline = self.arrival + orch.config.request_timeout_s
         self.route: Route | None = None  # the first placement's (what the response header says)
         self.out_ids: list[int] = []  # every output token handed out, from P or D, in order
+        self.out_logprobs: list[TokenLogprob] = []  # sampling.logprobs: one per out_ids entry
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # sampling.prompt_logprobs
+        self.num_cached_tokens = 0  # prompt tokens the prefilling service found in its prefix cache
         self.finish_reason: str | None = None  # D's, once its stream says finished
         self.migrations = 0
         self._lost: set[str] = set()  # decode services this request lost: never placed there again
@@ -276,11 +287,17 @@ class Generation:
                     self.route = Route("local", "prefill_failed")
                     await self._record_route()
                 return await self._place_local(decodes)
-            return self._accept(len(self.out_ids), [first])
+            self._take_prompt_logprobs(first.prompt_logprobs)
+            if not self.out_ids:
+                self.num_cached_tokens = first.num_cached_tokens
+            lps = [first.first_logprob] if first.first_logprob is not None else None
+            return self._accept(len(self.out_ids), [first.first_token], lps)
         raise AssertionError("a split route needs a prefill service")
 
     async def _place_local(self, decodes: list[Worker]) -> list[int]:
-        await self._open_decode(decodes, "local")
+        reserved = await self._open_decode(decodes, "local")
+        if not self.out_ids:
+            self.num_cached_tokens = reserved.num_cached_tokens
         tokens = await self._read_tokens()  # no stall limit: the first tokens wait for a whole prefill
         return tokens or []
 
@@ -347,7 +364,7 @@ class Generation:
         """Open a generate stream on the least loaded D that accepts it; returns its Reserved frame."""
         ids, n_out = self.prompt_ids + self.out_ids, len(self.out_ids)
         body = encode(
-            GenerateRequest(self.id, ids, self.sampling, mode, self.deadline, self._traceparent, n_out)
+            GenerateRequest(self.id, ids, self._sampling(), mode, self.deadline, self._traceparent, n_out)
         )
         with span_scope(_tracer, "router.decode_reserve") as span:
             try:
@@ -374,7 +391,8 @@ class Generation:
             frame = await self._stream.next_frame(stall_s)
             if not isinstance(frame, TokenFrame):
                 raise unexpected(frame, "tokens")
-            new = self._accept(frame.index, frame.token_ids)
+            self._take_prompt_logprobs(frame.prompt_logprobs)
+            new = self._accept(frame.index, frame.token_ids, frame.logprobs)
             if frame.finished:
                 if frame.finish_reason not in ("stop", "length"):
                     raise APIError(502, f"decode service ended the request ({frame.finish_reason})")
@@ -384,14 +402,35 @@ class Generation:
             if frame.finished:
                 return None
 
-    def _accept(self, index: int, token_ids: list[int]) -> list[int]:
+    def _accept(
+        self, index: int, token_ids: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> list[int]:
         """Every output token arrives once, in order (token 0 from P on the split path): a frame that
-        does not continue exactly where we are is the decode service's bug, never shown to a client."""
+        does not continue exactly where we are is the decode service's bug, never shown to a client.
+        Logprobs, when the request asked, come with every token."""
         if index != len(self.out_ids):
             want = len(self.out_ids)
             raise APIError(502, f"decode stream out of order (frame index {index}, expected {want})")
+        if self.sampling.logprobs is not None and token_ids:
+            if logprobs is None or len(logprobs) != len(token_ids):
+                raise APIError(502, "a service sent tokens without the logprobs the request asked for")
+            self.out_logprobs += logprobs
         self.out_ids += token_ids
         return list(token_ids)
+
+    def _sampling(self) -> SamplingParams:
+        """The request's sampling for its next placement: the prompt is scored once (a request placed
+        again after a migration or a failed prefill that already has the scores does not ask again)."""
+        if self.sampling.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            return self.sampling.replace(prompt_logprobs=None)
+        return self.sampling
+
+    def _take_prompt_logprobs(self, lps: list[TokenLogprob | None] | None) -> None:
+        if lps is not None and self.prompt_logprobs is None:
+            if len(lps) != len(self.prompt_ids):
+                n = len(self.prompt_ids)
+                raise APIError(502, f"prompt logprobs for {len(lps)} tokens; the prompt has {n}")
+            self.prompt_logprobs = lps
 
     async def _close_decode(self) -> None:
         stream, self._stream = self._stream, None
@@ -403,8 +442,9 @@ class Generation:
 
     # ---- prefill service -------------------------------------------------------------------------
 
-    async def _run_prefill(self, w: Worker, r: Reserved) -> int:
-        """Send the prompt to P, which writes its KV into r.block_ids on D; returns the first token."""
+    async def _run_prefill(self, w: Worker, r: Reserved) -> PrefillResult:
+        """Send the prompt to P, which writes its KV into r.block_ids on D; returns P's answer (the
+        first token)."""
         # P records PREFILLING and TRANSFERRING itself, D records RESERVED and DECODING: the router
         # writes only QUEUED and the end, keeping Redis round trips off the path to the first token.
         self._prefill = w  # from here until it answers, a cancelled request must abort it on P
@@ -413,7 +453,7 @@ class Generation:
             with span_scope(_tracer, "router.prefill", attributes={"splitserve.prefill_id": w.id}):
                 ids = self.prompt_ids + self.out_ids
                 req = PrefillRequest(
-                    self.id, ids, self.sampling, r.kv_endpoint, r.block_ids, r.fence, r.num_cached_tokens,
+                    self.id, ids, self._sampling(), r.kv_endpoint, r.block_ids, r.fence, r.num_cached_tokens,
                     self.deadline, traceparent(), len(self.out_ids),
                 )  # fmt: skip
                 first = await self._prefill_or_decode_error(call_prefill(self.o.client, w, req))
@@ -422,7 +462,7 @@ class Generation:
         self._prefill = None
         return first
 
-    async def _prefill_or_decode_error(self, call: Coroutine[Any, Any, int]) -> int:
+    async def _prefill_or_decode_error(self, call: Coroutine[Any, Any, PrefillResult]) -> PrefillResult:
         """Await the prefill call, but give up on it if the decode stream ends the reservation first
         (its lease watch saw the prefill service die or hang): that is a prefill failure too, and
         goes through the transfer-failure policy instead of waiting for the deadline."""

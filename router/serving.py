@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -18,12 +20,14 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from starlette.background import BackgroundTask
 
 from common.runtime.telemetry import activate, context_from_headers, tracer
+from common.sampling_params import Guide
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.model_info import ModelInfo
 from router.access import Access, Admission
 from router.auth.keys import ApiKey
 from router.config import RouterConfig
 from router.errors import APIError, invalid
+from router.logprobs import CompletionLogprobs, TokenTexts, chat_content, merge
 from router.metrics import RouterMetrics
 from router.openai_types import (
     SSE_DONE,
@@ -32,8 +36,10 @@ from router.openai_types import (
     CompletionRequest,
     error_event,
     parse,
+    usage,
 )
 from router.orchestrator import Generation, Orchestrator, shielded
+from router.tools import check_tools, parse_tool_calls, render_messages, tool_guide, tool_mode
 
 T = TypeVar("T")
 _tracer = tracer(__name__)
@@ -60,6 +66,10 @@ class _Run:
     text: list[str] | None = None  # the completion, kept only when log_content is on
     done: bool = False  # _finish ran (it may be reached twice: the stream's end and its safety net)
     span: trace.Span = trace.INVALID_SPAN  # the request's root span (a no-op one while tracing is off)
+    score_only: bool = False  # completions, max_tokens 0 with echo: the one token generated is dropped
+    echo: str | None = None  # completions with echo: the prompt's text, returned before the completion
+    tool_mode: str | None = None  # "auto" | "required" | "named": the output is parsed for tool calls
+    tool_names: list[str] | None = None  # the functions offered: a call to another is not a call
 
 
 class Server:
@@ -77,6 +87,10 @@ class Server:
         self.access = access
         self.model_name = config.served_model_name or model_info.model_id
         self.model_aliases = {self.model_name, model_info.model_id, "default"}
+        self.token_texts = TokenTexts(model_info.tokenizer)
+        # what answers (model, splitserve version) — changes when either does, as OpenAI's does
+        digest = hashlib.sha256(f"{model_info.model_id}/{_version()}".encode()).hexdigest()
+        self.fingerprint = f"fp_{digest[:10]}"
 
     async def generate(self, request: Request, chat: bool, key: ApiKey | None = None) -> Response:
         """POST /v1/completions (chat=False) or /v1/chat/completions (chat=True), for `key` (None while
@@ -101,12 +115,22 @@ class Server:
                     "model", "model_not_found",
                 )  # fmt: skip
             self._check_stops(req.stop_list)
+            guide = self._guide(req, run)
             prompt_ids = self._tokenize(req)
             max_tokens = self._max_tokens(req, len(prompt_ids))
+            sampling = req.sampling(max(max_tokens, 1), self.info.tokenizer.vocab_size, guide)
+            if isinstance(req, CompletionRequest) and req.echo:
+                tok = self.info.tokenizer
+                run.echo = req.prompt if isinstance(req.prompt, str) else tok.decode(req.prompt)  # type: ignore[arg-type]
+                if req.logprobs is not None:  # scored by the service that prefills the prompt
+                    sampling = sampling.replace(prompt_logprobs=req.logprobs)
+            run.score_only = max_tokens == 0
+            max_tokens = sampling.max_tokens
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             request.state.request_id = request_id  # for the x-request-id middleware
             if self.access is not None:
-                run.admission = await self.access.admit(key, request_id, len(prompt_ids) + max_tokens)
+                n_prompt = len(prompt_ids)
+                run.admission = await self.access.admit(key, request_id, n_prompt + max_tokens, n_prompt)
         except APIError as e:
             self.metrics.requests.labels(run.endpoint, "rejected").inc()
             span.set_status(Status(StatusCode.ERROR, e.message))
@@ -126,7 +150,7 @@ class Server:
             span.set_attribute("gen_ai.input.messages", req.model_dump_json(include={"messages", "prompt"}))
             run.text = []
         owner = {"tenant": key.tenant, "key_id": key.key_id} if key is not None else None
-        gen = self.orch.generation(request_id, prompt_ids, req.sampling(max_tokens), self.model_name, owner)
+        gen = self.orch.generation(request_id, prompt_ids, sampling, self.model_name, owner)
         headers = {"x-request-id": request_id, **(run.admission.headers if run.admission else {})}
         self.metrics.inflight.inc()
         run.counted_inflight = True
@@ -143,7 +167,7 @@ class Server:
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         run.t_first = run.t_last = time.monotonic()
         self._observe_ttft(gen, run)
-        builder = Builder(request_id, self.model_name, chat)
+        builder = Builder(request_id, self.model_name, chat, self.fingerprint)
         detok = IncrementalDetokenizer(self.info.tokenizer, req.stop_list)
         if req.stream:
             body = self._sse(gen, run, detok, builder, req.include_usage)
@@ -157,8 +181,53 @@ class Server:
             await self._finish(gen, run, e)
             return _answer_failure(e, headers)
         await self._finish(gen, run, None)
-        result = builder.full(text, run.finish_reason or "stop", len(prompt_ids), run.output_tokens)
-        return JSONResponse(result, headers=headers)
+        return JSONResponse(self._full(gen, run, builder, text), headers=headers)
+
+    def _full(self, gen: Generation, run: _Run, b: Builder, text: str) -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        finish = run.finish_reason or "stop"
+        calls: list[dict[str, Any]] | None = None
+        content: str | None = text
+        if run.tool_mode is not None:
+            content, calls = parse_tool_calls(text, run.tool_mode, run.tool_names)
+            if calls:
+                finish = "tool_calls"
+        logprobs: Any = None
+        n = run.output_tokens
+        if gen.sampling.logprobs is not None:
+            ids, lps = gen.out_ids[:n], gen.out_logprobs[:n]
+            if b.chat:
+                logprobs = chat_content(self.token_texts, ids, lps)
+            else:
+                cl = CompletionLogprobs(self.token_texts)
+                prompt_part = self._echo_logprobs(gen, cl) if run.echo is not None else None
+                logprobs = merge(prompt_part, cl.part(ids, lps))
+        if run.echo is not None:
+            content = run.echo + (content or "")
+        return b.full(content, finish, self._usage(gen, run), logprobs, calls)
+
+    def _echo_logprobs(self, gen: Generation, cl: CompletionLogprobs) -> dict[str, Any] | None:
+        if gen.prompt_logprobs is None:
+            return None
+        return cl.part(gen.prompt_ids, gen.prompt_logprobs)
+
+    def _usage(self, gen: Generation, run: _Run) -> dict[str, Any]:
+        return usage(len(gen.prompt_ids), run.output_tokens, gen.num_cached_tokens)
+
+    def _guide(self, req: CompletionRequest | ChatCompletionRequest, run: _Run) -> Guide | None:
+        """The request's structured-output constraint: response_format / structured_outputs, or the
+        tool-call guide that tool_choice "required" or a named function sets (not both)."""
+        guide = req.guide()
+        if not isinstance(req, ChatCompletionRequest):
+            return guide
+        check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        run.tool_mode = tool_mode(req.tools, req.tool_choice)
+        if run.tool_mode is not None:
+            run.tool_names = [t.function.name for t in req.tools or ()]
+        calls = tool_guide(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if calls is not None and guide is not None:
+            raise invalid("response_format cannot be combined with a forced tool call", "response_format")
+        return calls or guide
 
     # ---- request -> prompt tokens, max_tokens ----------------------------------------------------
 
@@ -170,8 +239,11 @@ class Server:
     def _tokenize(self, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
         tok = self.info.tokenizer
         if isinstance(req, ChatCompletionRequest):
+            messages, kwargs = req.template_messages(), dict[str, Any]()
+            if req.uses_tools:
+                messages, kwargs = render_messages(messages, req.tools, tok.chat_template, req.tool_choice)
             try:
-                text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
             except (jinja2.TemplateError, ValueError) as e:
                 raise invalid(f"messages cannot be formatted for this model: {e}", "messages") from e
             return tok.encode(text, add_special_tokens=False)  # the template places special tokens
@@ -195,6 +267,8 @@ class Server:
             )  # fmt: skip
         if asked is None:
             return min(self.config.default_max_tokens, ctx - n_prompt)
+        if asked == 0 and not (isinstance(req, CompletionRequest) and req.echo):
+            raise invalid("max_tokens may be 0 only with echo (to score the prompt)", "max_tokens")
         if n_prompt + asked > ctx:
             raise invalid(
                 f"This model's maximum context length is {ctx} tokens, but {n_prompt + asked} were requested "
@@ -205,14 +279,20 @@ class Server:
 
     # ---- tokens -> text --------------------------------------------------------------------------
 
-    async def _texts(self, gen: Generation, run: _Run, detok: IncrementalDetokenizer) -> AsyncIterator[str]:
-        """Text deltas until the request ends; sets run.finish_reason and run.output_tokens."""
+    async def _texts(
+        self, gen: Generation, run: _Run, detok: IncrementalDetokenizer
+    ) -> AsyncIterator[tuple[str, int, int]]:
+        """(text delta, first output index, end index) until the request ends: the tokens the delta
+        came from are gen.out_ids[first:end]. Sets run.finish_reason and run.output_tokens."""
         while run.finish_reason is None:
             ids = await gen.next()
             now = time.monotonic()
+            first = run.output_tokens
             if ids is None:
                 run.finish_reason = gen.finish_reason or "stop"
                 text = detok.flush()  # text held back for a stop string that never came
+            elif run.score_only:  # echo with max_tokens 0: the prompt was scored, nothing is output
+                run.finish_reason, text = "length", ""
             else:
                 text, first_batch = "", run.output_tokens == 0
                 for t in ids:
@@ -224,26 +304,48 @@ class Server:
                 if run.t_last is not None and not first_batch:
                     self.metrics.itl.labels(_path(gen)).observe(now - run.t_last)
                 run.t_last = now
-            if text:
+            if text or run.output_tokens > first:
                 if run.text is not None:
                     run.text.append(text)
-                yield text
+                yield text, first, run.output_tokens
 
     async def _collect(self, gen: Generation, run: _Run, detok: IncrementalDetokenizer) -> str:
-        return "".join([t async for t in self._texts(gen, run, detok)])
+        return "".join([t async for t, _, _ in self._texts(gen, run, detok)])
+
+    def _chunk_logprobs(self, gen: Generation, cl: CompletionLogprobs | None, i: int, j: int) -> Any:
+        """Logprobs of output tokens i..j-1 for one chunk (chat shape when cl is None)."""
+        if gen.sampling.logprobs is None or i == j:
+            return None
+        ids, lps = gen.out_ids[i:j], gen.out_logprobs[i:j]
+        return chat_content(self.token_texts, ids, lps) if cl is None else cl.part(ids, lps)
 
     async def _sse(
         self, gen: Generation, run: _Run, detok: IncrementalDetokenizer, b: Builder, include_usage: bool
     ) -> AsyncIterator[str]:
         error: BaseException | None = None
+        cl = None if b.chat else CompletionLogprobs(self.token_texts)
         try:
             if b.chat:
                 yield b.chunk(None, role=True)
-            async for text in self._texts(gen, run, detok):
-                yield b.chunk(text)
-            yield b.chunk(None, run.finish_reason)
+            if run.echo is not None:
+                yield b.chunk(run.echo, logprobs=self._echo_logprobs(gen, cl) if cl is not None else None)
+            held: list[str] = []  # tool calls: the output is parsed once whole, then sent
+            async for text, i, j in self._texts(gen, run, detok):
+                if run.tool_mode is not None:
+                    held.append(text)
+                    continue
+                yield b.chunk(text, logprobs=self._chunk_logprobs(gen, cl, i, j))
+            finish = run.finish_reason
+            if run.tool_mode is not None:
+                content, calls = parse_tool_calls("".join(held), run.tool_mode, run.tool_names)
+                if content:
+                    yield b.chunk(content)
+                if calls:
+                    finish = "tool_calls"
+                    yield b.chunk(None, tool_calls=[{"index": k, **c} for k, c in enumerate(calls)])
+            yield b.chunk(None, finish)
             if include_usage:
-                yield b.usage_chunk(len(gen.prompt_ids), run.output_tokens)
+                yield b.usage_chunk(self._usage(gen, run))
             yield SSE_DONE
         except APIError as e:  # after the first token the status line is sent: report in-stream
             error = e
@@ -345,6 +447,13 @@ def _parent(request: Request) -> Any:
     if trace.get_current_span().get_span_context().is_valid:
         return None
     return context_from_headers(request.headers)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
 
 
 def _path(gen: Generation) -> str:

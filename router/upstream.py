@@ -164,8 +164,9 @@ class DecodeStream:
         await self._resp.aclose()
 
 
-async def call_prefill(client: httpx.AsyncClient, w: Worker, req: PrefillRequest) -> int:
-    """POST /internal/prefill; P writes the prompt's KV into D's blocks. Returns the first token."""
+async def call_prefill(client: httpx.AsyncClient, w: Worker, req: PrefillRequest) -> PrefillResult:
+    """POST /internal/prefill; P writes the prompt's KV into D's blocks. Returns its answer: the first
+    token (and the logprobs the request asked for)."""
     try:
         resp = await until_deadline(
             client.post(
@@ -185,7 +186,7 @@ async def call_prefill(client: httpx.AsyncClient, w: Worker, req: PrefillRequest
         result = decode(resp.content, PrefillResult)
     except ProtocolError as e:
         raise APIError(502, f"prefill service {w.id}: {e}") from e
-    return int(result.first_token)
+    return result
 
 
 async def post_abort(client: httpx.AsyncClient, w: Worker, request_id: str, timeout_s: float = 2.0) -> None:

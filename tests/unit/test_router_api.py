@@ -34,6 +34,7 @@ def cluster() -> FakeCluster:
     return FakeCluster(model_info().tokenizer.encode(" fine thanks", add_special_tokens=False))
 
 
+RF, SO = "response_format", "structured_outputs"
 BAD: list[tuple[str, dict[str, Any], str | None]] = [
     (COMPLETIONS, {"model": "gpt-4", "prompt": "hi"}, "model"),
     (COMPLETIONS, {"prompt": "hi"}, "model"),
@@ -48,12 +49,26 @@ BAD: list[tuple[str, dict[str, Any], str | None]] = [
     (COMPLETIONS, {"model": "default", "prompt": "hi", "top_p": 0}, "top_p"),
     (COMPLETIONS, {"model": "default", "prompt": "hi", "top_p": 1.5}, "top_p"),
     (COMPLETIONS, {"model": "default", "prompt": "hi", "n": 2}, "n"),
-    (COMPLETIONS, {"model": "default", "prompt": "hi", "logprobs": 2}, "logprobs"),
-    (COMPLETIONS, {"model": "default", "prompt": "hi", "echo": True}, "echo"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "logprobs": 6}, "logprobs"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "best_of": 2}, "best_of"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "suffix": "x"}, "suffix"),
     (COMPLETIONS, {"model": "default", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     (COMPLETIONS, {"model": "default", "prompt": "hi", "stop": 3}, "stop"),
-    (COMPLETIONS, {"model": "default", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-    (COMPLETIONS, {"model": "default", "prompt": "hi", "frequency_penalty": 1}, "frequency_penalty"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "min_p": 1.5}, "min_p"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", RF: {"type": "xml"}}, "response_format.type"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", RF: {"type": "json_schema"}}, "response_format"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", SO: {"regex": "("}}, "structured_outputs.regex"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", SO: {"regex": "a", "choice": ["b"]}}, SO + ".choice"),
+    (COMPLETIONS, {"model": "default", "prompt": "hi", RF: {"type": "json_object"}, SO: {"regex": "a"}},
+     SO + ".regex"),
     (COMPLETIONS, {"model": "default", "prompt": "hi", "max_tokens": 9000}, "max_tokens"),
     (COMPLETIONS, {"model": "default", "prompt": "hi " * 9000}, "prompt"),
     (CHAT, {"model": "default"}, "messages"),
@@ -61,7 +76,10 @@ BAD: list[tuple[str, dict[str, Any], str | None]] = [
     (CHAT, {"model": "default", "messages": []}, "messages"),
     (CHAT, {"model": "default", "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     (CHAT, {"model": "default", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    (CHAT, {"model": "default", "messages": MSGS, "logprobs": True}, "logprobs"),
+    (CHAT, {"model": "default", "messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"model": "default", "messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT, {"model": "default", "messages": MSGS, "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"model": "default", "messages": MSGS, "tool_choice": "required"}, "tool_choice"),
     (CHAT, {"model": "default", "messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
 ]
 

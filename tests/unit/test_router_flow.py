@@ -85,6 +85,7 @@ async def test_usage_and_length_finish(out_ids: list[int]) -> None:
             "prompt_tokens": n_prompt,
             "completion_tokens": 3,
             "total_tokens": n_prompt + 3,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
         assert body["choices"][0]["finish_reason"] == "length"
         assert body["object"] == "text_completion" and body["id"] == resp.headers["x-request-id"]
