@@ -79,6 +79,9 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument("--request-timeout-s", type=float, default=60.0, help="per request")
     s.add_argument("--threads", type=int, default=1, help="torch threads per prefill/decode service")
     s.add_argument("--overhead-n", type=int, default=30, help="sequential requests for router_overhead_ms")
+    s.add_argument(
+        "--feature-rounds", type=int, default=8, help="rounds of plain/logprobs/penalties/guided requests"
+    )
     o = b.add_argument_group("soak")
     o.add_argument("--concurrency", type=int, default=8, help="soak: requests in flight at once")
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")

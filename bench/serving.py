@@ -128,6 +128,42 @@ async def router_overhead(
     return times
 
 
+# What the OpenAI features cost per output token, against plain sampling (same prompt, same seed, 32 tokens
+# each). The regex allows far more than 32 tokens, so a guided request runs its full length too.
+FEATURES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "logprobs": {"logprobs": 5},
+    "penalties": {"presence_penalty": 0.5, "frequency_penalty": 0.5, "extra": {"repetition_penalty": 1.2}},
+    "guided": {"extra": {"structured_outputs": {"regex": "[a-z ,.]{400}"}}},
+}
+FEATURE_TOKENS = 32
+
+
+async def feature_cost(router_url: str, rounds: int) -> dict[str, list[float]]:
+    """Per request, the time per output token after the first (s) of a streamed completion with each of
+    FEATURES, in rounds (one of each per round, in turn) so drift hits each alike."""
+    prompt = "Write a short story about a lighthouse keeper and a storm."
+    times: dict[str, list[float]] = {name: [] for name in FEATURES}
+    async with httpx.AsyncClient(timeout=120) as client:
+        for i in range(rounds + 1):  # the first round warms every path (and compiles the grammar)
+            for name, opts in FEATURES.items():
+                body = {
+                    "model": "default", "prompt": prompt, "max_tokens": FEATURE_TOKENS, "temperature": 0.8,
+                    "seed": 7, "stream": True, "ignore_eos": True,
+                    **{k: v for k, v in opts.items() if k != "extra"}, **opts.get("extra", {}),
+                }  # fmt: skip
+                stamps: list[float] = []
+                async with client.stream("POST", f"{router_url}/v1/completions", json=body) as resp:
+                    resp.raise_for_status()
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            stamps.append(time.perf_counter())
+                if i > 0 and len(stamps) > 2:
+                    # chunks carry one token each here (no stop strings), the last one the finish reason
+                    times[name].append((stamps[-2] - stamps[0]) / (len(stamps) - 2))
+    return times
+
+
 def _create_key(redis_url: str) -> str:
     """An API key whose limits are never reached but are checked and charged on every request."""
     from common.cluster.state import connect
@@ -258,6 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         times = asyncio.run(
             router_overhead(urls["colocated"], auth_url, api_key, decode_url, tok, args.overhead_n)
         )
+        features = asyncio.run(feature_cost(urls["colocated"], args.feature_rounds))
         plot(runs, PLOT)
     finally:
         stack.stop()
@@ -267,6 +304,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # per round: what the router adds over the direct call, with and without keys and limits
     open_extra = np.subtract(times["open"], times["direct"]) * 1000
     auth_extra = np.subtract(times["auth"], times["direct"]) * 1000
+    plain = np.array(features["plain"])
+    for name, vals in features.items():
+        out[f"feature_{name}_tpot_p50_ms"] = round(float(np.median(vals)) * 1000, 2)
+        if name != "plain":  # per round: the feature's time per token over plain sampling's
+            ratio = np.array(vals) / plain
+            out[f"feature_{name}_ratio_p50"] = round(float(np.median(ratio)), 3)
+            out[f"feature_{name}_ratio_iqr"] = [round(float(x), 3) for x in np.percentile(ratio, [25, 75])]
     return out | {
         "router_p50_ms": round(p50["open"], 2),
         "router_auth_p50_ms": round(p50["auth"], 2),

@@ -6,12 +6,22 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from common.sampling_params import MAX_LOGPROBS, Guide, SamplingParams
 from common.text.grammar import GuideError, validate_guide
 from router.errors import APIError, from_validation, invalid
 from router.tools import Tool, ToolCall, ToolChoice
+
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
 
 class StreamOptions(BaseModel):
@@ -179,16 +189,38 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
+    _many: list[Any] | None = PrivateAttr(None)
+
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
+    def _prompt(cls, v: Any) -> Any:
         if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            if any(not p for p in v):
+                raise ValueError("prompts must not be empty")
+            return v[0] if len(v) == 1 else v
         if not v:
             raise ValueError("prompt must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _several(self) -> CompletionRequest:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            self._many, self.prompt = p, p[0]
+        return self
+
+    @property
+    def prompts(self) -> list[Any] | None:
+        """The prompts of a request that has several (each is answered as a request of its own)."""
+        return self._many
+
+    def one(self, prompt: str | list[int]) -> CompletionRequest:
+        """This request with one of its prompts."""
+        sub = self.model_copy(update={"prompt": prompt})
+        sub._many = None
+        return sub
 
     @field_validator("suffix")
     @classmethod
@@ -293,8 +325,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 class Builder:
     """Builds one request's response objects; `chat` picks chat.completion vs text_completion shapes."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, fingerprint: str | None = None) -> None:
-        self.id, self.model, self.chat = request_id, model, chat
+    def __init__(
+        self, request_id: str, model: str, chat: bool, fingerprint: str | None = None, index: int = 0
+    ) -> None:
+        self.id, self.model, self.chat, self.index = request_id, model, chat, index
         self.fingerprint = fingerprint
         self.created = int(time.time())
 
@@ -307,7 +341,12 @@ class Builder:
         tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            return {
+                "index": self.index,
+                "text": text or "",
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
         key = "delta" if stream else "message"
         body: dict[str, Any] = {} if stream and text is None else {"content": text or ""}
         if not stream:
@@ -317,7 +356,7 @@ class Builder:
         if tool_calls:
             body["tool_calls"] = tool_calls
         lp = {"content": logprobs} if logprobs is not None else None
-        return {"index": 0, key: body, "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": self.index, key: body, "logprobs": lp, "finish_reason": finish_reason}
 
     def _head(self, stream: bool) -> dict[str, Any]:
         obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"

@@ -72,6 +72,18 @@ class _Run:
     tool_names: list[str] | None = None  # the functions offered: a call to another is not a call
 
 
+@dataclass
+class _Job:
+    """One request, prepared: what answering it needs."""
+
+    request_id: str
+    run: _Run
+    gen: Generation
+    headers: dict[str, str]
+    builder: Builder
+    detok: IncrementalDetokenizer
+
+
 class Server:
     """Holds what the endpoints share; one per app."""
 
@@ -94,10 +106,49 @@ class Server:
 
     async def generate(self, request: Request, chat: bool, key: ApiKey | None = None) -> Response:
         """POST /v1/completions (chat=False) or /v1/chat/completions (chat=True), for `key` (None while
-        auth is off)."""
-        run = _Run("chat" if chat else "completions")
-        op = "chat" if chat else "text_completion"  # gen_ai.operation.name values
-        run.span = span = _tracer.start_span(
+        auth is off). Several prompts in one completions request are each a request of their own,
+        answered together (`_generate_many`)."""
+        body = await request.body()
+        try:
+            req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
+        except APIError as e:
+            self._refused(_Run("chat" if chat else "completions"), request, e)
+            raise
+        if isinstance(req, CompletionRequest) and req.prompts is not None:
+            return await self._generate_many(request, req, key)
+        job = await self._prepare(request, req, key)
+        request.state.request_id = job.request_id  # for the x-request-id middleware
+        failure = await self._start(request, job)
+        if failure is not None:
+            return failure
+        if req.stream:
+            body_iter = self._sse(job.gen, job.run, job.detok, job.builder, req.include_usage)
+            # Safety net: if the client leaves before the body starts, the generator never runs its
+            # finally; the background task (run after the response either way) closes the request.
+            net = BackgroundTask(self._finish, job.gen, job.run, ClientGone())
+            return StreamingResponse(
+                body_iter, media_type="text/event-stream", headers=job.headers, background=net
+            )
+        try:
+            text = await _until_disconnected(request, self._collect(job.gen, job.run, job.detok))
+        except BaseException as e:
+            await self._finish(job.gen, job.run, e)
+            return _answer_failure(e, job.headers)
+        await self._finish(job.gen, job.run, None)
+        return JSONResponse(self._full(job.gen, job.run, job.builder, text), headers=job.headers)
+
+    def _refused(self, run: _Run, request: Request, error: APIError | None) -> trace.Span:
+        """Count a request refused before any work (4xx), ending its span."""
+        self.metrics.requests.labels(run.endpoint, "rejected").inc()
+        span = run.span if run.span is not trace.INVALID_SPAN else self._root_span(request, run.endpoint)
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error.message))
+        span.end()
+        return span
+
+    def _root_span(self, request: Request, endpoint: str) -> trace.Span:
+        op = "chat" if endpoint == "chat" else "text_completion"  # gen_ai.operation.name values
+        return _tracer.start_span(
             f"{op} {self.model_name}",
             context=_parent(request),
             kind=SpanKind.SERVER,
@@ -107,8 +158,21 @@ class Server:
                 "http.route": request.url.path,
             },
         )
+
+    async def _prepare(
+        self,
+        request: Request,
+        req: CompletionRequest | ChatCompletionRequest,
+        key: ApiKey | None,
+        request_id: str | None = None,
+        index: int = 0,
+    ) -> _Job:
+        """Validate one request, charge it to the key and make its Generation (not started yet);
+        APIError (counted as rejected) if it cannot be served."""
+        chat = isinstance(req, ChatCompletionRequest)
+        run = _Run("chat" if chat else "completions")
+        run.span = span = self._root_span(request, run.endpoint)
         try:
-            req = parse(ChatCompletionRequest if chat else CompletionRequest, await request.body())
             if req.model not in self.model_aliases:
                 raise invalid(
                     f"The model `{req.model}` does not exist; this server serves `{self.model_name}`",
@@ -126,15 +190,12 @@ class Server:
                     sampling = sampling.replace(prompt_logprobs=req.logprobs)
             run.score_only = max_tokens == 0
             max_tokens = sampling.max_tokens
-            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            request.state.request_id = request_id  # for the x-request-id middleware
+            request_id = request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             if self.access is not None:
                 n_prompt = len(prompt_ids)
                 run.admission = await self.access.admit(key, request_id, n_prompt + max_tokens, n_prompt)
         except APIError as e:
-            self.metrics.requests.labels(run.endpoint, "rejected").inc()
-            span.set_status(Status(StatusCode.ERROR, e.message))
-            span.end()
+            self._refused(run, request, e)
             raise
         if span.is_recording():
             span.set_attributes({
@@ -152,11 +213,18 @@ class Server:
         owner = {"tenant": key.tenant, "key_id": key.key_id} if key is not None else None
         gen = self.orch.generation(request_id, prompt_ids, sampling, self.model_name, owner)
         headers = {"x-request-id": request_id, **(run.admission.headers if run.admission else {})}
+        builder = Builder(request_id, self.model_name, chat, self.fingerprint, index)
+        detok = IncrementalDetokenizer(self.info.tokenizer, req.stop_list)
+        return _Job(request_id, run, gen, headers, builder, detok)
+
+    async def _start(self, request: Request, job: _Job) -> Response | None:
+        """Place the request and wait for its first token; the error response if that failed."""
+        gen, run, headers = job.gen, job.run, job.headers
         self.metrics.inflight.inc()
         run.counted_inflight = True
         try:
             # the task start() runs in copies this context: its spans are children of the root
-            with activate(span):
+            with activate(run.span):
                 await _until_disconnected(request, gen.start())
         except BaseException as e:
             await self._finish(gen, run, e)
@@ -164,24 +232,108 @@ class Server:
                 headers["x-splitserve-route"] = gen.route.header
             return _answer_failure(e, headers)
         headers["x-splitserve-route"] = gen.route.header if gen.route else ""
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.prompt_tokens.inc(len(gen.prompt_ids))
         run.t_first = run.t_last = time.monotonic()
         self._observe_ttft(gen, run)
-        builder = Builder(request_id, self.model_name, chat, self.fingerprint)
-        detok = IncrementalDetokenizer(self.info.tokenizer, req.stop_list)
-        if req.stream:
-            body = self._sse(gen, run, detok, builder, req.include_usage)
-            # Safety net: if the client leaves before the body starts, the generator never runs its
-            # finally; the background task (run after the response either way) closes the request.
-            net = BackgroundTask(self._finish, gen, run, ClientGone())
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers, background=net)
+        return None
+
+    # ---- several prompts in one request ------------------------------------------------------------
+
+    async def _generate_many(self, request: Request, req: CompletionRequest, key: ApiKey | None) -> Response:
+        """One completions request with several prompts: each prompt is a request of its own (its id
+        `<response id>-<i>`, its record, its rate-limit charge, its trace), all run concurrently; the
+        response has one choice per prompt, `index` i, and their usage summed. Any prompt refused
+        (4xx) or failing to start refuses the whole request, and nothing of it keeps running."""
+        prompts = req.prompts or []
+        base = f"cmpl-{uuid.uuid4().hex}"
+        request.state.request_id = base
+        jobs: list[_Job] = []
         try:
-            text = await _until_disconnected(request, self._collect(gen, run, detok))
+            for i, p in enumerate(prompts):
+                try:
+                    jobs.append(await self._prepare(request, req.one(p), key, f"{base}-{i}", i))
+                except APIError as e:
+                    if e.param == "prompt" or (e.param or "").startswith("prompt."):
+                        e.param = f"prompt.{i}"
+                    raise
+        except APIError:
+            await asyncio.gather(*(self._finish(j.gen, j.run, ClientGone()) for j in jobs))
+            raise
+        failures = await asyncio.gather(*(self._start(request, j) for j in jobs))
+        headers = {"x-request-id": base, "x-splitserve-request-ids": ",".join(j.request_id for j in jobs)}
+        failed = next((f for f in failures if f is not None), None)
+        if failed is not None:
+            await asyncio.gather(*(self._finish(j.gen, j.run, ClientGone()) for j in jobs))
+            failed.headers.update(headers)
+            return failed
+        routes = ",".join(j.headers.get("x-splitserve-route", "") for j in jobs)
+        headers["x-splitserve-route"] = routes
+        head = Builder(base, self.model_name, False, self.fingerprint)
+        if req.stream:
+            body = self._sse_many(jobs, head, req.include_usage)
+            net = BackgroundTask(self._finish_all, jobs, ClientGone())
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers, background=net)
+
+        async def collect_all() -> list[str]:
+            return list(await asyncio.gather(*(self._collect(j.gen, j.run, j.detok) for j in jobs)))
+
+        try:
+            texts = await _until_disconnected(request, collect_all())
         except BaseException as e:
-            await self._finish(gen, run, e)
+            await self._finish_all(jobs, e)
             return _answer_failure(e, headers)
-        await self._finish(gen, run, None)
-        return JSONResponse(self._full(gen, run, builder, text), headers=headers)
+        await self._finish_all(jobs, None)
+        choices, total = [], usage(0, 0, 0)
+        for j, text in zip(jobs, texts, strict=True):
+            one = self._full(j.gen, j.run, j.builder, text)
+            choices += one["choices"]
+            for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                total[k] += one["usage"][k]
+            total["prompt_tokens_details"]["cached_tokens"] += j.gen.num_cached_tokens
+        return JSONResponse({**head.full(None, "stop", total), "choices": choices}, headers=headers)
+
+    async def _finish_all(self, jobs: list[_Job], error: BaseException | None) -> None:
+        await asyncio.gather(*(self._finish(j.gen, j.run, error) for j in jobs))
+
+    async def _sse_many(self, jobs: list[_Job], head: Builder, include_usage: bool) -> AsyncIterator[str]:
+        """The prompts' streams interleaved as their chunks come (each chunk's choice has its index);
+        one usage chunk (summed) and one [DONE] at the end. A failure in one ends them all."""
+        queue: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+
+        async def feed(i: int, j: _Job) -> None:
+            try:
+                async for chunk in self._sse(j.gen, j.run, j.detok, j.builder, include_usage=False):
+                    await queue.put((i, chunk))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(feed(i, j)) for i, j in enumerate(jobs)]
+        try:
+            open_ = len(jobs)
+            while open_:
+                _, chunk = await queue.get()
+                if chunk is None:
+                    open_ -= 1
+                elif chunk == SSE_DONE:
+                    continue
+                else:
+                    yield chunk
+                    if chunk.startswith('data: {"error"'):
+                        break  # a failed prompt fails the request, as it would unsplit
+            if include_usage:
+                total = usage(0, 0, 0)
+                for j in jobs:
+                    one = self._usage(j.gen, j.run)
+                    for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                        total[k] += one[k]
+                    total["prompt_tokens_details"]["cached_tokens"] += j.gen.num_cached_tokens
+                yield head.usage_chunk(total)
+            yield SSE_DONE
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._finish_all(jobs, ClientGone())  # no-op for those that ended
 
     def _full(self, gen: Generation, run: _Run, b: Builder, text: str) -> dict[str, Any]:
         """The whole (non-streamed) response."""

@@ -234,6 +234,77 @@ def test_the_only_prefill_service_killed_mid_prompt_falls_back_to_decode(stack, 
     assert_clean(stack, redis_url)
 
 
+STORY = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "story": {"type": "string", "maxLength": 200},
+    },
+    "required": ["title", "story"],
+    "additionalProperties": False,
+}
+
+
+def featured(question: str) -> dict[str, Any]:
+    """Seeded sampling, penalties, logprobs and a JSON schema: the state a migration must carry over."""
+    return {
+        **chat(question, 160), "ignore_eos": False, "temperature": 0.7, "seed": 42, "logprobs": True,
+        "top_logprobs": 2, "frequency_penalty": 0.3, "presence_penalty": 0.2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY}},
+    }  # fmt: skip
+
+
+class FeaturedStream(Stream):
+    """A stream that also keeps each token's logprob."""
+
+    def run(self) -> None:
+        self.logprobs: list[float] = []
+        with httpx.stream("POST", self.router.url + "/v1/chat/completions", json=self.body, timeout=180) as r:
+            self.status, self.request_id = r.status_code, r.headers.get("x-request-id", "")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if "error" in event:
+                    self.errors.append(event["error"]["message"])
+                    continue
+                choice = event["choices"][0]
+                self.text += choice["delta"].get("content") or ""
+                self.logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+                self.chunks += 1
+
+
+def test_a_migration_carries_sampling_state_grammar_and_logprobs(stack, redis_url) -> None:  # type: ignore[no-untyped-def]
+    """A decode service killed under seeded, penalised, schema-constrained streams with logprobs: each
+    stream continues on another service with the same seed stream, penalty counts and grammar state,
+    so its text is an unfaulted run's, it still validates, and every token has its logprob."""
+    import jsonschema
+
+    router = role(stack, "router")[0]
+    want = [complete(router, featured(q)).json()["choices"][0] for q in QUESTIONS]
+    before = metric(router, "splitserve_router_migrations_total")
+    streams = [FeaturedStream(router, featured(q)) for q in QUESTIONS]
+    for st in streams:
+        st.start()
+    wait_until(lambda: all(st.chunks >= 3 for st in streams), 120, "every stream to be generating")
+    victim = busiest_decode(stack)
+    try:
+        inject(stack, redis_url, victim, "kill", streams)
+        for st, ref in zip(streams, want, strict=True):
+            assert st.status == 200 and not st.errors, (st.status, st.errors)
+            assert st.text == ref["message"]["content"], "the migrated stream differs from an unfaulted run"
+            jsonschema.validate(json.loads(st.text), STORY)
+            ref_lps = [c["logprob"] for c in ref["logprobs"]["content"]]
+            assert st.logprobs == pytest.approx(ref_lps, abs=1e-3)
+        assert metric(router, "splitserve_router_migrations_total") > before
+    finally:
+        victim.popen.kill()
+        stack.procs.remove(victim)
+        stack.start("decode", *FLAGS, env=ENV)
+        time.sleep(1.5)
+    assert_clean(stack, redis_url)
+
+
 def test_a_decode_service_restarted_on_its_own_ports_is_used_at_once(stack, redis_url) -> None:  # type: ignore[no-untyped-def]
     """SIGKILL, then the same ports again (what a container restart does): the next split request
     reaches it without a failed transfer — the prefill service drops its connection to the old

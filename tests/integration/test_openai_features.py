@@ -397,3 +397,39 @@ def test_usage_cached_tokens_and_fingerprint(client, prompt, route) -> None:  # 
 def test_models_card_has_max_model_len(stack) -> None:  # type: ignore[no-untyped-def]
     card = httpx.get(stack.url + "/v1/models", timeout=10).json()["data"][0]
     assert card["max_model_len"] > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_several_prompts_in_one_request(client, stream) -> None:  # type: ignore[no-untyped-def]
+    """Each prompt is a request of its own (here one split, one local), answered in one response."""
+    prompts = [LONG_P, SHORT_P, SHORT_P + " 4,"]
+    singles = [
+        client.completions.create(model="default", prompt=p, max_tokens=6, temperature=0, logprobs=1).choices[
+            0
+        ]
+        for p in prompts
+    ]
+    if stream:
+        chunks = list(
+            client.completions.create(
+                model="default", prompt=prompts, max_tokens=6, temperature=0, logprobs=1, stream=True,
+                stream_options={"include_usage": True},
+            )
+        )  # fmt: skip
+        texts = ["", "", ""]
+        for c in chunks:
+            for ch in c.choices:
+                texts[ch.index] += ch.text
+        assert texts == [s.text for s in singles]
+        assert chunks[-1].usage.completion_tokens == 18
+    else:
+        raw = client.completions.with_raw_response.create(
+            model="default", prompt=prompts, max_tokens=6, temperature=0, logprobs=1
+        )
+        routes = [r.split(";")[0] for r in raw.headers["x-splitserve-route"].split(",")]
+        assert routes == ["split", "local", "local"]
+        body = raw.parse()
+        assert [c.index for c in body.choices] == [0, 1, 2]
+        assert [c.text for c in body.choices] == [s.text for s in singles]
+        assert [c.logprobs.tokens for c in body.choices] == [s.logprobs.tokens for s in singles]
+        assert body.usage.completion_tokens == 18

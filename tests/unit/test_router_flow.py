@@ -4,6 +4,7 @@ de-duplication, stop strings, UTF-8 safe streaming, usage, retries, disconnects,
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -385,3 +386,40 @@ async def test_failed_and_cancelled_requests_are_recorded(out_ids: list[int]) ->
     assert failed.status_code == 502
     (rid,) = state.records
     assert state.records[rid]["state"] == "failed" and "prefill failed" in state.records[rid]["error"]
+
+
+async def test_several_prompts_are_requests_of_their_own(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    prompts = ["Hi", "Hello there", "Hey"]
+    async with make_router(cluster) as client:
+        resp = await client.post(
+            "/v1/completions", json={"model": "default", "prompt": prompts, "max_tokens": 3}
+        )
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        texts = {c["text"] for c in body["choices"]}
+        assert len(texts) == 1 and texts.pop()  # the fake generates the same tokens for every prompt
+        n_prompt = sum(len(model_info().tokenizer.encode(p)) for p in prompts)
+        assert body["usage"]["prompt_tokens"] == n_prompt and body["usage"]["completion_tokens"] == 9
+        ids = resp.headers["x-splitserve-request-ids"].split(",")
+        assert ids == [f"{body['id']}-{i}" for i in range(3)] and resp.headers["x-request-id"] == body["id"]
+        assert sorted(g.request_id for _, g in cluster.generate_calls) == ids  # three requests upstream
+
+        stream = await client.post(
+            "/v1/completions",
+            json={"model": "default", "prompt": prompts, "max_tokens": 3, "stream": True,
+                  "stream_options": {"include_usage": True}},
+        )  # fmt: skip
+        events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        chunks = [json.loads(e) for e in events[:-1]]
+        by_index: dict[int, str] = {}
+        finishes = set()
+        for c in chunks[:-1]:
+            (choice,) = c["choices"]
+            by_index[choice["index"]] = by_index.get(choice["index"], "") + choice["text"]
+            if choice["finish_reason"]:
+                finishes.add(choice["index"])
+        assert finishes == {0, 1, 2} and set(by_index.values()) == {body["choices"][0]["text"]}
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
