@@ -73,12 +73,13 @@ def complete(router: Proc, body: dict[str, Any]) -> httpx.Response:
 
 
 class Stream(threading.Thread):
-    """One streaming request: its text, its chunk count as it goes, its errors."""
+    """One streaming request: its text, its chunk count as it goes, its errors, its logprobs."""
 
     def __init__(self, router: Proc, body: dict[str, Any]) -> None:
         super().__init__(daemon=True)
         self.router, self.body = router, {**body, "stream": True}
         self.text, self.chunks, self.errors = "", 0, []  # type: ignore[var-annotated]
+        self.logprobs: list[float] = []  # each token's, when the request asks for logprobs
         self.status, self.request_id, self.route = 0, "", ""
 
     def run(self) -> None:
@@ -92,7 +93,9 @@ class Stream(threading.Thread):
                 if "error" in event:
                     self.errors.append(event["error"]["message"])
                     continue
-                self.text += event["choices"][0]["delta"].get("content") or ""
+                choice = event["choices"][0]
+                self.text += choice["delta"].get("content") or ""
+                self.logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
                 self.chunks += 1
 
 
@@ -254,26 +257,6 @@ def featured(question: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-class FeaturedStream(Stream):
-    """A stream that also keeps each token's logprob."""
-
-    def run(self) -> None:
-        self.logprobs: list[float] = []
-        with httpx.stream("POST", self.router.url + "/v1/chat/completions", json=self.body, timeout=180) as r:
-            self.status, self.request_id = r.status_code, r.headers.get("x-request-id", "")
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    self.errors.append(event["error"]["message"])
-                    continue
-                choice = event["choices"][0]
-                self.text += choice["delta"].get("content") or ""
-                self.logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
-                self.chunks += 1
-
-
 def test_a_migration_carries_sampling_state_grammar_and_logprobs(stack, redis_url) -> None:  # type: ignore[no-untyped-def]
     """A decode service killed under seeded, penalised, schema-constrained streams with logprobs: each
     stream continues on another service with the same seed stream, penalty counts and grammar state,
@@ -283,7 +266,7 @@ def test_a_migration_carries_sampling_state_grammar_and_logprobs(stack, redis_ur
     router = role(stack, "router")[0]
     want = [complete(router, featured(q)).json()["choices"][0] for q in QUESTIONS]
     before = metric(router, "splitserve_router_migrations_total")
-    streams = [FeaturedStream(router, featured(q)) for q in QUESTIONS]
+    streams = [Stream(router, featured(q)) for q in QUESTIONS]
     for st in streams:
         st.start()
     wait_until(lambda: all(st.chunks >= 3 for st in streams), 120, "every stream to be generating")

@@ -16,13 +16,9 @@ from common.sampling_params import Guide
 from common.text.grammar import GrammarCompiler, GrammarMatcher, GuideError, guide_grammar, validate_guide
 from common.text.model_info import load_model_info
 from common.text.tokenizer import Tokenizer
+from tests.support.grammar import allocate_bitmask
 
 PAD = 64  # models often pad the embedding past the tokenizer: those ids must never be allowed
-
-
-def allocate_bitmask(rows: int, vocab: int) -> torch.Tensor:
-    """llguidance's bitmask layout: int32 words, bit i of word w for id 32*w + i."""
-    return torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
 
 
 @pytest.fixture(scope="module")

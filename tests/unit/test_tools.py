@@ -30,6 +30,7 @@ from router.tools import (
     tool_guide,
     tool_mode,
 )
+from tests.support.grammar import allocate_bitmask
 
 WEATHER = {
     "type": "function",
@@ -94,11 +95,6 @@ def fn(name: str, parameters: dict) -> dict:
 
 def tools(*defs: dict) -> list[Tool]:
     return [Tool.model_validate(d) for d in defs]
-
-
-def allocate_bitmask(rows: int, vocab: int) -> torch.Tensor:
-    """llguidance's bitmask layout: int32 words, bit i of word w for id 32*w + i."""
-    return torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
 
 
 @pytest.fixture(scope="module")
