@@ -22,6 +22,7 @@ from router.errors import APIError, from_validation, invalid
 from router.tools import Tool, ToolCall, ToolChoice
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_CHOICES = 16  # n, best_of
 
 
 class StreamOptions(BaseModel):
@@ -63,7 +64,7 @@ class _Common(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, description="extension; 0 or -1 turns it off")
     min_p: float = Field(0.0, ge=0, le=1, description="extension")
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -79,13 +80,6 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(None, description="extension")
     user: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -186,7 +180,7 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=5)
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
 
     _many: list[Any] | None = PrivateAttr(None)
@@ -227,13 +221,6 @@ class CompletionRequest(_Common):
     def _no_suffix(cls, v: str | None) -> str | None:
         if v:
             raise ValueError("suffix is not supported")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
         return v
 
     @property

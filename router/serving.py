@@ -30,6 +30,7 @@ from router.errors import APIError, invalid
 from router.logprobs import CompletionLogprobs, TokenTexts, chat_content, merge
 from router.metrics import RouterMetrics
 from router.openai_types import (
+    MAX_PROMPTS,
     SSE_DONE,
     Builder,
     ChatCompletionRequest,
@@ -82,6 +83,7 @@ class _Job:
     headers: dict[str, str]
     builder: Builder
     detok: IncrementalDetokenizer
+    prompt_index: int = 0  # several choices: which prompt this one answers
 
 
 class Server:
@@ -114,7 +116,8 @@ class Server:
         except APIError as e:
             self._refused(_Run("chat" if chat else "completions"), request, e)
             raise
-        if isinstance(req, CompletionRequest) and req.prompts is not None:
+        many = isinstance(req, CompletionRequest) and (req.prompts is not None or (req.best_of or 1) > 1)
+        if many or req.n > 1:
             return await self._generate_many(request, req, key)
         job = await self._prepare(request, req, key)
         request.state.request_id = job.request_id  # for the x-request-id middleware
@@ -239,23 +242,51 @@ class Server:
 
     # ---- several prompts in one request ------------------------------------------------------------
 
-    async def _generate_many(self, request: Request, req: CompletionRequest, key: ApiKey | None) -> Response:
-        """One completions request with several prompts: each prompt is a request of its own (its id
-        `<response id>-<i>`, its record, its rate-limit charge, its trace), all run concurrently; the
-        response has one choice per prompt, `index` i, and their usage summed. Any prompt refused
-        (4xx) or failing to start refuses the whole request, and nothing of it keeps running."""
-        prompts = req.prompts or []
-        base = f"cmpl-{uuid.uuid4().hex}"
+    async def _generate_many(
+        self, request: Request, req: CompletionRequest | ChatCompletionRequest, key: ApiKey | None
+    ) -> Response:
+        """Several choices in one response: several prompts (completions), `n` choices per prompt, or
+        `best_of` candidates of which the `n` likeliest are returned. Each is a request of its own (its
+        id `<response id>-<k>`, its record, its rate-limit charge, its trace); choice j of a prompt
+        draws with seed + j. All run concurrently; the response has choice i * n + j for prompt i's
+        j-th, and the usage of all (best_of candidates included) summed. Anything refused (4xx) or
+        failing to start refuses the whole request, and nothing of it keeps running."""
+        chat = isinstance(req, ChatCompletionRequest)
+        n, best_of = req.n, (req.best_of or req.n) if isinstance(req, CompletionRequest) else req.n
+        prompts: list[Any] = [None] if chat else (req.prompts or [req.prompt])  # type: ignore[union-attr]
+        refusal = None
+        if best_of < n:
+            refusal = invalid(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+        elif best_of > n and req.stream:
+            refusal = invalid("best_of cannot be used with stream", "best_of")
+        elif len(prompts) * best_of > MAX_PROMPTS * 2:
+            refusal = invalid(f"at most {MAX_PROMPTS * 2} choices (prompts x best_of) per request", "n")
+        if refusal is not None:
+            self._refused(_Run("chat" if chat else "completions"), request, refusal)
+            raise refusal
+        base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         request.state.request_id = base
         jobs: list[_Job] = []
         try:
             for i, p in enumerate(prompts):
-                try:
-                    jobs.append(await self._prepare(request, req.one(p), key, f"{base}-{i}", i))
-                except APIError as e:
-                    if e.param == "prompt" or (e.param or "").startswith("prompt."):
-                        e.param = f"prompt.{i}"
-                    raise
+                one = req if chat else req.one(p)  # type: ignore[union-attr]
+                for j in range(best_of):
+                    update: dict[str, Any] = {"n": 1}
+                    if one.seed is not None:
+                        update["seed"] = one.seed + j
+                    if best_of > n and one.logprobs is None:  # to rank candidates (dropped after)
+                        update["logprobs"] = 0
+                    sub = one.model_copy(update=update)
+                    try:
+                        job = await self._prepare(request, sub, key, f"{base}-{len(jobs)}", i * n + j)
+                    except APIError as e:
+                        if len(prompts) > 1 and (
+                            e.param == "prompt" or (e.param or "").startswith("prompt.")
+                        ):
+                            e.param = f"prompt.{i}"
+                        raise
+                    job.prompt_index = i
+                    jobs.append(job)
         except APIError:
             await asyncio.gather(*(self._finish(j.gen, j.run, ClientGone()) for j in jobs))
             raise
@@ -268,7 +299,7 @@ class Server:
             return failed
         routes = ",".join(j.headers.get("x-splitserve-route", "") for j in jobs)
         headers["x-splitserve-route"] = routes
-        head = Builder(base, self.model_name, False, self.fingerprint)
+        head = Builder(base, self.model_name, chat, self.fingerprint)
         if req.stream:
             body = self._sse_many(jobs, head, req.include_usage)
             net = BackgroundTask(self._finish_all, jobs, ClientGone())
@@ -283,14 +314,40 @@ class Server:
             await self._finish_all(jobs, e)
             return _answer_failure(e, headers)
         await self._finish_all(jobs, None)
-        choices, total = [], usage(0, 0, 0)
-        for j, text in zip(jobs, texts, strict=True):
-            one = self._full(j.gen, j.run, j.builder, text)
-            choices += one["choices"]
+        choices: list[tuple[_Job, dict[str, Any]]] = []
+        total = usage(0, 0, 0)
+        for job, text in zip(jobs, texts, strict=True):
+            one = self._full(job.gen, job.run, job.builder, text)
+            choices.append((job, one["choices"][0]))
             for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
                 total[k] += one["usage"][k]
-            total["prompt_tokens_details"]["cached_tokens"] += j.gen.num_cached_tokens
-        return JSONResponse({**head.full(None, "stop", total), "choices": choices}, headers=headers)
+            total["prompt_tokens_details"]["cached_tokens"] += job.gen.num_cached_tokens
+        if best_of > n:
+            asked = isinstance(req, CompletionRequest) and req.logprobs is not None
+            choices = self._best(choices, n, keep_logprobs=asked)
+        out = [c for _, c in sorted(choices, key=lambda jc: jc[1]["index"])]
+        return JSONResponse({**head.full(None, "stop", total), "choices": out}, headers=headers)
+
+    @staticmethod
+    def _best(
+        choices: list[tuple[_Job, dict[str, Any]]], n: int, keep_logprobs: bool
+    ) -> list[tuple[_Job, dict[str, Any]]]:
+        """best_of: per prompt, the n candidates with the highest mean logprob per token (OpenAI's
+        "highest log probability per token"), re-indexed i * n + rank."""
+        by_prompt: dict[int, list[tuple[float, _Job, dict[str, Any]]]] = {}
+        for job, c in choices:
+            lps = job.gen.out_logprobs[: job.run.output_tokens]
+            score = sum(lp.logprob for lp in lps) / len(lps) if lps else float("-inf")
+            by_prompt.setdefault(job.prompt_index, []).append((score, job, c))
+        out = []
+        for i, cands in by_prompt.items():
+            cands.sort(key=lambda sc: -sc[0])
+            for rank, (_, job, c) in enumerate(cands[:n]):
+                c = {**c, "index": i * n + rank}
+                if not keep_logprobs:
+                    c["logprobs"] = None
+                out.append((job, c))
+        return out
 
     async def _finish_all(self, jobs: list[_Job], error: BaseException | None) -> None:
         await asyncio.gather(*(self._finish(j.gen, j.run, error) for j in jobs))

@@ -433,3 +433,38 @@ def test_several_prompts_in_one_request(client, stream) -> None:  # type: ignore
         assert [c.text for c in body.choices] == [s.text for s in singles]
         assert [c.logprobs.tokens for c in body.choices] == [s.logprobs.tokens for s in singles]
         assert body.usage.completion_tokens == 18
+
+
+@pytest.mark.parametrize(("question", "route"), PATHS)
+def test_n_choices_reproduce_single_requests_with_derived_seeds(client, question, route) -> None:  # type: ignore[no-untyped-def]
+    """n=4 with seed s: choice j is what one request with seed s + j generates (docs/openai_api.md)."""
+    kwargs: dict[str, Any] = {
+        "model": "default", "messages": [{"role": "user", "content": question}], "max_tokens": 8,
+        "temperature": 1.0, "top_p": 0.95,
+    }  # fmt: skip
+    raw = client.chat.completions.with_raw_response.create(**kwargs, n=4, seed=100)
+    assert {r.split(";")[0] for r in raw.headers["x-splitserve-route"].split(",")} == {route}
+    choices = raw.parse().choices
+    assert [c.index for c in choices] == [0, 1, 2, 3]
+    singles = [
+        client.chat.completions.create(**kwargs, seed=100 + j).choices[0].message.content for j in range(4)
+    ]
+    assert [c.message.content for c in choices] == singles
+    assert len(set(singles)) > 1  # the seeds differ, so (almost surely) do the samples
+
+
+def test_best_of_returns_the_likeliest_candidates(client) -> None:  # type: ignore[no-untyped-def]
+    kwargs: dict[str, Any] = {"model": "default", "prompt": SHORT_P, "max_tokens": 6, "temperature": 1.0}
+    r = client.completions.create(**kwargs, n=2, best_of=5, seed=7)
+    assert [c.index for c in r.choices] == [0, 1] and all(c.logprobs is None for c in r.choices)
+    cands = [client.completions.create(**kwargs, seed=7 + j, logprobs=0).choices[0] for j in range(5)]
+
+    def mean_lp(c: Any) -> float:
+        return sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)
+
+    chosen = [next(c for c in cands if c.text == got.text) for got in r.choices]  # each is a candidate
+    rest = [c for c in cands if c not in chosen]
+    # best first, and better than every other (to within what two batch shapes change in a logprob)
+    assert mean_lp(chosen[0]) >= mean_lp(chosen[1]) - 1e-3
+    assert min(map(mean_lp, chosen)) >= max(map(mean_lp, rest)) - 1e-3
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in cands)  # every candidate counts

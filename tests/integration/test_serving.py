@@ -176,7 +176,7 @@ BAD = [
     ({"model": "default", "prompt": "hi", "temperature": -1}, "temperature"),
     ({"model": "default", "prompt": "hi", "top_p": 0}, "top_p"),
     ({"model": "default", "prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"model": "default", "prompt": "hi", "n": 2}, "n"),
+    ({"model": "default", "prompt": "hi", "n": 17}, "n"),
     ({"model": "default", "prompt": "hi", "max_tokens": 9000}, "context"),
 ]
 

@@ -55,6 +55,7 @@ def test_check_layer_header() -> None:
     assert "duplicate" in (check_layer_header(_header([3, 3]), kv) or "")
     # a mistyped header never reaches the check: it does not decode
     bad = msgspec.msgpack.encode({"kind": "kv_layer", "request_id": "r", "fence": 1, "layer": 0,
-                                  "block_ids": "xx", "nbytes": 0, "protocol_version": PROTOCOL_VERSION})  # fmt: skip
+                                  "block_ids": "xx", "nbytes": 0,
+                                  "protocol_version": PROTOCOL_VERSION})  # fmt: skip
     with pytest.raises(ProtocolError, match="block_ids"):
         decode(bad, KVLayerHeader)

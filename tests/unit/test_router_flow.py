@@ -423,3 +423,18 @@ async def test_several_prompts_are_requests_of_their_own(out_ids: list[int]) -> 
                 finishes.add(choice["index"])
         assert finishes == {0, 1, 2} and set(by_index.values()) == {body["choices"][0]["text"]}
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 9
+
+
+async def test_n_choices_are_requests_with_consecutive_seeds(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "n": 3, "seed": 10,
+            "max_tokens": 3, "temperature": 0.5}  # fmt: skip
+    async with make_router(cluster) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        choices = resp.json()["choices"]
+        assert [c["index"] for c in choices] == [0, 1, 2]
+        assert all(c["message"]["role"] == "assistant" and c["message"]["content"] for c in choices)
+        seeds = sorted(g.sampling.seed for _, g in cluster.generate_calls)
+        assert seeds == [10, 11, 12]
+        assert resp.json()["usage"]["completion_tokens"] == 9
