@@ -27,6 +27,7 @@ ROUTES = (
     ("local", "short_prompt"),
     ("local", "no_prefill_worker"),
     ("local", "prefill_failed"),
+    ("local", "shared_prefix"),
 )
 PATHS = ("split", "local")
 MIGRATION_REASONS = ("lost", "stalled", "gave_up")

@@ -97,7 +97,9 @@ class Orchestrator:
         self.records = RecordWriter(state.records, restore_lost=True) if state is not None else None
         self.owners: RouterOwnership | None = None  # set by the app while it runs (with Redis)
 
-    def route(self, prompt_tokens: int, prefills: list[Worker]) -> Route:
+    def route(self, prompt_tokens: int, prefills: list[Worker], shared_prefix: bool = False) -> Route:
+        if shared_prefix:  # the decode service holds the prompt already (another choice of the request)
+            return Route("local", "shared_prefix")
         if prompt_tokens < self.config.local_prefill_threshold:
             return Route("local", "short_prompt")
         if not prefills:
@@ -150,6 +152,11 @@ class Generation:
         self._recorded = False
         self._closed = False
         self._traceparent: str | None = None  # the root span's, for the decode service
+        # A decode service holding the prompt: another choice of the same request ran its prefill there.
+        # Placed there, locally, the prompt's full blocks come from its prefix cache (shared by
+        # reference); only the last partial block is computed again. If it is full, placed as any.
+        self.affinity: str | None = None
+        self.decode_id: str | None = None  # the decode service of the first placement
 
     # ---- the flow --------------------------------------------------------------------------------
 
@@ -159,7 +166,8 @@ class Generation:
         self._traceparent = traceparent()
         with span_scope(_tracer, "router.route") as span:
             decodes, prefills = await self._workers()
-            self.route = self.o.route(len(self.prompt_ids), prefills)
+            decodes = self._with_affinity(decodes)
+            self.route = self.o.route(len(self.prompt_ids), prefills, self._shared(decodes))
             if span.is_recording():
                 span.set_attributes({
                     "splitserve.route": self.route.path,
@@ -253,8 +261,29 @@ class Generation:
                 await self._lose_decode(e)
                 decodes = prefills = None
 
+    def _with_affinity(self, decodes: list[Worker]) -> list[Worker]:
+        """The decode service holding the prompt first, if it is a candidate."""
+        if self.affinity is None:
+            return decodes
+        return sorted(decodes, key=lambda w: w.id != self.affinity)  # stable: the rest keep their order
+
+    def _shared(self, decodes: list[Worker]) -> bool:
+        return bool(decodes) and decodes[0].id == self.affinity and not self.out_ids
+
     async def _place_on(self, decodes: list[Worker], prefills: list[Worker]) -> list[int]:
-        route = self.o.route(len(self.prompt_ids) + len(self.out_ids), prefills)
+        decodes = self._with_affinity(decodes)
+        route = self.o.route(len(self.prompt_ids) + len(self.out_ids), prefills, self._shared(decodes))
+        if route.reason == "shared_prefix":
+            try:
+                return await self._place_local(decodes[:1])
+            except APIError as e:
+                if e.status != 503:
+                    raise
+            # that service is full: placed as any request (the header and the record say how)
+            self.affinity = None
+            route = self.o.route(len(self.prompt_ids), prefills)
+            self.route = route
+            await self._record_route()
         if route.path == "local":
             return await self._place_local(decodes)
         policy = self.o.config.transfer_failure_policy
@@ -369,6 +398,7 @@ class Generation:
         with span_scope(_tracer, "router.decode_reserve") as span:
             try:
                 self._stream, reserved = await DecodeStream.open(self.o.client, decodes, body, self.deadline)
+                self.decode_id = self.decode_id or self._stream.worker.id
             except Busy:
                 raise self.o.unavailable("every decode service is at capacity; retry later") from None
             except Unreachable as e:

@@ -290,7 +290,20 @@ class Server:
         except APIError:
             await asyncio.gather(*(self._finish(j.gen, j.run, ClientGone()) for j in jobs))
             raise
-        failures = await asyncio.gather(*(self._start(request, j) for j in jobs))
+        groups: dict[int, list[_Job]] = {}
+        for job in jobs:
+            groups.setdefault(job.prompt_index, []).append(job)
+
+        async def start(group: list[_Job]) -> list[Response | None]:
+            """A prompt's first choice, then its others on the decode service that holds the prompt."""
+            first = await self._start(request, group[0])
+            if first is not None or len(group) == 1:
+                return [first]
+            for job in group[1:]:
+                job.gen.affinity = group[0].gen.decode_id
+            return list(await asyncio.gather(*(self._start(request, job) for job in group[1:])))
+
+        failures = [f for fs in await asyncio.gather(*(start(g) for g in groups.values())) for f in fs]
         headers = {"x-request-id": base, "x-splitserve-request-ids": ",".join(j.request_id for j in jobs)}
         failed = next((f for f in failures if f is not None), None)
         if failed is not None:
