@@ -57,6 +57,11 @@ _background: set[asyncio.Task[Any]] = set()
 _tracer = tracer(__name__)
 
 
+def _shed_event(reason: str) -> None:
+    """On the request's span: it was refused for overload (503), and why."""
+    trace.get_current_span().add_event("splitserve.shed", {"splitserve.reason": reason})
+
+
 async def shielded(coro: Coroutine[Any, Any, None]) -> None:
     """Run cleanup to the end even when the caller is being cancelled (the client went away)."""
     task = asyncio.ensure_future(coro)
@@ -216,12 +221,14 @@ class Generation:
         (with start_timeout_s, those whose queue is younger than that)."""
         limit, start_s = self.o.config.max_decode_queue, self.o.config.start_timeout_s
         if limit is not None and all(int(w.load.get("waiting", 0)) >= limit for w in decodes):
+            _shed_event("queue_depth")
             self.o.metrics.shed.labels("queue_depth").inc()
             raise self.o.unavailable(f"every decode service has {limit}+ requests waiting; retry later")
         if start_s is None:
             return decodes
         in_time = [w for w in decodes if float(w.load.get("queue_wait_s", 0)) < start_s]
         if not in_time:
+            _shed_event("queue_wait")
             self.o.metrics.shed.labels("queue_wait").inc()
             raise self.o.unavailable(
                 f"every decode queue has kept a request waiting {start_s:g}+ s; this one could not start "
@@ -242,6 +249,7 @@ class Generation:
         except TimeoutError:
             if not timeout.expired():
                 raise
+            _shed_event("start_timeout")
             self.o.metrics.shed.labels("start_timeout").inc()
             message = f"the request could not start within {start_s:g} s; retry later"
             raise self.o.unavailable(message) from None
@@ -303,6 +311,13 @@ class Generation:
                 log.warning(
                     "request %s: prefill on %s failed (%s); policy %s", self.id, prefill.id, e, policy
                 )
+                retry = policy == "retry" and attempt < len(tries) - 1
+                outcome = "retried" if retry else "failed" if policy == "fail" else "recomputed"
+                trace.get_current_span().add_event(
+                    "splitserve.prefill_failed",
+                    {"splitserve.prefill_id": prefill.id, "splitserve.error": str(e),
+                     "splitserve.policy": policy, "splitserve.outcome": outcome},
+                )  # fmt: skip
                 if policy == "retry" and attempt < len(tries) - 1:
                     self.o.metrics.transfer_failures.labels(policy, "retried").inc()
                     self.o.metrics.prefill_retries.inc()

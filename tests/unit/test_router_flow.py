@@ -438,3 +438,44 @@ async def test_n_choices_are_requests_with_consecutive_seeds(out_ids: list[int])
         seeds = sorted(g.sampling.seed for _, g in cluster.generate_calls)
         assert seeds == [10, 11, 12]
         assert resp.json()["usage"]["completion_tokens"] == 9
+
+
+async def test_fallbacks_and_shedding_are_span_events(
+    out_ids: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where operators look: the request's span says a prefill failed (and what the policy did) and
+    that it was shed (and why)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from common.runtime import telemetry
+    from router import serving
+
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    monkeypatch.setattr(serving, "_tracer", provider.get_tracer("test"))  # a local provider, not the global
+    monkeypatch.setattr(telemetry, "_enabled", True)  # as with an OTLP endpoint: spans are made current
+
+    def root_events() -> list[tuple[str, dict[str, Any]]]:
+        (root,) = [s for s in spans.get_finished_spans() if s.name.startswith("text_completion")]
+        spans.clear()
+        return [(e.name, dict(e.attributes or {})) for e in root.events]
+
+    cluster = FakeCluster(out_ids)
+    cluster.failing.add("p1")
+    async with make_router(cluster, prefills=("p1", "p2")) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
+    assert resp.status_code == 200
+    [(name, attrs)] = root_events()
+    assert name == "splitserve.prefill_failed" and attrs["splitserve.prefill_id"] == "http://p1"
+    assert attrs["splitserve.policy"] == "retry" and attrs["splitserve.outcome"] == "retried"
+
+    state = FakeState()
+    state.registry.workers = {"decode": [("d1", {"waiting": 9})]}
+    cluster = FakeCluster(out_ids, state=state)
+    async with make_router(cluster, decodes=("d1",), static=False, max_decode_queue=4) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+    assert resp.status_code == 503
+    assert root_events() == [("splitserve.shed", {"splitserve.reason": "queue_depth"})]
