@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from tqdm import tqdm
 
+from bench.rounds import alternate, load_avg, median, ratio_stats
 from bench.workload import Request, make_workload
 from common.config import EngineConfig
 from common.engine.device import Placement
@@ -76,28 +79,48 @@ def load_for_bench(args: argparse.Namespace) -> tuple[LlamaForCausalLM, Tokenize
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Both policies' engines live side by side and run the whole workload in turn, in --rounds rounds
+    (continuous, static; static, continuous; ...): the ratio is the median of the per-round ratios."""
+    load_before = load_avg()
     model, tok, placement = load_for_bench(args)
     workload = make_workload(tok, n=args.requests, seed=args.seed)
-    res = {}
+    sides: dict[str, Callable[[], dict[str, float]]] = {}
     for policy in ("continuous", "static"):
         cfg = bench_config(args, policy="static" if policy == "static" else "fcfs")
         engine = LLMEngine(model, tok, cfg, placement)
         run_engine(engine, workload[:2], f"warmup {policy}")
-        res[policy] = run_engine(engine, workload, policy)
-        del engine
-    c, s = res["continuous"], res["static"]
+        sides[policy] = partial(run_engine, engine, workload, policy)
+    per_round = alternate(sides, args.rounds)
+    load_after = load_avg()
+    c, s = per_round["continuous"], per_round["static"]
+    c_tok_s, s_tok_s = [r["tok_s"] for r in c], [r["tok_s"] for r in s]
+    ratio = ratio_stats(c_tok_s, s_tok_s)
+    output_tokens = sum(r.max_tokens for r in workload)
+    c_steps, s_steps = round(median([r["steps"] for r in c])), round(median([r["steps"] for r in s]))
     return {
         **placement.describe(),
         "requests": len(workload),
-        "output_tokens": sum(r.max_tokens for r in workload),
+        "output_tokens": output_tokens,
         "max_batch": args.max_batch,
-        "continuous_tok_s": round(c["tok_s"], 2),
-        "static_tok_s": round(s["tok_s"], 2),
-        "ratio": round(c["tok_s"] / s["tok_s"], 3),
-        "continuous_steps": c["steps"],
-        "static_steps": s["steps"],
-        "slot_utilization_continuous": round(c["slot_utilization"], 4),
-        "slot_utilization_static": round(s["slot_utilization"], 4),
-        "utilization_all_continuous": round(c["utilization_all"], 4),
-        "utilization_all_static": round(s["utilization_all"], 4),
+        "continuous_tok_s": round(median(c_tok_s), 2),
+        "static_tok_s": round(median(s_tok_s), 2),
+        "ratio": ratio["median"],
+        "ratio_min": ratio["min"],
+        "ratio_max": ratio["max"],
+        "ratio_iqr": ratio["iqr"],
+        "rounds": args.rounds,
+        "continuous_tok_s_rounds": [round(x, 2) for x in c_tok_s],
+        "static_tok_s_rounds": [round(x, 2) for x in s_tok_s],
+        # load-independent: the same every round and on any machine
+        "continuous_steps": c_steps,
+        "static_steps": s_steps,
+        "steps_ratio": round(s_steps / c_steps, 3),
+        "continuous_tokens_per_step": round(output_tokens / c_steps, 3),
+        "static_tokens_per_step": round(output_tokens / s_steps, 3),
+        "slot_utilization_continuous": round(c[-1]["slot_utilization"], 4),
+        "slot_utilization_static": round(s[-1]["slot_utilization"], 4),
+        "utilization_all_continuous": round(c[-1]["utilization_all"], 4),
+        "utilization_all_static": round(s[-1]["utilization_all"], 4),
+        "load_before": load_before,
+        "load_after": load_after,
     }

@@ -12,6 +12,9 @@ from typing import Any, cast
 
 Scenario = Callable[[argparse.Namespace], dict[str, Any]]
 DEFAULT_REQUESTS = {"serving": 24, "soak": 5000}  # --requests when not given; 64 for the others
+# --rounds when not given; 5 for the others. A round of batching or peer-hf runs the whole workload on
+# each side (a smaller one would change the figure: the ratio grows with requests per batch slot).
+DEFAULT_ROUNDS = {"batching": 3, "peer-hf": 3}
 
 
 SCENARIOS = {  # name -> module in bench/ with run(args); imported only when chosen, so a scenario
@@ -46,7 +49,9 @@ def _run(args: argparse.Namespace) -> int:
     for name in names:
         print(f"== bench {name}", file=sys.stderr)
         requests = args.requests or DEFAULT_REQUESTS.get(name, 64)
-        results[name] = _scenario(name)(argparse.Namespace(**{**vars(args), "requests": requests}))
+        rounds = args.rounds or DEFAULT_ROUNDS.get(name, 5)
+        scenario_args = argparse.Namespace(**{**vars(args), "requests": requests, "rounds": rounds})
+        results[name] = _scenario(name)(scenario_args)
         if not args.json:
             for k, v in results[name].items():
                 print(f"{name:>10}  {k:<32} {v}")
@@ -72,6 +77,13 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="batching, peer-hf")
     b.add_argument("--kv-cache-mb", type=int, default=None, help="batching, peer-hf: KV cache size (1024)")
     b.add_argument("--out", default="bench/out", help="folder for result JSON and plots")
+    b.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="batching, peer-hf, transfer, overlap: rounds alternating the sides (A B, B A, ...); the ratio "
+        "is the median of the per-round ratios (default 5; batching, peer-hf: 3, a whole workload each)",
+    )
     s = b.add_argument_group("serving")
     s.add_argument("--rate", type=float, default=1.0, help="request arrivals per second (Poisson)")
     s.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time-to-first-token objective")
@@ -87,7 +99,9 @@ def add_bench_parser(sub: Any) -> None:
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")
     k = b.add_argument_group("transfer, overlap")
     k.add_argument("--mib", type=int, default=64, help="transfer: MiB of KV moved per repetition")
-    k.add_argument("--reps", type=int, default=None, help="timed repetitions after a warm-up (5; overlap: 3)")
+    k.add_argument(
+        "--reps", type=int, default=None, help="transfer: best of this many per side per round (3)"
+    )
     k.add_argument("--backend", default="nixl", help="overlap: KV transfer backend")
     k.add_argument("--prompt-tokens", type=int, default=2048, help="overlap: prompt length")
     b.set_defaults(func=_run)

@@ -7,8 +7,11 @@ spec; the destination block ids are a seeded random sample of its blocks (a frag
 The streamed sends are the prefill service's own: its KV connector posts each layer from the engine
 thread (here the main thread) onto an event loop running in a helper thread.
 
-Two modes, best of `--reps` (3) each after one warm-up; times end at the receiver's `kv_done`, read with
-time.perf_counter() in the receiver process (CLOCK_MONOTONIC: one clock for all processes on the host):
+Two modes, one prefill each per round in `--rounds` (5) rounds after one warm-up pair, the order reversed
+every other round (sequential, streamed; streamed, sequential; ...) so that outside load hits both alike;
+every figure is the median over the rounds of its per-round value. Times end at the receiver's `kv_done`,
+read with time.perf_counter() in the receiver process (CLOCK_MONOTONIC: one clock for all processes on
+the host):
 
     sequential: t0 step() t1 post every layer + kv_done ... t2 kv_done received
                 compute_ms = t1 - t0, transfer_ms = t2 - t1, ttft_after_prefill_ms = t2 - t0
@@ -21,7 +24,8 @@ cost nothing beyond the compute, 0 means it was not hidden at all. On CPU the tr
 fraction of the compute, so run-to-run noise of the compute can swamp it; two parts of the streamed run
 tell the two costs apart: compute_streamed_ms (its step() alone: the compute slowed by the sender thread
 and the receiver sharing the cores and the GIL) and tail_ms (step() end -> kv_done received: the part of the
-transfer the compute did not hide).
+transfer the compute did not hide). compute_slowdown = compute_streamed_ms / compute_ms (per round, from
+the same round's two runs; ratio_min/ratio_max its spread) is what streaming costs the compute itself.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ import random
 import threading
 import time
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from bench.rounds import alternate, load_avg, median, ratio_stats, spread
 from bench.transfer import RemoteReceiver, checksum
 from common.config import EngineConfig
 from common.connector.prefill import PrefillConnector
@@ -110,7 +116,8 @@ class Prefill:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # read when the first agent starts; children inherit it
-    reps, n = args.reps or 3, args.prompt_tokens
+    load_before = load_avg()
+    rounds, n = args.rounds, args.prompt_tokens
     model, tok = load_model(args.model)
     bs = 16
     needed = -(-(n + 1) // bs)
@@ -128,52 +135,91 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = engine.kv_cache.spec
     rng = random.Random(args.seed)
     dst_ids = rng.sample(range(spec.num_blocks), -(-n // bs))
-    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for _ in range(2 * (reps + 1))]
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for _ in range(2 * (rounds + 1))]
     rx = RemoteReceiver(args.backend, spec, engine.kv_compat())
     side = Prefill(engine, connector, args.backend, rx, dst_ids)
-    best = {k: float("inf") for k in ("compute", "transfer", "sequential", "streamed", "busy", "tail")}
+    bar = tqdm(total=2 * (rounds + 1), desc=f"overlap {args.backend}", unit="prefill")
+    todo = {"seq": iter(enumerate(prompts[0::2])), "str": iter(enumerate(prompts[1::2]))}
+
+    def once(mode: str) -> tuple[float, float, float]:
+        assert side is not None
+        i, prompt = next(todo[mode])
+        times = side.once(f"{mode}{i}", prompt, streamed=mode == "str")
+        bar.update(1)
+        return times
+
     try:
-        bar = tqdm(total=2 * (reps + 1), desc=f"overlap {args.backend}", unit="prefill")
-        for i in range(reps + 1):  # alternate the modes, so that drift on a shared host hits both alike
-            t0, t1, t2 = side.once(f"seq{i}", prompts[2 * i], streamed=False)
-            bar.update(1)
-            s0, s1, s2 = side.once(f"str{i}", prompts[2 * i + 1], streamed=True)
-            bar.update(1)
-            if i == 0:
-                continue  # warm-up: connection, handshake, descriptor lists, first-touch of the caches
-            times = {
-                "compute": t1 - t0,
-                "transfer": t2 - t1,
-                "sequential": t2 - t0,
-                "streamed": s2 - s0,
-                "busy": s1 - s0,
-                "tail": s2 - s1,
-            }
-            for k, v in times.items():
-                best[k] = min(best[k], v)
+        (
+            once("seq"),
+            once("str"),
+        )  # warm-up: connection, handshake, descriptor lists, first-touch of the caches
+        per_round = alternate({"seq": partial(once, "seq"), "str": partial(once, "str")}, rounds)
         bar.close()
         got, want = rx.checksum(dst_ids), checksum(engine.kv_cache, side.last_src)  # the last run's KV
         assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), f"checksum {got} != {want}"
     finally:
         side.close()
         rx.close()
-    hidden = 1 - (best["streamed"] - best["compute"]) / best["transfer"]
+    load_after = load_avg()
+    t: dict[str, list[float]] = {
+        "compute": [],
+        "transfer": [],
+        "sequential": [],
+        "streamed": [],
+        "busy": [],
+        "tail": [],
+    }
+    for (t0, t1, t2), (s0, s1, s2) in zip(per_round["seq"], per_round["str"], strict=True):
+        for k, v in {
+            "compute": t1 - t0,
+            "transfer": t2 - t1,
+            "sequential": t2 - t0,
+            "streamed": s2 - s0,
+            "busy": s1 - s0,
+            "tail": s2 - s1,
+        }.items():
+            t[k].append(v)
+    hidden = spread(
+        [
+            min(1.0, max(0.0, 1 - (st - c) / x))
+            for st, c, x in zip(t["streamed"], t["compute"], t["transfer"], strict=True)
+        ]
+    )
+    slowdown = ratio_stats(t["busy"], t["compute"], digits=4)
     kv_bytes = spec.num_layers * 2 * n * spec.num_kv_heads * spec.head_dim * engine.kv_cache.k.element_size()
+
+    def ms(k: str) -> float:
+        return round(median(t[k]) * 1e3, 1)
+
     return {
         "backend": args.backend,
         "prompt_tokens": n,
         "prefill_chunks": 1,
         "kv_mb": round(kv_bytes / 1e6, 1),
-        "compute_ms": round(best["compute"] * 1e3, 1),
-        "transfer_ms": round(best["transfer"] * 1e3, 1),
-        "ttft_after_prefill_ms": round(best["sequential"] * 1e3, 1),
-        "ttft_streamed_ms": round(best["streamed"] * 1e3, 1),
-        "hidden_fraction": round(min(1.0, max(0.0, hidden)), 3),
-        "compute_streamed_ms": round(best["busy"] * 1e3, 1),
-        "tail_ms": round(best["tail"] * 1e3, 1),
-        "transfer_gb_s": round(kv_bytes / best["transfer"] / 1e9, 3),
-        "reps": reps,
+        "compute_ms": ms("compute"),
+        "transfer_ms": ms("transfer"),
+        "ttft_after_prefill_ms": ms("sequential"),
+        "ttft_streamed_ms": ms("streamed"),
+        "hidden_fraction": hidden["median"],
+        "hidden_fraction_min": hidden["min"],
+        "hidden_fraction_max": hidden["max"],
+        "compute_slowdown": slowdown["median"],
+        "ratio_min": slowdown["min"],
+        "ratio_max": slowdown["max"],
+        "ratio_iqr": slowdown["iqr"],
+        "compute_streamed_ms": ms("busy"),
+        "tail_ms": ms("tail"),
+        "transfer_gb_s": round(kv_bytes / median(t["transfer"]) / 1e9, 3),
+        "rounds": rounds,
+        "compute_ms_rounds": [round(x * 1e3, 1) for x in t["compute"]],
+        "compute_streamed_ms_rounds": [round(x * 1e3, 1) for x in t["busy"]],
+        # load-independent: what moves per prefill, each way
+        "layers": spec.num_layers,
+        "kv_bytes": kv_bytes,
+        "layer_bytes": kv_bytes // spec.num_layers,
         "torch_threads": torch.get_num_threads(),
+        "load_before": load_before,
+        "load_after": load_after,
     }
 
 

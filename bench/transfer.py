@@ -8,8 +8,12 @@ destination ids are shuffled even ids, so no two blocks are adjacent and no back
 What is timed: from just before the first `send_layer` (all layers posted at once, as prefill_service
 does) to the receiver's `kv_done` for that request, read with time.perf_counter() *in the receiver
 process* (CLOCK_MONOTONIC on Linux: one clock for every process on the host) and reported back over a
-pipe. Best of `--reps` (5) after one warm-up (connections, handshakes, descriptor lists). GB/s = 1e9 bytes
-of payload per second. UCX_NET_DEVICES=lo unless set. UCX_PROTO_INFO=y (run once, nixl 1.5.1) shows the
+pipe. Every backend's receiver and sender, and the baselines, are set up once and warmed up once
+(connections, handshakes, descriptor lists); then `--rounds` (5) rounds run every side in turn, the
+order reversed every other round so that outside load lands on all alike, each side taking the best of
+`--reps` (3) transfers per round. A figure is the median over the rounds of its per-round value, a ratio
+the median of the per-round ratios (ratio_min, ratio_max: nixl_vs_memcpy's spread). GB/s = 1e9 bytes of
+payload per second. UCX_NET_DEVICES=lo unless set. UCX_PROTO_INFO=y (run once, nixl 1.5.1) shows the
 WRITEs (ucp_put) going over `cma/memory`, zero-copy (process_vm_writev, one kernel copy) at every size,
 and the notifications and control active messages over `tcp/lo`.
 """
@@ -18,21 +22,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing as mp
 import os
 import random
 import socket
+import threading
 import time
+from collections.abc import Callable, Coroutine
+from functools import partial
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tqdm import tqdm
 
 import kv_transfer
+from bench.rounds import alternate, load_avg, median, ratio_stats
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
 from common.protocol import KVCompat, KVDone
 
+T = TypeVar("T")
 LAYERS = 4
 BLOCK = (256, 4, 64)  # (block_size, num_kv_heads, head_dim): fp32 -> 256 KiB of K per block per layer
 
@@ -144,83 +154,110 @@ class RemoteReceiver:
                 self.proc.join()
 
 
-# --- one backend ----------------------------------------------------------------------------------
-def backend_seconds(
-    backend: str, src: PagedKVCache, src_ids: list[int], dst_ids: list[int], reps: int
-) -> float:
-    """Best first-send -> kv_done time of `reps` transfers after one warm-up."""
-    compat = bench_compat(src.spec)
-    rx = RemoteReceiver(backend, src.spec, compat)
-    try:
-        return asyncio.run(_push_all(backend, src, compat, rx, src_ids, dst_ids, reps))
-    finally:
-        rx.close()
+# --- the sides: each set up once, then timed in rounds -----------------------------------------------
+class LoopThread:
+    """An event loop in a helper thread, where the senders live between rounds."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="bench-senders", daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
-async def _push_all(
-    backend: str,
-    src: PagedKVCache,
-    compat: KVCompat,
-    rx: RemoteReceiver,
-    src_ids: list[int],
-    dst_ids: list[int],
-    reps: int,
-) -> float:
-    tx = kv_transfer.make_sender(backend, src, compat, sender_id="bench")
-    best = float("inf")
-    try:
-        for i in tqdm(range(reps + 1), desc=f"transfer {backend}", unit="rep", leave=False):
-            rid = f"r{i}"
-            t0 = time.perf_counter()
-            await asyncio.gather(
-                *[tx.send_layer(rx.endpoint, rid, 1, lay, src_ids, dst_ids) for lay in range(LAYERS)]
-            )
-            await tx.send_done(rx.endpoint, KVDone(rid, 1, 0, 0, LAYERS))
-            t1 = await asyncio.to_thread(rx.done_at, rid)
-            if i:
-                best = min(best, t1 - t0)
-    finally:
-        await tx.close()
-    got, want = await asyncio.to_thread(rx.checksum, dst_ids), checksum(src, src_ids)
-    assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), f"{backend}: checksum {got} != {want}"
-    return best
+class BackendSide:
+    """`backend`: a receiver process and a sender (on `loop`), connected and warmed up by one transfer."""
+
+    def __init__(
+        self, backend: str, src: PagedKVCache, src_ids: list[int], dst_ids: list[int], loop: LoopThread
+    ) -> None:
+        self.backend, self.src, self.src_ids, self.dst_ids, self.loop = backend, src, src_ids, dst_ids, loop
+        compat = bench_compat(src.spec)
+        self.rx = RemoteReceiver(backend, src.spec, compat)
+        self.tx: kv_transfer.KVSender | None = None
+        self.sent = 0
+        try:
+            self.tx = loop.call(self._make(compat))
+            self.once()
+        except BaseException:
+            self.close()
+            raise
+
+    async def _make(self, compat: KVCompat) -> kv_transfer.KVSender:
+        return kv_transfer.make_sender(self.backend, self.src, compat, sender_id="bench")
+
+    async def _post(self, rid: str) -> float:
+        assert self.tx is not None
+        t0 = time.perf_counter()
+        await asyncio.gather(
+            *[
+                self.tx.send_layer(self.rx.endpoint, rid, 1, lay, self.src_ids, self.dst_ids)
+                for lay in range(LAYERS)
+            ]
+        )
+        await self.tx.send_done(self.rx.endpoint, KVDone(rid, 1, 0, 0, LAYERS))
+        return t0
+
+    def once(self) -> float:
+        """One transfer, first send_layer -> the receiver's kv_done, in seconds."""
+        rid = f"r{self.sent}"
+        self.sent += 1
+        t0 = self.loop.call(self._post(rid))
+        return self.rx.done_at(rid) - t0
+
+    def check(self) -> None:
+        got, want = self.rx.checksum(self.dst_ids), checksum(self.src, self.src_ids)
+        assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), f"{self.backend}: checksum {got} != {want}"
+
+    def close(self) -> None:
+        try:
+            if self.tx is not None:
+                self.loop.call(self.tx.close())
+        finally:
+            self.rx.close()
 
 
 # --- baselines ------------------------------------------------------------------------------------
-def memcpy_seconds(
-    src: PagedKVCache, src_ids: list[int], dst_ids: list[int], reps: int
-) -> tuple[float, float]:
-    """(contiguous, blocks): one torch copy_ of the same number of bytes, and the same per-block copies
-    (one copy_ per 256 KiB K or V block, shuffled ids) into a second cache in this process."""
-    n = len(src_ids) * 2 * LAYERS * src.k[0, 0].numel()
-    a, b = torch.randn(n), torch.empty(n)
-    dst = PagedKVCache(src.spec)
+class Memcpy:
+    """contiguous: one torch copy_ of the same number of bytes; blocks: the same per-block copies (one
+    copy_ per 256 KiB K or V block, shuffled ids) into a second cache in this process. Warmed up once
+    (first touch of the destination pages)."""
 
-    def blocks() -> None:
+    def __init__(self, src: PagedKVCache, src_ids: list[int], dst_ids: list[int]) -> None:
+        self.src, self.src_ids, self.dst_ids = src, src_ids, dst_ids
+        n = len(src_ids) * 2 * LAYERS * src.k[0, 0].numel()
+        self.a, self.b = torch.randn(n), torch.empty(n)
+        self.dst = PagedKVCache(src.spec)
+        self.contiguous(), self.blocks()
+
+    def contiguous(self) -> float:
+        t0 = time.perf_counter()
+        self.b.copy_(self.a)
+        return time.perf_counter() - t0
+
+    def blocks(self) -> float:
+        t0 = time.perf_counter()
         for lay in range(LAYERS):
-            for s, d in zip(src_ids, dst_ids, strict=True):
-                dst.k[lay, d].copy_(src.k[lay, s])
-                dst.v[lay, d].copy_(src.v[lay, s])
-
-    def best(fn: Any) -> float:
-        fn()  # warm-up: first touch of the destination pages
-        out = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            out = min(out, time.perf_counter() - t0)
-        return out
-
-    return best(lambda: b.copy_(a)), best(blocks)
+            for s, d in zip(self.src_ids, self.dst_ids, strict=True):
+                self.dst.k[lay, d].copy_(self.src.k[lay, s])
+                self.dst.v[lay, d].copy_(self.src.v[lay, s])
+        return time.perf_counter() - t0
 
 
-def _socket_receiver(nbytes: int, reps: int, conn: Connection) -> None:
+def _socket_receiver(nbytes: int, conn: Connection) -> None:
+    """Receive `nbytes` at a time until the sender hangs up, sending the time each one is complete."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         conn.send(listener.getsockname()[1])
         sock, _ = listener.accept()
         buf = memoryview(bytearray(nbytes))
         with sock:
-            for _ in range(reps):
+            while True:
                 got = 0
                 while got < nbytes:
                     k = sock.recv_into(buf[got:])
@@ -230,37 +267,47 @@ def _socket_receiver(nbytes: int, reps: int, conn: Connection) -> None:
                 conn.send(time.perf_counter())
 
 
-def raw_socket_seconds(nbytes: int, reps: int) -> float:
-    """Blocking sendall of `nbytes` to recv_into in another process over 127.0.0.1 (default buffers)."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_socket_receiver, args=(nbytes, reps + 1, child), daemon=True)
-    proc.start()
-    child.close()
-    payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
-    best = float("inf")
-    try:
-        assert parent.poll(60), "the socket receiver did not start"
-        with socket.create_connection(("127.0.0.1", parent.recv())) as sock:
-            for i in tqdm(range(reps + 1), desc="transfer raw socket", unit="rep", leave=False):
-                t0 = time.perf_counter()
-                sock.sendall(payload)
-                assert parent.poll(60), "the socket receiver stalled"
-                if i:
-                    best = min(best, parent.recv() - t0)
-                else:
-                    parent.recv()
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-    return best
+class RawSocket:
+    """Blocking sendall of `nbytes` to recv_into in another process over 127.0.0.1 (default buffers),
+    on one connection, warmed up by one transfer."""
+
+    def __init__(self, nbytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_socket_receiver, args=(nbytes, child), daemon=True)
+        self.proc.start()
+        child.close()
+        self.payload = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
+        self.sock: socket.socket | None = None
+        try:
+            assert self.conn.poll(60), "the socket receiver did not start"
+            self.sock = socket.create_connection(("127.0.0.1", self.conn.recv()))
+            self.once()
+        except BaseException:
+            self.close()
+            raise
+
+    def once(self) -> float:
+        assert self.sock is not None
+        t0 = time.perf_counter()
+        self.sock.sendall(self.payload)
+        assert self.conn.poll(60), "the socket receiver stalled"
+        return float(self.conn.recv()) - t0
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()  # the receiver sees EOF and returns
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
 
 
 # --- the scenario ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # read when the first agent starts; children inherit it
-    reps = args.reps or 5
+    load_before = load_avg()
+    reps, rounds = args.reps or 3, args.rounds
     spec = bench_spec(args.mib)
     per_layer = spec.num_blocks // 2
     rng = random.Random(args.seed)
@@ -272,24 +319,72 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     src.v.copy_(torch.randn(src.v.shape, generator=g))
     nbytes = per_layer * 2 * LAYERS * src.k[0, 0].numel() * src.k.element_size()
     out: dict[str, Any] = {"bytes": nbytes, "block_bytes": src.k[0, 0].numel() * src.k.element_size()}
+    skipped: dict[str, str] = {}
+    backends: dict[str, BackendSide] = {}
+    loop = LoopThread()
+    raw: RawSocket | None = None
+    try:
+        available = kv_transfer.available_backends()
+        for backend in kv_transfer.BACKENDS:
+            if backend not in available:
+                skipped[backend] = "its library does not import here"
+                continue
+            try:
+                backends[backend] = BackendSide(backend, src, src_ids, dst_ids, loop)
+            except Exception as e:  # a backend that cannot be set up here is reported, not fatal
+                skipped[backend] = f"{type(e).__name__}: {e}"
+        memcpy = Memcpy(src, src_ids, dst_ids)
+        raw = RawSocket(nbytes)
+        timed: dict[str, Callable[[], float]] = {name: side.once for name, side in backends.items()}
+        timed |= {"memcpy": memcpy.contiguous, "memcpy_blocks": memcpy.blocks, "raw_socket": raw.once}
 
-    def gb_s(seconds: float) -> float:
-        return round(nbytes / seconds / 1e9, 3)
+        def best_of(name: str) -> float:  # a backend that fails mid-way is reported, not fatal
+            if name in skipped:
+                return math.nan
+            try:
+                return min(timed[name]() for _ in range(reps))
+            except Exception as e:
+                if name not in backends:
+                    raise  # a baseline that fails is a broken benchmark
+                skipped[name] = f"{type(e).__name__}: {e}"
+                return math.nan
 
-    available = kv_transfer.available_backends()
+        bar = tqdm(total=rounds * len(timed), desc="transfer", unit="side", leave=False)
+
+        def side(name: str) -> float:
+            bar.update(1)
+            return best_of(name)
+
+        per_round = alternate({name: partial(side, name) for name in timed}, rounds)
+        bar.close()
+        for name, b in backends.items():
+            if name not in skipped:
+                b.check()
+    finally:
+        for b in backends.values():
+            b.close()
+        if raw is not None:
+            raw.close()
+        loop.close()
+    load_after = load_avg()
+    gb_s = {name: [nbytes / x / 1e9 for x in xs] for name, xs in per_round.items() if name not in skipped}
     for backend in kv_transfer.BACKENDS:
-        if backend not in available:
-            out[f"{backend}_skipped"] = "its library does not import here"
-            continue
-        try:
-            out[f"{backend}_gb_s"] = gb_s(backend_seconds(backend, src, src_ids, dst_ids, reps))
-        except Exception as e:  # a backend that cannot be set up here is reported, not fatal
-            out[f"{backend}_skipped"] = f"{type(e).__name__}: {e}"
-    contiguous, blocks = memcpy_seconds(src, src_ids, dst_ids, reps)
-    out["memcpy_gb_s"], out["memcpy_blocks_gb_s"] = gb_s(contiguous), gb_s(blocks)
-    out["raw_socket_gb_s"] = gb_s(raw_socket_seconds(nbytes, reps))
-    if "nixl_gb_s" in out:
-        out["nixl_vs_memcpy"] = round(out["nixl_gb_s"] / out["memcpy_gb_s"], 3)
-        out["nixl_vs_memcpy_blocks"] = round(out["nixl_gb_s"] / out["memcpy_blocks_gb_s"], 3)
-    out["reps"], out["torch_threads"] = reps, torch.get_num_threads()
+        if backend in skipped:
+            out[f"{backend}_skipped"] = skipped[backend]
+        else:
+            out[f"{backend}_gb_s"] = round(median(gb_s[backend]), 3)
+    for name in ("memcpy", "memcpy_blocks", "raw_socket"):
+        out[f"{name}_gb_s"] = round(median(gb_s[name]), 3)
+    ratio: dict[str, Any] = {"median": None, "min": None, "max": None, "iqr": None}
+    if "nixl" in gb_s:
+        ratio = ratio_stats(gb_s["nixl"], gb_s["memcpy"])
+        blocks = ratio_stats(gb_s["nixl"], gb_s["memcpy_blocks"])
+        out["nixl_vs_memcpy"], out["nixl_vs_memcpy_blocks"] = ratio["median"], blocks["median"]
+        out["nixl_vs_memcpy_blocks_min"], out["nixl_vs_memcpy_blocks_max"] = blocks["min"], blocks["max"]
+    out |= {"ratio_min": ratio["min"], "ratio_max": ratio["max"], "ratio_iqr": ratio["iqr"]}
+    out["gb_s_rounds"] = {name: [round(x, 3) for x in xs] for name, xs in gb_s.items()}
+    # load-independent: what one transfer moves
+    out["layers"], out["blocks"] = LAYERS, per_layer * 2 * LAYERS
+    out["rounds"], out["reps"], out["torch_threads"] = rounds, reps, torch.get_num_threads()
+    out["load_before"], out["load_after"] = load_before, load_after
     return out

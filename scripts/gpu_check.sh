@@ -71,7 +71,7 @@ bench() {  # name timeout
     return 0
   fi
   say "bench $1"
-  timeout "$2" "$PY" -m splitserve bench "$1" --device "$DEVICE" --requests "$REQUESTS" --json --out "$OUT_DIR/bench" "${MODEL_ARGS[@]}" \
+  timeout "$2" "$PY" -m splitserve bench "$1" --device "$DEVICE" --requests "$REQUESTS" --rounds 1 --json --out "$OUT_DIR/bench" "${MODEL_ARGS[@]}" \
     >"$OUT_DIR/$1.log" 2>&1
   local rc=$?
   # the last line also holds the progress bars' carriage-return updates: keep what follows the last \r
