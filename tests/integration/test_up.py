@@ -68,7 +68,11 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
             assert "exited with -9; starting it again" in (tmp_path / "up.log").read_text()
             children = _children(proc)
         proc.send_signal(sig)
-        assert proc.wait(timeout=60) == 0
+        try:
+            code = proc.wait(timeout=90)  # up waits up to DRAIN_WAIT_S (45 s) for its services
+        except subprocess.TimeoutExpired:
+            pytest.fail("up did not stop within 90 s of the signal:\n" + (tmp_path / "up.log").read_text())
+        assert code == 0, (tmp_path / "up.log").read_text()
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"orphans left behind: {[p.cmdline() for p in alive]}"
     finally:
