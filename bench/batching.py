@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.rounds import alternate, load_avg, median, ratio_stats
+from bench.rounds import alternate, load_avg, median, ratio_keys, ratio_stats
 from bench.workload import Request, make_workload
 from common.config import EngineConfig
 from common.engine.device import Placement
@@ -104,10 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_batch": args.max_batch,
         "continuous_tok_s": round(median(c_tok_s), 2),
         "static_tok_s": round(median(s_tok_s), 2),
-        "ratio": ratio["median"],
-        "ratio_min": ratio["min"],
-        "ratio_max": ratio["max"],
-        "ratio_iqr": ratio["iqr"],
+        **ratio_keys(ratio),
         "rounds": args.rounds,
         "continuous_tok_s_rounds": [round(x, 2) for x in c_tok_s],
         "static_tok_s_rounds": [round(x, 2) for x in s_tok_s],

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from bench.batching import bench_config, load_for_bench, run_engine
-from bench.rounds import alternate, load_avg, median, ratio_stats
+from bench.rounds import alternate, load_avg, median, ratio_keys, ratio_stats
 from bench.workload import Request, make_workload
 from common.engine.device import Placement
 from common.engine.llm_engine import LLMEngine
@@ -92,10 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(workload),
         "ours_tok_s": round(median(ours), 2),
         "hf_tok_s": round(median(theirs), 2),
-        "ratio": ratio["median"],
-        "ratio_min": ratio["min"],
-        "ratio_max": ratio["max"],
-        "ratio_iqr": ratio["iqr"],
+        **ratio_keys(ratio),
         "rounds": args.rounds,
         "ours_tok_s_rounds": [round(x, 2) for x in ours],
         "hf_tok_s_rounds": [round(x, 2) for x in theirs],

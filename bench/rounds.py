@@ -48,3 +48,14 @@ def ratio_stats(a: Sequence[float], b: Sequence[float], digits: int = 3) -> dict
     """`spread` of the per-round ratios a[i] / b[i]."""
     assert len(a) == len(b) and a, "one value per round on each side"
     return spread([x / y for x, y in zip(a, b, strict=True)], digits)
+
+
+def ratio_keys(stats: dict[str, Any]) -> dict[str, Any]:
+    """A `ratio_stats` result as the JSON keys every paired scenario reports: ratio (the median),
+    ratio_min, ratio_max, ratio_iqr."""
+    return {
+        "ratio": stats["median"],
+        "ratio_min": stats["min"],
+        "ratio_max": stats["max"],
+        "ratio_iqr": stats["iqr"],
+    }

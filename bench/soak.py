@@ -136,8 +136,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         specs = make_specs(tok, n, args.seed, prompt_median=48, prompt_sigma=0.6, prompt_cap=160,
                            out_median=12, out_sigma=0.5, out_cap=32)  # fmt: skip
         bodies = [
-            {"model": "default", "prompt": s.prompt, "max_tokens": s.max_tokens, "temperature": 0,
-             "ignore_eos": True, "stream": True}  # fmt: skip
+            {
+                "model": "default",
+                "prompt": s.prompt,
+                "max_tokens": s.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }  # fmt: skip
             for s in specs
         ]
         hang_ups = [rng.randint(1, 3) if rng.random() < args.disconnect_fraction else None for _ in specs]
@@ -160,8 +166,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     counts = {s: sum(o.status == s for o in outcomes) for s in ("completed", "failed", "cancelled")}
     errors = [o.error for o in outcomes if o.error]
     around = [
-        {"role": role, "at_s": round(at, 1),
-         **_latency([o for o in outcomes if at - WINDOW_S[0] <= o.started <= at + WINDOW_S[1]])}  # fmt: skip
+        {
+            "role": role,
+            "at_s": round(at, 1),
+            **_latency([o for o in outcomes if at - WINDOW_S[0] <= o.started <= at + WINDOW_S[1]]),
+        }  # fmt: skip
         for role, at in faults
     ]
     windows = [(at - WINDOW_S[0], at + WINDOW_S[1]) for _, at in faults]
