@@ -229,6 +229,9 @@ def up(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt  # one shutdown path for Ctrl-C and SIGTERM
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Ctrl-C even when started with SIGINT ignored (a background job of a non-interactive shell
+    # inherits that, and Python then leaves it ignored): `kill -INT` must stop `up` either way
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         port = args.base_port
         services = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
