@@ -23,6 +23,7 @@ from router.tools import Tool, ToolCall, ToolChoice
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_CHOICES = 16  # n, best_of
+INT32_MAX, INT64_MIN, INT64_MAX = 2**31 - 1, -(2**63), 2**63 - 1  # what the services' messages carry
 
 
 class StreamOptions(BaseModel):
@@ -62,14 +63,14 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description="extension; 0 or -1 turns it off")
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="extension; 0 or -1 turns it off")
     min_p: float = Field(0.0, ge=0, le=1, description="extension")
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=64, description="extension")
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: bool = False  # extension
     min_tokens: int = Field(0, ge=0, description="extension")
     presence_penalty: float = Field(0.0, ge=-2, le=2)

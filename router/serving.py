@@ -272,8 +272,8 @@ class Server:
                 one = req if chat else req.one(p)  # type: ignore[union-attr]
                 for j in range(best_of):
                     update: dict[str, Any] = {"n": 1}
-                    if one.seed is not None:
-                        update["seed"] = one.seed + j
+                    if one.seed is not None:  # seed + j, wrapping within int64
+                        update["seed"] = (one.seed + j + 2**63) % 2**64 - 2**63
                     if best_of > n and one.logprobs is None:  # to rank candidates (dropped after)
                         update["logprobs"] = 0
                     sub = one.model_copy(update=update)

@@ -479,3 +479,12 @@ async def test_fallbacks_and_shedding_are_span_events(
         resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
     assert resp.status_code == 503
     assert root_events() == [("splitserve.shed", {"splitserve.reason": "queue_depth"})]
+
+
+async def test_choice_seeds_wrap_within_int64(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    body = {"model": "default", "prompt": "Hi", "n": 2, "seed": 2**63 - 1, "max_tokens": 2, "temperature": 1}
+    async with make_router(cluster) as client:
+        resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert sorted(g.sampling.seed for _, g in cluster.generate_calls) == [-(2**63), 2**63 - 1]
