@@ -35,6 +35,7 @@ from common.protocol import (
     encode,
     frame,
 )
+from common.sampling_params import TokenLogprob
 from common.text.model_info import ModelInfo, load_model_info
 from router.app import create_app
 from router.config import RouterConfig
@@ -288,7 +289,8 @@ class FakeCluster:
                 start = max(i - self.repeat, 0)  # `repeat` > 0: a broken decode service
                 end = min(i + self.chunk, len(tokens))
                 last = end == len(tokens)
-                yield frame(TokenFrame(rid, tokens[start:end], start, reason if last else None))
+                lps = _logprobs(req.sampling, tokens[start:end])
+                yield frame(TokenFrame(rid, tokens[start:end], start, reason if last else None, logprobs=lps))
                 i = end
             done = True
         finally:
@@ -318,7 +320,10 @@ class FakeCluster:
             await self._record(req.request_id, RequestState.TRANSFERRING)
             if req.fence == fence and not kv_done.done():  # a stale fence is ignored, as on D
                 kv_done.set_result(first)
-            result = PrefillResult(req.request_id, first, len(req.token_ids), 0, 1.0, 1024)
+            lp = _logprobs(req.sampling, [first])
+            result = PrefillResult(
+                req.request_id, first, len(req.token_ids), 0, 1.0, 1024, first_logprob=lp[0] if lp else None
+            )
             return Response(encode(result), media_type=MSGPACK)
 
         @app.post("/internal/abort")
@@ -372,3 +377,10 @@ def sse_events(body: str) -> list[Any]:
             data = block[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def _logprobs(sampling: Any, tokens: list[int]) -> list[TokenLogprob] | None:
+    """What a real service sends when the request asks for logprobs: one per token (a fixed value)."""
+    if sampling.logprobs is None or not tokens:
+        return None
+    return [TokenLogprob(-0.5, tuple((t, -0.5) for t in tokens[:1]) * sampling.logprobs) for t in tokens]
