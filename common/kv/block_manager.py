@@ -9,24 +9,25 @@ free + used + cached == total is checked by check_integrity().
 Prefix caching: a full block whose KV has been computed gets a hash chained on its parent block's
 hash, so equal hashes mean equal token prefixes. Hashes are stable across processes (blake2b), so a
 router can match them against hashes another service published.
+
+KV events: once enable_kv_events() is called, every hash that enters the prefix cache (commit) or
+leaves it (eviction, in _take) is recorded as (stored, hash) in a deque the engine thread appends to
+and another thread drains (drain_kv_events); a publisher turns them into Redis stream entries
+(common/cluster/kv_events.py). A freed hashed block stays cached, so freeing records nothing. Off by
+default, so offline use keeps no buffer that nobody drains.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from common.prefix_hash import block_hash
 
-def block_hash(parent: int, tokens: Seq[int]) -> int:
-    """Hash of one full block's tokens chained on the parent block's hash (-1 for the first)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(parent.to_bytes(8, "little", signed=True))
-    h.update(array("q", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
+KVEvent = tuple[bool, int]  # (stored, hash): True when the hash entered the prefix cache, False when it left
+SNAPSHOT_TRIES = 8  # cached_hashes(): copies attempted while the engine thread changes the index
 
 
 class BlockOwner(Protocol):
@@ -59,6 +60,9 @@ class BlockManager:
         self.num_used = 0
         self.prefix_queries = 0  # blocks looked up / found, for the prefix-cache hit rate
         self.prefix_hits = 0
+        # KV events, appended by the engine thread after each change to hash_to_block and drained by
+        # another thread (deque append/popleft are atomic); None while events are off.
+        self.kv_events: deque[KVEvent] | None = None
 
     # --- capacity ---------------------------------------------------------------------------------
     @property
@@ -90,7 +94,7 @@ class BlockManager:
     ) -> bool:
         """Room for `num_tokens` (default: all of seq's tokens) plus `reserve` spare blocks?"""
         n = len(seq.token_ids) if num_tokens is None else num_tokens
-        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids))) if use_prefix_cache else []
+        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids) - 1)) if use_prefix_cache else []
         evictable_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         need = self.blocks_needed(n) - len(hits) + reserve
         return need <= self.num_free_blocks - evictable_hits
@@ -103,8 +107,11 @@ class BlockManager:
             assert self.cached_ids, "out of KV blocks: callers must check can_allocate/can_append first"
             bid, _ = self.cached_ids.popitem(last=False)  # evict the least recently used
             blk = self.blocks[bid]
-            del self.hash_to_block[blk.hash]  # type: ignore[arg-type]
-            blk.hash, blk.tokens = None, ()
+            evicted, blk.hash, blk.tokens = blk.hash, None, ()
+            assert evicted is not None, f"cached block {bid} has no hash"
+            del self.hash_to_block[evicted]
+            if self.kv_events is not None:
+                self.kv_events.append((False, evicted))
         self.blocks[bid].ref_count = 1
         self.num_used += 1
         return bid
@@ -120,18 +127,20 @@ class BlockManager:
         """Give seq blocks for its first `num_tokens` tokens, reusing cached prefix blocks.
 
         Sets seq.num_cached_tokens: tokens whose KV is already in the reused blocks. At least one
-        token is always left to compute, because the step that computes it samples the next token.
+        token is always left to compute, because the step that computes it samples the next token; so
+        a prompt of whole blocks reuses all but its last block, whose KV is computed again into a block
+        of its own: a reused block is never written (another sequence may be reading it).
         """
         assert not seq.block_table, "sequence already holds blocks"
         n = len(seq.token_ids) if num_tokens is None else num_tokens
-        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids))) if use_prefix_cache else []
+        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids) - 1)) if use_prefix_cache else []
         self.prefix_queries += len(seq.token_ids) // self.block_size
         self.prefix_hits += len(hits)
         for bid in hits:
             self._ref(bid)
         seq.block_table = hits + [self._take() for _ in range(self.blocks_needed(n) - len(hits))]
         seq.num_hashed_blocks = len(hits)
-        seq.num_cached_tokens = min(len(hits) * self.block_size, len(seq.token_ids) - 1)
+        seq.num_cached_tokens = len(hits) * self.block_size
 
     def can_append(self, seq: BlockOwner, num_new_tokens: int = 1) -> bool:
         need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)
@@ -174,10 +183,36 @@ class BlockManager:
                 blk.hash, blk.tokens = h, toks
                 self.hash_to_block[h] = blk.block_id
                 new.append(h)
+                if self.kv_events is not None:
+                    self.kv_events.append((True, h))
             elif blk.hash != h:
                 break  # same content computed twice concurrently; keep this copy private
             seq.num_hashed_blocks = i + 1
         return new
+
+    # --- KV events -------------------------------------------------------------------------------
+    def enable_kv_events(self) -> None:
+        """Record KV events from now on (see the module docstring); drain them regularly."""
+        if self.kv_events is None:
+            self.kv_events = deque()
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The events recorded since the last drain, oldest first. Safe to call from another thread
+        than the engine's (one drainer at a time)."""
+        events = self.kv_events
+        if events is None:
+            return []
+        return [events.popleft() for _ in range(len(events))]
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix cache now (blocks in use and cached ones), for a snapshot. Safe
+        from another thread: a copy the engine thread disturbs is taken again."""
+        for _ in range(SNAPSHOT_TRIES - 1):
+            try:
+                return list(self.hash_to_block)
+            except RuntimeError:  # "dictionary changed size during iteration"
+                continue
+        return list(self.hash_to_block)
 
     # --- invariants -------------------------------------------------------------------------------
     def check_integrity(self) -> None:

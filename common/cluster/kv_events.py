@@ -1,0 +1,364 @@
+"""KV events: which prefix-cache blocks each service holds, published to Redis and read back by the
+router into an approximate index.
+
+    kvev:{worker}     stream, one entry per flush: inc (incarnation), seq (1, 2, ... per incarnation),
+                      s (hashes stored), r (hashes removed); trimmed to about maxlen entries
+    kvsnap:{worker}   string (JSON): incarnation, block_size, seq and stream id of the last entry
+                      before the copy, hashes; TTL = a few snapshot periods (the stream's too)
+
+Hashes are the block manager's chained block hashes (common/prefix_hash.py), never tokens; a list of
+them travels as base64 of little-endian int64s. A flush carries each hash's net change since the last
+flush (its last event wins), so an entry's s and r are disjoint and apply in any order.
+
+`KVEventPublisher` runs in a prefill or decode service: every interval_s it drains the block manager's
+events into one stream entry, and every snapshot_s (or sooner when needed) writes the whole hash set.
+`KVIndex` runs in the router: per worker, the snapshot's hashes plus every stream entry after it, read
+with one non-blocking XREAD per poll. An entry whose seq is not the next one (the stream was trimmed
+past the reader, an entry was lost, the worker restarted) makes the reader sync again from the
+snapshot. The index is approximate by design: it lags by a poll or two, and keeps its last state while
+Redis is away. No torch and no engine imports: the router imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import sys
+import time
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
+
+log = logging.getLogger(__name__)
+SNAPSHOT_TTL_PERIODS = 3  # a snapshot (and the stream) outlives this many missed snapshot periods
+EMPTY_STREAM_ID = "0-0"  # XREAD from here returns a stream's every entry
+
+KVEvent = tuple[bool, int]  # (stored, hash), as BlockManager.drain_kv_events returns them
+StreamEntry = tuple[str, dict[str, str]]  # (stream id, fields), as XREAD returns them
+
+
+class KVSnapshot(msgspec.Struct):
+    """A worker's whole hash set; entries with seq > `seq` (after stream id `last_id`) follow it."""
+
+    incarnation: str
+    block_size: int
+    seq: int
+    last_id: str
+    hashes: str  # pack_hashes
+
+
+def stream_key(prefix: str, worker_id: str) -> str:
+    return f"{prefix}kvev:{worker_id}"
+
+
+def snapshot_key(prefix: str, worker_id: str) -> str:
+    return f"{prefix}kvsnap:{worker_id}"
+
+
+def pack_hashes(hashes: Iterable[int]) -> str:
+    """Hashes as base64 of little-endian int64s (11 characters a hash, against ~20 in decimal)."""
+    a = array("q", hashes)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return base64.b64encode(a.tobytes()).decode()
+
+
+def unpack_hashes(text: str) -> list[int]:
+    a = array("q", base64.b64decode(text))
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
+
+
+def net_changes(events: Iterable[KVEvent]) -> tuple[list[int], list[int]]:
+    """(stored, removed): each hash's last event wins, so the two lists are disjoint."""
+    last: dict[int, bool] = {}
+    for stored, h in events:
+        last[h] = stored
+    return [h for h, s in last.items() if s], [h for h, s in last.items() if not s]
+
+
+class KVEventPublisher:
+    """One service's KV events and snapshots (see the module docstring).
+
+    `source` drains the events recorded since its last call; `snapshot` returns every hash held now.
+    Both are called on the event loop while the engine thread keeps changing the cache, so a snapshot
+    is copied after the drain that precedes it: it reflects at least every event in the entries up to
+    its seq; events it also reflects that come in later entries are applied again, harmlessly (adding
+    or removing a hash is idempotent, and each hash's last event wins).
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        worker_id: str,
+        incarnation: str,
+        block_size: int,
+        source: Callable[[], Sequence[KVEvent]],
+        snapshot: Callable[[], Sequence[int]],
+        interval_s: float = 0.1,
+        snapshot_s: float = 5.0,
+        maxlen: int = 10_000,
+    ) -> None:
+        self.redis, self.worker_id, self.incarnation = redis, worker_id, incarnation
+        self.block_size, self.source, self.snapshot = block_size, source, snapshot
+        self.interval_s, self.snapshot_s, self.maxlen = interval_s, snapshot_s, maxlen
+        self.stream_key, self.snapshot_key = stream_key(prefix, worker_id), snapshot_key(prefix, worker_id)
+        self.seq = 0  # the last entry's seq, whether it landed or was lost
+        self.last_id = EMPTY_STREAM_ID  # the stream id of the last entry that landed
+        self._snapshot_seq = 0  # seq of the last snapshot written
+        self._next_snapshot = 0.0  # monotonic time the next snapshot is due
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Start afresh: drop the stream of an earlier start of this worker and write a snapshot of
+        what is held now (nothing, for a worker that just started). Errors propagate: a worker that
+        cannot reach Redis should not start, as with its registration."""
+        self.source()  # what happened so far is in the snapshot below
+        body = self._snapshot_body()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.stream_key)
+            pipe.set(self.snapshot_key, body, px=self._ttl_ms())
+            await pipe.execute()
+        self._next_snapshot = time.monotonic() + self.snapshot_s
+        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.worker_id}")
+
+    async def stop(self, delete: bool = True) -> None:
+        """Stop publishing; by default also delete the stream and snapshot (the worker is leaving)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if delete:
+            try:
+                await self.redis.delete(self.stream_key, self.snapshot_key)
+            except Exception:
+                log.exception(
+                    "could not delete the KV events of %s; they expire by themselves", self.worker_id
+                )
+
+    async def _run(self) -> None:
+        failing = False  # log an outage once, not every tick
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.flush()
+            except Exception:
+                if not failing:
+                    log.exception("publishing KV events of %s failed; retrying every tick", self.worker_id)
+                failing = True
+            else:
+                if failing:
+                    log.info("publishing KV events of %s again", self.worker_id)
+                failing = False
+
+    async def flush(self) -> None:
+        """One tick: the events drained since the last tick as one stream entry, then the snapshot if
+        it is due. Raises on a Redis error; the next tick goes on (an entry that did not land is lost:
+        readers see the gap in seq, and the next snapshot, written as soon as Redis answers, covers it)."""
+        stored, removed = net_changes(self.source())
+        if stored or removed:
+            self.seq += 1
+            entry: dict[FieldT, EncodableT] = {
+                "inc": self.incarnation,
+                "seq": self.seq,
+                "s": pack_hashes(stored),
+                "r": pack_hashes(removed),
+            }
+            try:
+                entry_id = await self.redis.xadd(self.stream_key, entry, maxlen=self.maxlen, approximate=True)
+            except Exception:
+                self._next_snapshot = 0.0
+                raise
+            self.last_id = cast(str, entry_id)
+            if self.seq - self._snapshot_seq >= self.maxlen // 2:
+                self._next_snapshot = 0.0  # a new snapshot before the stream is trimmed past the last one
+        if time.monotonic() >= self._next_snapshot:
+            await self.write_snapshot()
+
+    async def write_snapshot(self) -> None:
+        """The whole hash set, with the seq and stream id of the last entry before the copy. The
+        stream's TTL is renewed with it, so a dead worker's keys go away by themselves."""
+        seq, body = self.seq, self._snapshot_body()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self.snapshot_key, body, px=self._ttl_ms())
+            pipe.pexpire(self.stream_key, self._ttl_ms())
+            await pipe.execute()
+        self._snapshot_seq = seq
+        self._next_snapshot = time.monotonic() + self.snapshot_s
+
+    def _snapshot_body(self) -> bytes:
+        seq, last_id = self.seq, self.last_id  # taken before the copy (see the class docstring)
+        hashes = pack_hashes(self.snapshot())
+        return msgspec.json.encode(KVSnapshot(self.incarnation, self.block_size, seq, last_id, hashes))
+
+    def _ttl_ms(self) -> int:
+        return int(SNAPSHOT_TTL_PERIODS * self.snapshot_s * 1000)
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """What the index knows of one worker."""
+
+    incarnation: str
+    block_size: int
+    hashes: set[int] = field(default_factory=set)
+    seq: int = 0  # the last entry applied (or the snapshot's)
+    last_id: str = EMPTY_STREAM_ID  # where the next XREAD starts
+    synced: bool = False  # False: (re)sync from the snapshot before reading the stream again
+    synced_at: float = float("-inf")  # monotonic time of the last sync
+    retry_at: float = 0.0  # monotonic time the next sync may be tried
+
+
+class KVIndex:
+    """The router's approximate view of every worker's prefix cache (see the module docstring).
+
+    `set_workers` says which workers to track (the registry's view); `poll` (or the task `start` runs,
+    every poll_s) reads their events; `matched_blocks` answers from memory, on the request path.
+    A worker that needs a sync is synced at most every resync_s (a snapshot older than the stream's
+    tail cannot help until the next one is written).
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        prefix: str,
+        poll_s: float = 0.05,
+        resync_s: float = 0.5,
+        count: int = 256,
+    ) -> None:
+        self.redis, self.prefix = redis, prefix
+        self.poll_s, self.resync_s, self.count = poll_s, resync_s, count
+        self.workers: dict[str, _Tracked] = {}
+        self.events_applied = 0  # hashes added or removed from stream entries
+        self.resyncs = 0  # snapshots loaded
+        self.lag_s = 0.0  # age of the newest entry in the last poll that read any (Redis' clock vs ours)
+        self.errors = 0  # polls that failed on Redis
+        self._task: asyncio.Task[None] | None = None
+
+    # --- the request path: memory only -----------------------------------------------------------
+    def matched_blocks(self, worker_id: str, chain: Sequence[int]) -> int:
+        """How many leading hashes of a prompt's chain the worker holds (0 for an unknown worker)."""
+        tracked = self.workers.get(worker_id)
+        if tracked is None:
+            return 0
+        n = 0
+        for h in chain:
+            if h not in tracked.hashes:
+                break
+            n += 1
+        return n
+
+    def block_size(self, worker_id: str) -> int | None:
+        """The block size the worker's hashes are computed with; None for an unknown worker."""
+        tracked = self.workers.get(worker_id)
+        return None if tracked is None else tracked.block_size
+
+    # --- what to track -----------------------------------------------------------------------------
+    def set_workers(self, workers: Iterable[tuple[str, str, int]]) -> None:
+        """Track exactly these (worker_id, incarnation, block_size): a new worker, or one with another
+        incarnation (a restart), starts empty and is synced on the next poll; one not listed is dropped."""
+        current = {}
+        for worker_id, incarnation, block_size in workers:
+            tracked = self.workers.get(worker_id)
+            if tracked is None or tracked.incarnation != incarnation:
+                tracked = _Tracked(incarnation, block_size)
+            current[worker_id] = tracked
+        self.workers = current
+
+    # --- reading Redis -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kv-index")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        failing = False  # log an outage once, not every poll
+        while True:
+            try:
+                await self.poll()
+            except Exception:
+                self.errors += 1
+                if not failing:
+                    log.exception("reading KV events failed; keeping the last index, retrying every poll")
+                failing = True
+            else:
+                if failing:
+                    log.info("reading KV events again")
+                failing = False
+            await asyncio.sleep(self.poll_s)
+
+    async def poll(self) -> None:
+        """One round: sync the workers that need it, then read every synced worker's stream once.
+        set_workers may run during the awaits: results go to the objects they were asked for."""
+        now = time.monotonic()
+        for worker_id, tracked in list(self.workers.items()):
+            if not tracked.synced and now >= tracked.retry_at:
+                await self._sync(worker_id, tracked)
+        streams = {stream_key(self.prefix, w): t for w, t in self.workers.items() if t.synced}
+        if not streams:
+            return
+        reply = await self.redis.xread({key: t.last_id for key, t in streams.items()}, count=self.count)
+        newest = 0
+        for key, entries in cast(list[tuple[str, list[StreamEntry]]], reply):
+            self._apply(streams[key], entries)
+            newest = max(newest, int(entries[-1][0].split("-")[0]))
+        if newest:
+            self.lag_s = max(0.0, time.time() - newest / 1000)
+
+    async def _sync(self, worker_id: str, tracked: _Tracked) -> None:
+        """Load the worker's snapshot. None yet, or one of another incarnation (the worker restarted and
+        the registry has not said so, or the other way round): try again after resync_s; another
+        incarnation's hashes are not this worker's, so the index holds none meanwhile."""
+        raw = await self.redis.get(snapshot_key(self.prefix, worker_id))
+        tracked.retry_at = time.monotonic() + self.resync_s
+        snap = _decode_snapshot(worker_id, raw)
+        if snap is None:
+            return
+        if snap.incarnation != tracked.incarnation:
+            tracked.hashes = set()
+            return
+        tracked.hashes = set(unpack_hashes(snap.hashes))
+        tracked.block_size, tracked.seq, tracked.last_id = snap.block_size, snap.seq, snap.last_id
+        tracked.synced, tracked.synced_at = True, time.monotonic()
+        self.resyncs += 1
+
+    def _apply(self, tracked: _Tracked, entries: list[StreamEntry]) -> None:
+        """Apply entries in order; one that does not follow the last applied means a sync."""
+        for entry_id, fields in entries:
+            seq = int(fields["seq"])
+            if fields["inc"] != tracked.incarnation or seq > tracked.seq + 1:
+                tracked.synced = False
+                tracked.retry_at = tracked.synced_at + self.resync_s
+                return
+            if seq == tracked.seq + 1:  # an older one is in the snapshot already
+                stored, removed = unpack_hashes(fields["s"]), unpack_hashes(fields["r"])
+                tracked.hashes.update(stored)
+                tracked.hashes.difference_update(removed)
+                tracked.seq = seq
+                self.events_applied += len(stored) + len(removed)
+            tracked.last_id = entry_id
+
+
+def _decode_snapshot(worker_id: str, raw: Any) -> KVSnapshot | None:
+    if raw is None:
+        return None
+    try:
+        return msgspec.json.decode(raw, type=KVSnapshot)
+    except msgspec.DecodeError:
+        log.warning("ignoring an unreadable KV snapshot of %s", worker_id)
+        return None

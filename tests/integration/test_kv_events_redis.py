@@ -1,0 +1,251 @@
+"""KV events through a real Redis (the session's `redis_url`): a block manager's prefix cache, its
+publisher, and a router-side KVIndex that must end up holding exactly the block manager's hashes, also
+after a late start, a trimmed stream, a lost entry and a worker restart.
+
+Each test runs its body with asyncio.run under its own uuid key prefix, as tests/integration/
+test_state.py does. Publishers are flushed by hand (their own task ticks once an hour) and indexes
+polled by hand, so every step is deterministic; one test runs both tasks for real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from common.cluster.kv_events import KVEvent, KVEventPublisher, KVIndex, snapshot_key, stream_key
+from common.cluster.state import connect
+from common.kv.block_manager import BlockManager
+from common.prefix_hash import prefix_chain
+
+BS = 2  # tokens per block
+HOUR = 3600.0  # a task interval that never comes around during a test
+
+
+@dataclass
+class Owner:
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_hashed_blocks: int = 0
+
+
+def run(redis_url: str, body: Callable[[aioredis.Redis, str], Awaitable[Any]]) -> Any:
+    async def main() -> Any:
+        client = connect(redis_url)
+        try:
+            return await body(client, f"test:{uuid.uuid4().hex}:")
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+def worker(client: aioredis.Redis, prefix: str, num_blocks: int, incarnation: str = "inc-a", **kwargs: Any):  # type: ignore[no-untyped-def]
+    """A block manager with events on, and its publisher as worker w0 (not started)."""
+    bm = BlockManager(num_blocks, BS)
+    bm.enable_kv_events()
+    kwargs = {"interval_s": HOUR, "snapshot_s": HOUR, **kwargs}
+    pub = KVEventPublisher(
+        client, prefix, "w0", incarnation, BS, bm.drain_kv_events, bm.cached_hashes, **kwargs
+    )
+    return bm, pub
+
+
+def compute(bm: BlockManager, tokens: list[int], keep: bool = False) -> list[int]:
+    """Prefill `tokens` (commit their full blocks), free them unless `keep`; returns their chain."""
+    o = Owner(list(tokens))
+    bm.allocate(o)
+    bm.commit(o, len(tokens))
+    if not keep:
+        bm.free(o)
+    return prefix_chain(tokens, BS)
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def poll_until(index: KVIndex, cond: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "the index did not get there in time"
+        await index.poll()
+        await asyncio.sleep(0.005)
+
+
+def held(index: KVIndex, worker_id: str = "w0") -> set[int]:
+    return index.workers[worker_id].hashes
+
+
+def test_events_reach_the_index_and_eviction_removes(redis_url: str) -> None:
+    """Both tasks running: commits show up in the index, evictions leave it."""
+
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        bm, pub = worker(client, prefix, num_blocks=4, interval_s=0.01, snapshot_s=0.2)
+        index = KVIndex(client, prefix, poll_s=0.01)
+        index.set_workers([("w0", "inc-a", BS)])
+        await pub.start()
+        await index.start()
+        try:
+            a = compute(bm, [1, 2, 3, 4, 5])  # two full blocks
+            await until(lambda: index.matched_blocks("w0", a) == 2)
+            b = compute(bm, [6, 7, 8, 9, 10, 11, 12, 13])  # four blocks: evicts both of a's
+            await until(lambda: index.matched_blocks("w0", b) == 4 and index.matched_blocks("w0", a) == 0)
+            assert held(index) == set(bm.hash_to_block) == set(b)
+            assert index.events_applied >= 8 and index.resyncs == 1 and index.errors == 0
+            assert 0 <= index.lag_s < 5
+        finally:
+            await index.stop()
+            await pub.stop()
+        assert not await client.exists(stream_key(prefix, "w0"), snapshot_key(prefix, "w0"))
+
+    run(redis_url, body)
+
+
+def test_matched_blocks_counts_leading_blocks_only(redis_url: str) -> None:
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        pending: list[KVEvent] = []
+
+        def source() -> list[KVEvent]:
+            events = list(pending)
+            pending.clear()
+            return events
+
+        pub = KVEventPublisher(client, prefix, "w0", "inc-a", 16, source, list, interval_s=HOUR)
+        index = KVIndex(client, prefix)
+        index.set_workers([("w0", "inc-a", 16)])
+        await pub.start()
+        pending.extend([(True, 1), (True, 3), (True, 4)])
+        await pub.flush()
+        await poll_until(index, lambda: held(index) == {1, 3, 4})
+        assert index.matched_blocks("w0", [1, 2, 3, 4]) == 1, "a hole ends the match"
+        assert index.matched_blocks("w0", [2, 3, 4]) == 0
+        assert index.matched_blocks("w0", [1]) == 1 and index.matched_blocks("w0", []) == 0
+        assert index.matched_blocks("unknown", [1]) == 0
+        assert index.block_size("w0") == 16 and index.block_size("unknown") is None
+        pending.extend([(True, 2), (False, 4)])
+        await pub.flush()
+        await poll_until(index, lambda: index.matched_blocks("w0", [1, 2, 3, 4]) == 3)
+        index.set_workers([])  # gone from the registry: dropped
+        assert index.matched_blocks("w0", [1]) == 0 and not index.workers
+        await pub.stop()
+
+    run(redis_url, body)
+
+
+def test_a_late_index_catches_up_from_snapshot_and_stream(redis_url: str) -> None:
+    """A router that starts (or restarts) after the worker: the snapshot, then the entries after it."""
+
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        bm, pub = worker(client, prefix, num_blocks=16)
+        await pub.start()
+        a = compute(bm, [1, 2, 3, 4], keep=True)
+        await pub.flush()  # entry 1
+        await pub.write_snapshot()  # a: in the snapshot (seq 1)
+        b = compute(bm, [7, 8, 9, 10, 11, 12], keep=True)
+        await pub.flush()  # entry 2: b, only in the stream
+
+        index = KVIndex(client, prefix)
+        index.set_workers([("w0", "inc-a", BS)])
+        await index.poll()  # one poll: the sync and the stream after it
+        assert held(index) == set(a) | set(b) == set(bm.hash_to_block)
+        assert index.resyncs == 1 and index.events_applied == len(b) and index.workers["w0"].seq == 2
+        await pub.stop()
+
+    run(redis_url, body)
+
+
+def test_a_trimmed_stream_resyncs_from_the_snapshot(redis_url: str) -> None:
+    """A reader left behind a stream trimmed past it sees the gap in seq and loads a newer snapshot
+    (the publisher writes one every maxlen/2 entries, so one newer than the stream's tail exists)."""
+
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        bm, pub = worker(client, prefix, num_blocks=20, maxlen=10)
+        index = KVIndex(client, prefix, resync_s=0.05)
+        index.set_workers([("w0", "inc-a", BS)])
+        await pub.start()
+        await index.poll()  # synced at seq 0
+        for i in range(300):  # one entry each; the cache of 20 blocks keeps evicting
+            compute(bm, [i, i + 1000])
+            await pub.flush()
+        assert pub.seq == 300 and await client.xlen(stream_key(prefix, "w0")) < 300, "not trimmed"
+        await poll_until(index, lambda: index.workers["w0"].seq == 300)
+        assert held(index) == set(bm.hash_to_block) and len(held(index)) == 20
+        assert index.resyncs == 2
+        await pub.stop()
+
+    run(redis_url, body)
+
+
+def test_a_lost_entry_resyncs_from_the_next_snapshot(redis_url: str) -> None:
+    """An entry Redis did not take is lost; its seq is used up, so readers see the gap, and the next
+    tick that reaches Redis writes a snapshot covering it."""
+
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        bm, pub = worker(client, prefix, num_blocks=16)
+        index = KVIndex(client, prefix, resync_s=0.05)
+        index.set_workers([("w0", "inc-a", BS)])
+        await pub.start()
+        a = compute(bm, [1, 2, 3, 4])
+        await pub.flush()
+        await poll_until(index, lambda: held(index) == set(a))
+
+        async def down(*args: Any, **kwargs: Any) -> Any:
+            raise redis.exceptions.ConnectionError("Redis is away")
+
+        pub.redis.xadd = down  # type: ignore[method-assign]
+        b = compute(bm, [5, 6, 7, 8])
+        try:
+            await pub.flush()
+        except redis.exceptions.ConnectionError:
+            pass
+        else:
+            raise AssertionError("the flush should have failed")
+        del pub.redis.xadd  # Redis is back
+        c = compute(bm, [9, 10])
+        await pub.flush()  # entry 3 after entry 1, and a snapshot
+        await poll_until(index, lambda: held(index) == set(a) | set(b) | set(c))
+        assert held(index) == set(bm.hash_to_block) and index.resyncs == 2
+        await pub.stop()
+
+    run(redis_url, body)
+
+
+def test_a_restarted_worker_drops_the_old_hashes(redis_url: str) -> None:
+    """A worker that restarts (new incarnation) holds nothing: its publisher's start clears the stream
+    and the snapshot. The index drops the old hashes when it reads the new incarnation's entries, and
+    when the registry says so; then it follows the new incarnation."""
+
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        bm, pub = worker(client, prefix, num_blocks=16)
+        index = KVIndex(client, prefix, resync_s=0.05)
+        index.set_workers([("w0", "inc-a", BS)])
+        await pub.start()
+        a = compute(bm, [1, 2, 3, 4])
+        await pub.flush()
+        await poll_until(index, lambda: index.matched_blocks("w0", a) == 2)
+        await pub.stop(delete=False)  # the process dies
+
+        bm2, pub2 = worker(client, prefix, num_blocks=16, incarnation="inc-b")
+        await pub2.start()
+        c = compute(bm2, [1, 2, 5, 6])  # shares a's first block
+        await pub2.flush()
+        # the registry still says inc-a: the new incarnation's entries end the old hashes
+        await poll_until(index, lambda: not held(index))
+        assert index.matched_blocks("w0", a) == 0
+        index.set_workers([("w0", "inc-b", BS)])  # the registry caught up
+        await poll_until(index, lambda: index.matched_blocks("w0", c) == 2)
+        assert held(index) == set(c) and index.matched_blocks("w0", a) == 1
+        await pub2.stop()
+
+    run(redis_url, body)

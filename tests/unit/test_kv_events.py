@@ -1,0 +1,135 @@
+"""KV events from the block manager (what enters and leaves the prefix cache), and the encoding the
+publisher puts them in. No Redis here: tests/integration/test_kv_events_redis.py carries them through one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.cluster.kv_events import net_changes, pack_hashes, unpack_hashes
+from common.kv.block_manager import BlockManager
+from common.prefix_hash import prefix_chain
+
+
+@dataclass
+class Owner:
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_hashed_blocks: int = 0
+
+
+def computed(bm: BlockManager, tokens: list[int]) -> Owner:
+    """A sequence allocated and computed to its end (its full blocks committed)."""
+    o = Owner(list(tokens))
+    bm.allocate(o)
+    bm.commit(o, len(tokens))
+    return o
+
+
+def test_commit_records_stored_hashes() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.enable_kv_events()
+    a = computed(bm, [1, 2, 3, 4, 5])
+    chain = prefix_chain(a.token_ids, 2)
+    assert bm.drain_kv_events() == [(True, h) for h in chain]
+    assert bm.drain_kv_events() == [], "a drain empties the buffer"
+    # a prefix hit commits nothing new; freeing keeps the blocks cached, so it records nothing either
+    b = computed(bm, [1, 2, 3, 4, 9])
+    bm.free(a)
+    bm.free(b)
+    assert bm.drain_kv_events() == []
+    assert sorted(bm.cached_hashes()) == sorted(chain)
+    bm.check_integrity()
+
+
+def test_eviction_records_removed_hashes() -> None:
+    bm = BlockManager(num_blocks=4, block_size=2)
+    bm.enable_kv_events()
+    a = computed(bm, [1, 2, 3, 4])
+    bm.free(a)
+    old = prefix_chain([1, 2, 3, 4], 2)
+    assert bm.drain_kv_events() == [(True, h) for h in old]
+    b = computed(bm, [5, 6, 7, 8, 9, 10, 11, 12])  # needs all 4 blocks: evicts both cached ones
+    events = bm.drain_kv_events()
+    # the tail is freed first, so it is the least recently used: evicted first
+    assert events[:2] == [(False, old[1]), (False, old[0])]
+    assert events[2:] == [(True, h) for h in prefix_chain(b.token_ids, 2)]
+    assert set(bm.cached_hashes()) == set(prefix_chain(b.token_ids, 2))
+    bm.check_integrity()
+
+
+def test_events_are_off_by_default() -> None:
+    bm = BlockManager(num_blocks=2, block_size=2)
+    bm.free(computed(bm, [1, 2, 3, 4]))
+    computed(bm, [5, 6, 7, 8])  # evicts
+    assert bm.kv_events is None and bm.drain_kv_events() == []
+
+
+def test_hashes_pack_and_net_changes() -> None:
+    hashes = [0, -1, 2**63 - 1, -(2**63), 12345]
+    assert unpack_hashes(pack_hashes(hashes)) == hashes
+    assert unpack_hashes(pack_hashes([])) == []
+    # each hash's last event wins: stored then removed is removed, removed then stored is stored
+    events = [(True, 1), (False, 1), (False, 2), (True, 2), (True, 3), (False, 4)]
+    assert net_changes(events) == ([2, 3], [1, 4])
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "append", "commit", "free", "drain"]),
+        st.integers(0, 5),  # which owner
+        st.lists(st.integers(0, 3), min_size=1, max_size=12),  # tokens (small alphabet: prefix hits)
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, num_blocks=st.integers(1, 10), block_size=st.integers(1, 3))
+def test_replayed_events_equal_the_hash_index(ops, num_blocks, block_size) -> None:  # type: ignore[no-untyped-def]
+    """Events drained at any points and replayed onto a set (in order; or as each drain's net changes,
+    as the publisher sends them) give exactly the block manager's hash index."""
+    bm = BlockManager(num_blocks, block_size)
+    bm.enable_kv_events()
+    replayed: set[int] = set()
+    netted: set[int] = set()
+
+    def drain() -> None:
+        events = bm.drain_kv_events()
+        for stored, h in events:
+            if stored:
+                replayed.add(h)
+            else:
+                replayed.discard(h)
+        stored, removed = net_changes(events)
+        netted.update(stored)
+        netted.difference_update(removed)
+
+    owners: dict[int, Owner] = {}
+    for op, who, toks in ops:
+        o = owners.get(who)
+        if op == "alloc" and o is None:
+            o = Owner(list(toks))
+            if bm.can_allocate(o):
+                bm.allocate(o)
+                owners[who] = o
+        elif op == "append" and o is not None:
+            o.token_ids.append(toks[0])
+            if bm.can_append(o):
+                bm.append_slots(o)
+            else:
+                o.token_ids.pop()
+        elif op == "commit" and o is not None:
+            bm.commit(o, len(o.token_ids))
+        elif op == "free" and o is not None:
+            bm.free(o)
+            del owners[who]
+        elif op == "drain":
+            drain()
+            assert replayed == netted == set(bm.hash_to_block) == set(bm.cached_hashes())
+    drain()
+    assert replayed == netted == set(bm.hash_to_block) == set(bm.cached_hashes())
+    bm.check_integrity()
