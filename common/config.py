@@ -3,7 +3,7 @@ values discovered at start-up (the KV block count) are computed once and passed 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -35,9 +35,18 @@ class EngineConfig(BaseSettings):
     max_num_seqs: int = Field(16, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1, description="per-step token budget")
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context length")
-    policy: Literal["fcfs", "priority", "static"] = "fcfs"
+    policy: Literal["fcfs", "priority", "fair", "static"] = Field(
+        "fcfs", description="fair: tenants share the engine by weight (deficit round robin)"
+    )
     preemption_mode: Literal["auto", "swap", "recompute"] = "auto"
-    aging_s: float = Field(1.0, gt=0)
+    aging_s: float = Field(1.0, gt=0, description="priority, fair: each this long waited is one level up")
+    tenant_weights: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
+        default_factory=dict,
+        description='fair: tenant -> weight, JSON in the environment ({"a": 3, "b": 1}); others weigh 1',
+    )
+    fair_quantum_tokens: int | None = Field(
+        None, ge=1, description="fair: tokens of credit per round at weight 1; default max_num_batched_tokens"
+    )
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
 

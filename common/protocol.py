@@ -139,6 +139,11 @@ class GenerateRequest(Message, tag="generate"):
     # A migrated request: the last num_output_tokens of token_ids are output already sent to the client;
     # generation continues at that output index (seeded sampling, max_tokens and min_tokens count them).
     num_output_tokens: int = 0
+    # Whose request (fair-share admission: the API key's tenant, or x-splitserve-tenant without auth) and
+    # its priority class inside the tenant (lower runs first). A peer that ignores them only orders its
+    # queue differently; the tokens are the same, so they need no new protocol version.
+    tenant: str = ""
+    priority: int = 0
 
 
 class Reserved(Message, tag="reserved"):
@@ -196,6 +201,8 @@ class PrefillRequest(Message, tag="prefill"):
     deadline: float | None = None
     traceparent: str | None = None
     num_output_tokens: int = 0  # as in GenerateRequest: the token sampled here is output number this
+    tenant: str = ""  # as in GenerateRequest
+    priority: int = 0
 
 
 class PrefillResult(Message, tag="prefill_result"):

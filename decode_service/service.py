@@ -148,7 +148,9 @@ class DecodeService(Service):
         self.open_job(job)
         try:
             n_out = req.num_output_tokens
-            add = AddRequest(rid, req.token_ids, req.sampling, remote_kv=remote_kv, num_output_tokens=n_out)
+            add = AddRequest(
+                rid, req.token_ids, req.sampling, req.priority, remote_kv, n_out, tenant=req.tenant
+            )
             await self.aengine.submit(add)
         except BaseException:
             self.close_job(job)

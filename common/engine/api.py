@@ -26,6 +26,7 @@ class AddRequest:
     priority: int = 0  # lower runs first (priority policy)
     remote_kv: RemoteKV | None = None
     num_output_tokens: int = 0  # the last n of token_ids are output already (a migrated request)
+    tenant: str = ""  # whose request (fair policy: tenants share the engine by weight; "" is one too)
 
 
 @dataclass(frozen=True)

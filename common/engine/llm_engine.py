@@ -31,6 +31,7 @@ from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner
 from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.sequence import Sequence
+from common.engine.speed import StepSpeed
 from common.engine.static_batching import StaticBatchScheduler
 from common.kv.block_manager import BlockManager
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
@@ -109,8 +110,11 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
             num_swap_blocks=config.swap_space_mb * 2**20 // spec.bytes_per_block,
             aging_s=config.aging_s,
+            tenant_weights=config.tenant_weights,
+            fair_quantum_tokens=config.fair_quantum_tokens,
         )
         self.connector = connector or KVConnector()
+        self.speed = StepSpeed()  # recent steps' prefill and decode speed (the service publishes it)
         self.connector.bind(self.kv_cache)
         scheduler = StaticBatchScheduler if config.policy == "static" else Scheduler
         self.scheduler = scheduler(
@@ -191,6 +195,7 @@ class LLMEngine:
                     cmd.priority,
                     remote_kv=cmd.remote_kv,
                     num_output_tokens=cmd.num_output_tokens,
+                    tenant=cmd.tenant,
                 )
             case KVArrived():
                 return self.kv_arrived(cmd.request_id, cmd.first_token)
@@ -207,6 +212,7 @@ class LLMEngine:
         *,
         remote_kv: RemoteKV | None = None,
         num_output_tokens: int = 0,
+        tenant: str = "",
     ) -> str:
         """Queue a request; returns its id. ValueError if it can never run here (too long, id in use).
         With num_output_tokens, the last that many ids are output already generated elsewhere (a
@@ -229,7 +235,7 @@ class LLMEngine:
                 f"{total} tokens need more KV blocks than the cache has ({self.block_manager.num_blocks})"
             )
         now = time.monotonic()
-        seq = Sequence(ids, params, seq_id=request_id, priority=priority, arrival_time=now)
+        seq = Sequence(ids, params, seq_id=request_id, priority=priority, arrival_time=now, tenant=tenant)
         seq.remote_kv, seq.num_prompt_tokens = remote_kv, len(ids) - num_output_tokens
         if seq.seq_id in self._seqs:
             raise ValueError(f"request id {seq.seq_id} is already in use")
@@ -291,7 +297,12 @@ class LLMEngine:
         if out.is_empty and not out.padding:
             return result
         meta = self.connector.build_meta(out)
+        t0 = time.perf_counter()
         sampled = self.runner.run(out, meta)
+        decodes = sum(
+            1 for seq, n in out.scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+        )
+        self.speed.observe(time.perf_counter() - t0, out.num_batched_tokens - decodes, decodes)
         self.scheduler.postprocess(out, [s.token_id if s is not None else None for s in sampled])
         for (seq, _), s in zip(out.scheduled, sampled, strict=True):
             if s is None:

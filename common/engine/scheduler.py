@@ -5,8 +5,21 @@ Every step re-decides the batch (Orca). Order of work within one step's token bu
      a sequence that needs a new KV block and finds none preempts the least urgent running one
   2. sequences swapped out to host memory come back before anything new is admitted
   3. waiting sequences are admitted while KV blocks, `max_num_seqs` and the budget allow
-Policies: `fcfs` (arrival order) and `priority` (lower value first, aged so nothing starves). The
-static-batching baseline is its own scheduler (common/engine/static_batching.py).
+Policies: `fcfs` (arrival order), `priority` (lower value first, aged so nothing starves) and `fair`
+(below). The static-batching baseline is its own scheduler (common/engine/static_batching.py).
+
+Tenant fair share (`fair`): admission is deficit round robin over tenants (Sequence.tenant; "" is one
+too). Tenants with queued work form a round; the tenant at its head with no credit left (deficit <= 0)
+is credited `fair_quantum_tokens * weight` and the turn passes; one with credit has its most urgent
+sequence admitted (priority, aged as in `priority`; recompute-preempted sequences first) and keeps the
+turn while its credit lasts. Credit is spent on tokens served: the prompt positions an admission
+computes (prefix-cache hits are free, a recompute after preemption is the engine's cost), then one per
+decode step; an admission may overdraw it, later credit pays the debt. A tenant whose queue empties
+leaves the round and loses its credit: nothing is banked while idle. Rounds in which nobody could be
+served are skipped in one go, so a deep debt never leaves capacity idle. Decode-side reservations
+(`reserving`) follow the same round and credit. Preemption takes its victim from the tenant holding
+the most KV blocks per unit of weight (the one furthest over its share of the cache), least urgent
+first. `tenant_served` counts each tenant's billed tokens under every policy.
 
 Remote KV: a decode service's request waits in `reserving` until its prompt's blocks can be reserved,
 then sits in `parked` (holding them, never scheduled) until `kv_arrived`. A prefill service's request
@@ -17,9 +30,10 @@ finishes it again once the transfer let go (`holds_blocks`, asked of the KV conn
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,7 +42,7 @@ from common.kv.block_manager import BlockManager
 
 log = logging.getLogger("splitserve.scheduler")
 
-Policy = Literal["fcfs", "priority", "static"]
+Policy = Literal["fcfs", "priority", "fair", "static"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
 
 
@@ -39,7 +53,11 @@ class SchedulerConfig:
     policy: Policy = "fcfs"
     preemption_mode: PreemptionMode = "auto"
     num_swap_blocks: int = 0  # host-memory blocks available to swapped-out sequences
-    aging_s: float = 1.0  # priority policy: waiting this long gains one priority level
+    aging_s: float = 1.0  # priority, fair: waiting this long gains one priority level
+    # fair: tenant -> weight (a tenant not named weighs 1.0); the credit a weight-1 tenant gets per
+    # round, in tokens (None: max_num_batched_tokens)
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    fair_quantum_tokens: int | None = None
     # Cost model for choosing swap or recompute (seconds). Defaults are CPU-ish; the engine
     # passes measured figures.
     swap_s_per_block: float = 2e-5  # copy one block out (and again back in)
@@ -48,6 +66,21 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.fair_quantum_tokens is not None and self.fair_quantum_tokens < 1:
+            raise ValueError("fair_quantum_tokens must be positive")
+        bad = {t: w for t, w in self.tenant_weights.items() if not (math.isfinite(w) and w > 0)}
+        if bad:
+            raise ValueError(f"tenant weights must be positive and finite: {bad}")
+        # a copy: the caller's dict may change, this config does not
+        object.__setattr__(self, "tenant_weights", dict(self.tenant_weights))
+
+    @property
+    def quantum(self) -> int:
+        """fair: tokens of credit per round for a tenant of weight 1."""
+        return self.fair_quantum_tokens or self.max_num_batched_tokens
+
+    def weight(self, tenant: str) -> float:
+        return self.tenant_weights.get(tenant, 1.0)
 
 
 @dataclass
@@ -91,6 +124,10 @@ class Scheduler:
         self.swap_blocks_used = 0
         self.stats: Counter[str] = Counter()
         self._arrivals = 0  # tie-break for equal arrival times: order of add()
+        self.tenant_served: Counter[str] = Counter()  # tokens billed to each tenant (see _charge)
+        # fair: the round of tenants with queued work ([0] has the turn) and each one's credit in tokens
+        self._rr: deque[str] = deque()
+        self._deficit: dict[str, float] = {}
 
     # --- queue ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -102,6 +139,7 @@ class Scheduler:
         self._arrivals += 1
         seq.arrival_order = self._arrivals
         (self.reserving if seq.remote_kv == "receive" else self.waiting).append(seq)
+        self._join(seq.tenant)
 
     def has_work(self) -> bool:
         """Anything a step would do (parked sequences wait for a transfer, not for a step)."""
@@ -127,12 +165,21 @@ class Scheduler:
         known = [a for a in arrivals if a is not None]
         return max(0.0, self.clock() - min(known)) if known else 0.0
 
+    def queued_tokens(self) -> int:
+        """Tokens of the queued sequences (waiting and reserving): the prompt work ahead of a new
+        request. Safe to call from another thread (a queue changing meanwhile is read again, or as 0)."""
+        for _ in range(3):
+            try:
+                return sum(s.num_tokens for q in (self.waiting, self.reserving) for s in q)
+            except RuntimeError:  # a deque mutated during the iteration
+                continue
+        return 0
+
     def _effective_priority(self, seq: Sequence, now: float) -> tuple[float, float, int]:
         """Sort key, most urgent first. Aging: each `aging_s` of waiting is worth one priority level."""
         arrival = seq.arrival_time or 0.0
-        prio = (
-            seq.priority - (now - arrival) / self.config.aging_s if self.config.policy == "priority" else 0.0
-        )
+        aged = self.config.policy in ("priority", "fair")
+        prio = seq.priority - (now - arrival) / self.config.aging_s if aged else 0.0
         return (prio, arrival, seq.arrival_order)
 
     # --- one step ---------------------------------------------------------------------------------
@@ -165,16 +212,26 @@ class Scheduler:
         return out
 
     def _reserve(self, out: SchedulerOutput) -> None:
-        """Admission control for remote prefill: reserve the prompt's blocks, in arrival order."""
-        while self.reserving and self.num_active < self.config.max_num_seqs:
-            seq = self.reserving[0]
-            if not self.bm.can_allocate(seq):
+        """Admission control for remote prefill: reserve the prompt's blocks, in arrival order (fair:
+        in the tenants' round)."""
+        taken: list[Sequence] = []
+        order = self._admission_order(self.reserving, by_priority=False)
+        while True:
+            if self.num_active < self.config.max_num_seqs:
+                seq = next(order, None)
+            else:  # fair: as in _admit
+                seq = self._starved_head(self.reserving, taken)
+                if seq is not None and self._make_room(seq, out) is None:
+                    break
+            if seq is None or not self.bm.can_allocate(seq):
                 break
-            self.reserving.popleft()
             self.bm.allocate(seq)
             seq.status = SequenceStatus.PARKED
             self.parked[seq.seq_id] = seq
             out.admitted.append(seq)
+            taken.append(seq)
+            self._charge_admission(seq)
+        self.reserving = _without(self.reserving, taken)
 
     def kv_arrived(self, seq: Sequence, first_token: int) -> str | None:
         """The prefill service wrote every layer of the prompt and sampled the first token: the
@@ -212,13 +269,18 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         if self.swapped or not self.waiting:
             return  # swapped sequences come back first
-        queue: list[Sequence] | deque[Sequence] = self.waiting
-        if self.config.policy == "priority":
-            now = self.clock()
-            queue = sorted(self.waiting, key=lambda s: self._effective_priority(s, now))
-        admitted: list[Sequence] = []
-        for seq in queue:
-            if budget == 0 or self.num_active >= self.config.max_num_seqs:
+        taken: list[Sequence] = []
+        order = self._admission_order(self.waiting, by_priority=True)
+        while budget > 0:
+            if self.num_active < self.config.max_num_seqs:
+                seq = next(order, None)
+            else:  # fair: a tenant under its share may still start, in place of one over its own
+                seq = self._starved_head(self.waiting, taken)
+                refund = self._make_room(seq, out) if seq is not None else None
+                if refund is None:
+                    break
+                budget += refund
+            if seq is None:
                 break
             # prompt logprobs need every prompt row computed: no prefix-cache hits for such a request
             cache = seq.prompt_logprobs is None
@@ -228,22 +290,178 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            admitted.append(seq)
+            taken.append(seq)
             out.admitted.append(seq)
+            self._charge_admission(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append((seq, n))
             budget -= n
-        if self.config.policy == "priority":
-            taken = {id(s) for s in admitted}
-            self.waiting = deque(s for s in self.waiting if id(s) not in taken)
+        self.waiting = _without(self.waiting, taken)
+
+    def _admission_order(self, queue: deque[Sequence], by_priority: bool) -> Iterator[Sequence]:
+        """The order queue's sequences are offered in: fcfs, priority (when by_priority) or the fair
+        round. The caller takes each one yielded, or stops: it must not skip one."""
+        if self.config.policy == "fair":
+            yield from self._fair_order(queue)
+        elif by_priority and self.config.policy == "priority":
+            now = self.clock()
+            yield from sorted(queue, key=lambda s: self._effective_priority(s, now))
         else:
-            for _ in admitted:
-                self.waiting.popleft()
+            yield from queue
+
+    # --- tenant fair share (policy "fair"; see the module doc) ------------------------------------
+    def _join(self, tenant: str) -> None:
+        """A tenant with newly queued work joins the end of the round, with no credit."""
+        if self.config.policy == "fair" and tenant not in self._deficit:
+            self._deficit[tenant] = 0.0
+            self._rr.append(tenant)
+
+    def _fair_order(self, queue: deque[Sequence]) -> Iterator[Sequence]:
+        """queue's sequences in deficit-round-robin order over their tenants. Within a tenant:
+        recompute-preempted sequences first (back to the front of the line), then by effective
+        priority (aged), then arrival."""
+        now = self.clock()
+        groups: dict[str, deque[Sequence]] = {}
+
+        def key(s: Sequence) -> tuple[bool, tuple[float, float, int]]:
+            return (s.num_preemptions == 0, self._effective_priority(s, now))
+
+        for s in sorted(queue, key=key):
+            groups.setdefault(s.tenant, deque()).append(s)
+        other = self.waiting if queue is self.reserving else self.reserving
+        elsewhere = {s.tenant for s in other}
+        while (head := self._fair_next(groups, elsewhere)) is not None:
+            yield head
+            groups[head.tenant].popleft()  # taken (the caller was charged for it before asking again)
+
+    def _fair_next(self, groups: dict[str, deque[Sequence]], elsewhere: set[str]) -> Sequence | None:
+        """The most urgent sequence of the tenant whose turn it is; None when groups is empty, or when
+        the turn is with a tenant whose work waits in the other queue (`elsewhere`).
+
+        At the head of the round: a tenant with no credit left (deficit <= 0) is credited quantum *
+        weight and the turn passes (classic DRR); one with credit offers its head and keeps the turn (the
+        caller charges it; the next call sees what is left). Both queues share the round: a pass stops at
+        a tenant with credit whose work is in the other queue, so that neither queue's tenants take
+        every turn (the admission pass follows the reservation pass in a step; a reservation whose
+        tenant has the turn at the end of it waits for the next step's)."""
+        cfg, deficit, rr = self.config, self._deficit, self._rr
+        for tenant, seqs in groups.items():
+            if seqs:
+                self._join(tenant)  # defensive: every queued sequence's tenant is in the round
+        # a tenant with nothing queued anywhere leaves the round, and its credit goes with it
+        for tenant in [t for t in rr if not groups.get(t) and t not in elsewhere]:
+            rr.remove(tenant)
+            del deficit[tenant]
+        ready = [t for t in rr if groups.get(t)]
+        if not ready:
+            return None
+        if all(d <= 0 for d in deficit.values()):
+            # skip, in one go, the rounds in which nobody would get credit enough to be served: a deep
+            # debt (decode tokens billed while the tenant queued) never makes a step idle
+            rounds = min(math.floor(-deficit[t] / (cfg.quantum * cfg.weight(t))) for t in rr)
+            for t in rr:
+                deficit[t] += rounds * cfg.quantum * cfg.weight(t)
+        # someone has credit within two turns of the round now: the bound only guards the loop
+        for _ in range(4 * len(rr) + 1):
+            tenant = rr[0]
+            if deficit[tenant] <= 0:
+                deficit[tenant] += cfg.quantum * cfg.weight(tenant)
+                rr.rotate(-1)
+            elif groups.get(tenant):
+                return groups[tenant][0]
+            else:
+                return None  # its turn: the other queue's pass serves it
+        log.error("fair scheduler: no tenant of %s got credit; serving the richest", ready)
+        richest = max(ready, key=lambda t: deficit[t] / cfg.weight(t))
+        return groups[richest][0]
+
+    def _charge_admission(self, seq: Sequence) -> None:
+        """Bill an admission (or a reservation: the prompt a prefill service computes for it): the
+        positions not found in the prefix cache and not billed before (a recompute after preemption
+        is the engine's cost, not the tenant's)."""
+        self._charge(seq, seq.num_tokens - max(seq.num_charged_tokens, seq.num_cached_tokens))
+        seq.num_charged_tokens = max(seq.num_charged_tokens, seq.num_tokens)
+
+    def _charge(self, seq: Sequence, tokens: int) -> None:
+        """Tokens served to seq's tenant: counted in tenant_served, and spent from its credit while it
+        is in the round (fair)."""
+        if tokens <= 0:
+            return
+        self.tenant_served[seq.tenant] += tokens
+        if seq.tenant in self._deficit:
+            self._deficit[seq.tenant] -= tokens
+
+    def _slots(self) -> Counter[str]:
+        """Batch slots per tenant: running sequences and reservations waiting for their KV."""
+        slots = Counter(s.tenant for s in self.running)
+        slots.update(s.tenant for s in self.parked.values() if s.status is SequenceStatus.PARKED)
+        return slots
+
+    def _share(self, tenant: str, slots: Counter[str], newcomer: str) -> float:
+        """tenant's share of max_num_seqs, by weight, among the tenants holding slots and `newcomer`."""
+        w = self.config.weight
+        return self.config.max_num_seqs * w(tenant) / sum(w(t) for t in {*slots, newcomer})
+
+    def _starved_head(self, queue: deque[Sequence], taken: list[Sequence]) -> Sequence | None:
+        """fair, every batch slot taken: the most urgent queued sequence of the tenant furthest under
+        its share among those that run fewer sequences than their share (one more would not take them
+        over it) while another tenant runs more than its own; None if there is none. Such a sequence
+        starts in place of one of that other tenant's (`_make_room`), outside the round's order: the
+        round decides who goes first while there is room, this only who keeps a slot when there is not."""
+        if self.config.policy != "fair":
+            return None
+        gone = {id(s) for s in taken}  # admitted this step, still in the queue until the pass ends
+        queued = [s for s in queue if id(s) not in gone]
+        slots, w = self._slots(), self.config.weight
+        starved = [
+            t
+            for t in {s.tenant for s in queued}
+            if slots[t] + 1 <= self._share(t, slots, t)
+            and any(v != t and slots[v] - 1 >= self._share(v, slots, t) for v in slots)
+        ]
+        if not starved:
+            return None
+        tenant = min(starved, key=lambda t: (slots[t] / w(t), t))
+        now = self.clock()
+        return min(
+            (s for s in queued if s.tenant == tenant),
+            key=lambda s: (s.num_preemptions == 0, self._effective_priority(s, now)),
+        )
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """fair, every batch slot taken, seq's tenant under its share (`_under_share`): the least urgent
+        running sequence of the tenant furthest over its share is preempted (recompute: it goes back to
+        the front of its tenant's queue) so that seq can start now. Without this, a tenant that sends
+        little waits for a flooding tenant's generations to end before its first token. None if no slot
+        was freed; else the token budget the victim gave back."""
+        slots, w = self._slots(), self.config.weight
+        over = [t for t in slots if t != seq.tenant and slots[t] - 1 >= self._share(t, slots, seq.tenant)]
+        fresh = {id(s) for s in out.admitted}  # admitted this very step: preempting them gains nothing
+        victims = [s for s in self.running if s.tenant in over and id(s) not in fresh]
+        if not victims:
+            return None
+        worst = max({s.tenant for s in victims}, key=lambda t: slots[t] / w(t))
+        now = self.clock()
+        victim = max(
+            (s for s in victims if s.tenant == worst), key=lambda s: self._effective_priority(s, now)
+        )
+        self.stats["preempt_fair_share"] += 1
+        return self._preempt(victim, out, kind="recompute")
 
     # --- preemption -------------------------------------------------------------------------------
     def _pick_victim(self) -> Sequence:
+        """The least urgent running sequence; fair: of the tenant furthest over its share of the KV
+        cache (most blocks held per unit of weight; ties: the most served per unit of weight)."""
         now = self.clock()
-        return max(self.running, key=lambda s: self._effective_priority(s, now))
+        candidates = self.running
+        if self.config.policy == "fair":
+            held: Counter[str] = Counter()
+            for s in self.running:
+                held[s.tenant] += len(s.block_table)
+            w = self.config.weight
+            worst = max(held, key=lambda t: (held[t] / w(t), self.tenant_served[t] / w(t)))
+            candidates = [s for s in self.running if s.tenant == worst]
+        return max(candidates, key=lambda s: self._effective_priority(s, now))
 
     def _preemption_kind(self, seq: Sequence) -> str:
         cfg, n_blocks = self.config, len(seq.block_table)
@@ -258,15 +476,16 @@ class Scheduler:
         recompute_cost = seq.num_computed_tokens * cfg.recompute_s_per_token
         return "swap" if fits and swap_cost < recompute_cost else "recompute"
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
-        """Take seq off the running batch; returns budget given back if it was already scheduled."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, kind: str | None = None) -> int:
+        """Take seq off the running batch (swap or recompute: `kind`, default the cheaper); returns budget
+        given back if it was already scheduled."""
         refund = 0
         for i, (s, n) in enumerate(out.scheduled):
             if s is seq:
                 del out.scheduled[i]
                 refund = n
                 break
-        kind = self._preemption_kind(seq)
+        kind = kind or self._preemption_kind(seq)
         self.running.remove(seq)
         seq.num_preemptions += 1
         self.stats[f"preempt_{kind}"] += 1
@@ -282,7 +501,8 @@ class Scheduler:
             self.bm.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)  # first in line to come back
+            self.waiting.appendleft(seq)  # first in line to come back (fair: first of its tenant's)
+            self._join(seq.tenant)
         return refund
 
     # --- after the model ran ----------------------------------------------------------------------
@@ -292,6 +512,9 @@ class Scheduler:
         for (seq, n), tok in zip(out.scheduled, sampled, strict=True):
             seq.num_computed_tokens += n
             self.bm.commit(seq, seq.num_computed_tokens)
+            if seq.num_computed_tokens > seq.num_charged_tokens:  # a decode step: a position new to the bill
+                self._charge(seq, seq.num_computed_tokens - seq.num_charged_tokens)
+                seq.num_charged_tokens = seq.num_computed_tokens
             if tok is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             seq.append_token(tok)
@@ -349,3 +572,14 @@ class Scheduler:
             seq.num_swapped_blocks = 0
         elif status is SequenceStatus.WAITING:
             (self.reserving if seq in self.reserving else self.waiting).remove(seq)
+
+
+def _without(queue: deque[Sequence], taken: list[Sequence]) -> deque[Sequence]:
+    """queue less the sequences taken from it: popped off its front when they were its first ones
+    (fcfs), else a new deque without them (a reordered admission)."""
+    if all(a is b for a, b in zip(taken, queue, strict=False)):
+        for _ in taken:
+            queue.popleft()
+        return queue
+    ids = {id(s) for s in taken}
+    return deque(s for s in queue if id(s) not in ids)

@@ -33,6 +33,7 @@ class Sequence:
         priority: int = 0,
         arrival_time: float | None = None,
         remote_kv: RemoteKV | None = None,
+        tenant: str = "",
     ) -> None:
         assert token_ids, "a sequence needs at least one prompt token"
         self.seq_id = seq_id if seq_id is not None else str(next(Sequence._ids))
@@ -40,6 +41,7 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.params = params
         self.priority = priority  # lower runs first
+        self.tenant = tenant  # whose request: the fair policy shares the engine between tenants ("" too)
         self.arrival_time = arrival_time
         self.arrival_order = 0  # set by the scheduler: breaks ties between equal arrival times
         self.status = SequenceStatus.WAITING
@@ -50,6 +52,9 @@ class Sequence:
         self.num_swapped_blocks = 0  # blocks of KV held in host memory while SWAPPED
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        # token positions billed to the tenant (common/engine/scheduler.py): each position once, however
+        # often it is computed (a prefill chunk, a recompute after preemption)
+        self.num_charged_tokens = 0
         self.remote_kv = remote_kv  # the prompt's KV comes from ("receive") or goes to ("send") elsewhere
         self.grammar: GrammarMatcher | None = None  # structured output: advanced over every output token
         # params.prompt_logprobs: one entry per prompt token computed so far (None for the first)

@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.types import Message as ASGIMessage
 
+from common.cluster.kv_events import KVEventPublisher
 from common.cluster.leases import LeaseKeeper
 from common.cluster.record_writer import RecordWriter
 from common.cluster.records import RequestState
@@ -102,6 +103,7 @@ class Service:
         self.records: RecordWriter | None = None
         self.heartbeat: Heartbeat | None = None
         self.leases: LeaseKeeper | None = None
+        self.kv_events: KVEventPublisher | None = None
         self.metrics = ServiceMetrics(cfg.role)
         self.metrics.registry.register(
             EngineCollector(
@@ -112,13 +114,17 @@ class Service:
 
     def load(self) -> dict[str, Any]:
         """Load figures for the registry (read from another thread: approximate by nature)."""
-        sched, bm = self.engine.scheduler, self.engine.block_manager
+        sched, bm, speed = self.engine.scheduler, self.engine.block_manager, self.engine.speed
         return {
             "running": sched.num_active,
             "waiting": sched.num_waiting,
+            "queued_tokens": sched.queued_tokens(),  # prompt work ahead of a new request (routing, SLOs)
             "queue_wait_s": round(sched.queue_wait_s(), 3),
             "free_blocks": bm.num_free_blocks,
             "total_blocks": bm.num_blocks,
+            # measured on recent steps (0 until measured): what SLO-aware admission predicts from
+            "prefill_tps": round(speed.prefill_tps, 1),
+            "decode_step_ms": round(speed.decode_step_ms, 2),
         }
 
     def transfer_counters(self) -> list[TransportCount]:
@@ -156,6 +162,20 @@ class Service:
             return
         self.state = ClusterState.from_url(self.cfg.redis_url)
         self.records = RecordWriter(self.state.records)
+        if self.engine.config.enable_prefix_caching:
+            # Before registering: a router that sees this incarnation finds its (empty) snapshot.
+            bm = self.engine.block_manager
+            bm.enable_kv_events()
+            self.kv_events = KVEventPublisher(
+                self.state.redis,
+                self.state.prefix,
+                self.cfg.worker_name,
+                self.incarnation,
+                self.engine.config.block_size,
+                bm.drain_kv_events,
+                bm.cached_hashes,
+            )
+            await self.kv_events.start()
         capacity = {
             "total_blocks": self.engine.block_manager.num_blocks,
             "block_size": self.engine.config.block_size,
@@ -186,6 +206,8 @@ class Service:
         await self.leases.start()
 
     async def stop(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.leases is not None:
             await self.leases.stop()
         if self.heartbeat is not None:

@@ -1,0 +1,30 @@
+"""How fast this engine has been lately: moving averages of its own steps, published in the service's
+registry load so that a router can predict a new request's TTFT and TPOT (router/slo.py)."""
+
+from __future__ import annotations
+
+
+class StepSpeed:
+    """Exponential moving averages over recent steps (each new step weighs ALPHA). Plain floats,
+    written by the engine thread and read by any: a read sees the last whole value."""
+
+    ALPHA = 0.2
+
+    def __init__(self) -> None:
+        self.prefill_tps = 0.0  # prompt tokens per second of a step that computes prompt tokens
+        self.decode_step_ms = 0.0  # one step that only decodes (one token per running sequence)
+
+    def observe(self, seconds: float, prefill_tokens: int, decode_seqs: int) -> None:
+        """One step took `seconds` to compute `prefill_tokens` prompt tokens and one token for each of
+        `decode_seqs` sequences. A mixed step counts towards prefill speed only: it is the prompt work
+        a new request waits for."""
+        if seconds <= 0:
+            return
+        if prefill_tokens:
+            self.prefill_tps = _ewma(self.prefill_tps, prefill_tokens / seconds, self.ALPHA)
+        elif decode_seqs:
+            self.decode_step_ms = _ewma(self.decode_step_ms, seconds * 1000.0, self.ALPHA)
+
+
+def _ewma(old: float, new: float, alpha: float) -> float:
+    return new if old == 0.0 else old + alpha * (new - old)
