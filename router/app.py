@@ -23,6 +23,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.cluster.kv_events import KVIndex
 from common.cluster.owners import RouterOwnership
 from common.cluster.state import ClusterState
 from common.runtime.http_server import HTTPLimits, server_config
@@ -75,7 +76,11 @@ def create_app(
         if isinstance(state, ClusterState):
             orch.owners = RouterOwnership(state.redis, state.prefix, router_id, state.records)
             orch.owners.start()
+        if index is not None:
+            await index.start()
         yield
+        if index is not None:
+            await index.stop()
         await access.stop()
         if orch.owners is not None:
             await orch.owners.stop()
@@ -90,7 +95,13 @@ def create_app(
     metrics = RouterMetrics()
     # unique per start: a restarted container has the same host name and pid
     router_id = f"router-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    orch = Orchestrator(config, state, client, metrics, router_id)
+    # prefix-aware routing follows the services' KV events in Redis (common/cluster/kv_events.py)
+    index = (
+        KVIndex(state.redis, state.prefix)
+        if isinstance(state, ClusterState) and config.routing == "prefix_aware"
+        else None
+    )
+    orch = Orchestrator(config, state, client, metrics, router_id, index)
     metrics.watch(orch)
     redis = state.redis if isinstance(state, ClusterState) else None
     access = Access(

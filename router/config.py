@@ -25,6 +25,17 @@ class RouterConfig(BaseSettings):
         32, ge=0, description="prompts shorter than this (tokens) are prefilled on the decode service"
     )
     request_timeout_s: float = Field(600.0, gt=0, description="deadline for one request, end to end")
+    routing: Literal["prefix_aware", "least_loaded"] = Field(
+        "prefix_aware",
+        description="prefix_aware: weigh the prompt blocks each service already holds (KV events, needs "
+        "Redis) against its load; least_loaded: load alone",
+    )
+    prefix_weight: float = Field(
+        1.0, ge=0, description="prefix_aware: cost of one prompt block a service would compute or receive"
+    )
+    load_weight: float = Field(
+        1.0, ge=0, description="prefix_aware: cost of one queued prompt block or one running sequence"
+    )
     # Comma-separated in the environment ("http://a:8001,http://b:8001") as well as a JSON list.
     decode_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     prefill_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)

@@ -28,10 +28,13 @@ ROUTES = (
     ("local", "no_prefill_worker"),
     ("local", "prefill_failed"),
     ("local", "shared_prefix"),
+    ("local", "cached_prefix"),
+    ("local", "slo"),
 )
+PREFIX_KINDS = ("prompt", "predicted_hit", "reused")
 PATHS = ("split", "local")
 MIGRATION_REASONS = ("lost", "stalled", "gave_up")
-SHED_REASONS = ("queue_depth", "queue_wait", "start_timeout")
+SHED_REASONS = ("queue_depth", "queue_wait", "start_timeout", "slo")
 AUTH_REFUSALS = (*InvalidKey.MESSAGES, "forbidden")  # 401 reasons, then 403
 LIMITS = ("requests", "tokens", "concurrency")
 # Tenants (router.access): a bounded label. The first `max_tenants` tenants seen since start keep their
@@ -77,6 +80,13 @@ class RouterMetrics:
             p + "requests", "Requests by endpoint and outcome", ["endpoint", "status"], registry=r
         )
         self.routes = Counter(p + "route_decisions", "Routing decisions", ["route", "reason"], registry=r)
+        self.prefix_blocks = Counter(
+            p + "prefix_blocks",
+            "Prompt blocks at a request's first placement, per role: all its full blocks (prompt), those the "
+            "KV index said the chosen worker held (predicted_hit), those the worker really reused (reused)",
+            ["role", "kind"],
+            registry=r,
+        )
         self.ttft = Histogram(
             p + "ttft_seconds", "Time to first token", ["route"], registry=r, buckets=_TTFT_BUCKETS
         )
@@ -190,6 +200,9 @@ class RouterMetrics:
                 self.requests.labels(endpoint, status)
         for route, reason in ROUTES:
             self.routes.labels(route, reason)
+        for role in WORKER_ROLES:
+            for kind in PREFIX_KINDS:
+                self.prefix_blocks.labels(role, kind)
         for path in PATHS:
             for hist in (self.ttft, self.itl, self.tpot, self.e2e):
                 hist.labels(path)

@@ -39,6 +39,8 @@ from common.sampling_params import SamplingParams, TokenLogprob
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
+from router.placement import Candidate
+from router.slo import Prediction, Targets, predict_tpot_ms, predict_ttft_ms, unattainable
 from router.upstream import (
     Busy,
     DecodeLost,
@@ -73,11 +75,20 @@ async def shielded(coro: Coroutine[Any, Any, None]) -> None:
 @dataclass(frozen=True)
 class Route:
     path: str  # "split" | "local"
-    reason: str  # "long_prompt" | "short_prompt" | "no_prefill_worker"
+    # "long_prompt" | "short_prompt" | "cached_prefix" | "no_prefill_worker" | "prefill_failed" |
+    # "shared_prefix"
+    reason: str
+    prefix_hit: int = 0  # leading prompt blocks the chosen decode service holds, as the KV index says
+    prefill_hit: int = 0  # the same on the chosen prefill service (split path)
 
     @property
     def header(self) -> str:
-        return "split" if self.path == "split" else f"local; reason={self.reason}"
+        h = "split" if self.path == "split" else f"local; reason={self.reason}"
+        if self.prefix_hit:
+            h += f"; prefix_hit={self.prefix_hit} blocks"
+        if self.prefill_hit:
+            h += f"; prefill_prefix_hit={self.prefill_hit} blocks"
+        return h
 
     @property
     def record(self) -> str:
@@ -94,22 +105,40 @@ class Orchestrator:
         client: httpx.AsyncClient,
         metrics: RouterMetrics,
         router_id: str,
+        index: Any = None,
     ) -> None:
+        """`index`: a KV index (common.cluster.kv_events.KVIndex) for prefix-aware routing; None routes on
+        load alone."""
         self.config, self.state, self.client, self.metrics = config, state, client, metrics
         self.router_id = router_id
-        self.pool = WorkerPool(state, config.decode_urls, config.prefill_urls)
+        self.pool = WorkerPool(state, config.decode_urls, config.prefill_urls, index)
         # the router writes each request's end, so it may write a record Redis lost (restart) again
         self.records = RecordWriter(state.records, restore_lost=True) if state is not None else None
         self.owners: RouterOwnership | None = None  # set by the app while it runs (with Redis)
 
-    def route(self, prompt_tokens: int, prefills: list[Worker], shared_prefix: bool = False) -> Route:
+    def route(
+        self,
+        prompt_tokens: int,
+        prefills: list[Worker],
+        shared_prefix: bool = False,
+        decode_hit: Candidate | None = None,
+        prefill_hit: Candidate | None = None,
+    ) -> Route:
+        """Split or local, and why. Conditional disaggregation weighs the prompt tokens the decode service
+        would compute itself: the whole prompt, less the prefix the index says it already holds."""
         if shared_prefix:  # the decode service holds the prompt already (another choice of the request)
             return Route("local", "shared_prefix")
+        hit = decode_hit.hit_blocks if decode_hit is not None else 0
         if prompt_tokens < self.config.local_prefill_threshold:
-            return Route("local", "short_prompt")
+            return Route("local", "short_prompt", hit)
+        if (
+            decode_hit is not None
+            and prompt_tokens - decode_hit.hit_tokens < self.config.local_prefill_threshold
+        ):
+            return Route("local", "cached_prefix", hit)
         if not prefills:
-            return Route("local", "no_prefill_worker")
-        return Route("split", "long_prompt")
+            return Route("local", "no_prefill_worker", hit)
+        return Route("split", "long_prompt", hit, prefill_hit.hit_blocks if prefill_hit is not None else 0)
 
     def generation(
         self,
@@ -162,6 +191,14 @@ class Generation:
         # reference); only the last partial block is computed again. If it is full, placed as any.
         self.affinity: str | None = None
         self.decode_id: str | None = None  # the decode service of the first placement
+        self._scored: dict[tuple[str, str], Candidate] = {}  # (role, worker id) -> its placement figures
+        # the first placement's prefix-cache reuse (tokens), as the services reported it
+        self.decode_reused_tokens = self.prefill_reused_tokens = 0
+        self.prefill_id: str | None = None
+        self.tenant = ""  # whose request, for the services' fair-share admission
+        self.targets = Targets()  # its latency targets (router/slo.py), if it has any
+        self._slo_local = False  # SLO admission chose the local path: only it was predicted in time
+        self.priority = 0  # its class inside the tenant (lower first)
 
     # ---- the flow --------------------------------------------------------------------------------
 
@@ -172,18 +209,38 @@ class Generation:
         with span_scope(_tracer, "router.route") as span:
             decodes, prefills = await self._workers()
             decodes = self._with_affinity(decodes)
-            self.route = self.o.route(len(self.prompt_ids), prefills, self._shared(decodes))
+            self.route = self._route(decodes, prefills)
             if span.is_recording():
                 span.set_attributes({
                     "splitserve.route": self.route.path,
                     "splitserve.route.reason": self.route.reason,
                     "splitserve.decode_candidates": len(decodes),
                     "splitserve.prefill_candidates": len(prefills),
+                    "splitserve.prefix_hit_blocks": self.route.prefix_hit,
+                    "splitserve.prefill_prefix_hit_blocks": self.route.prefill_hit,
                 })  # fmt: skip
         decodes = self._shed_if_overloaded(decodes)
+        if self.targets.any:
+            decodes, prefills = self._meet_targets(decodes, prefills)
         self.o.metrics.routes.labels(self.route.path, self.route.reason).inc()
         await self._create_record()
         self._pending = await self._place_in_time(decodes, prefills)
+        self._count_prefix()
+
+    def _count_prefix(self) -> None:
+        """Prefix-cache figures of the first placement, per role: the prompt's full blocks, how many of
+        them the KV index said the chosen worker held, and how many it really reused."""
+        route, m = self.route, self.o.metrics
+        for role, worker_id, predicted, reused in (
+            ("decode", self.decode_id, route.prefix_hit if route else 0, self.decode_reused_tokens),
+            ("prefill", self.prefill_id, route.prefill_hit if route else 0, self.prefill_reused_tokens),
+        ):
+            c = self._scored.get((role, worker_id or ""))
+            if c is None or not c.block_size:
+                continue  # not placed there, or routed on load alone
+            m.prefix_blocks.labels(role, "prompt").inc(len(self.prompt_ids) // c.block_size)
+            m.prefix_blocks.labels(role, "predicted_hit").inc(predicted)
+            m.prefix_blocks.labels(role, "reused").inc(reused // c.block_size)
 
     async def next(self) -> list[int] | None:
         """New output tokens, or None once the decode service has finished the request. A decode
@@ -212,7 +269,58 @@ class Generation:
             raise self.o.unavailable(f"worker registry unavailable: {e!r}") from e
         if not decodes:
             raise self.o.unavailable("no decode service is available")
+        if self.o.config.routing == "prefix_aware":
+            ids = self.prompt_ids + self.out_ids
+            decodes, prefills = self._rank("decode", decodes, ids), self._rank("prefill", prefills, ids)
         return decodes, prefills
+
+    def _rank(self, role: str, workers: list[Worker], ids: list[int]) -> list[Worker]:
+        """`workers` cheapest first for this prompt (router/placement.py); remembers each one's figures."""
+        cfg = self.o.config
+        ranked = self.o.pool.rank(workers, ids, cfg.prefix_weight, cfg.load_weight)
+        self._scored.update({(role, c.worker.id): c for c in ranked})
+        return [c.worker for c in ranked]
+
+    def _route(self, decodes: list[Worker], prefills: list[Worker]) -> Route:
+        """The route for placing on decodes[0] (through prefills[0] on the split path)."""
+        d = self._scored.get(("decode", decodes[0].id)) if decodes else None
+        p = self._scored.get(("prefill", prefills[0].id)) if prefills else None
+        n = len(self.prompt_ids) + len(self.out_ids)
+        if self._slo_local and not self.out_ids:
+            return Route("local", "slo", d.hit_blocks if d is not None else 0)
+        return self.o.route(n, prefills, self._shared(decodes), d, p)
+
+    def _meet_targets(
+        self, decodes: list[Worker], prefills: list[Worker]
+    ) -> tuple[list[Worker], list[Worker]]:
+        """SLO-aware admission (router/slo.py): the first placement, in placement order, predicted to meet
+        the request's targets — its decode and prefill services first in the lists, and the local path
+        when only that meets them; 429 when none does."""
+        best: Prediction | None = None
+        for d in decodes[:3]:
+            route, tpot = self._route([d], prefills), predict_tpot_ms(d.load)
+            options = [
+                (p, Prediction(predict_ttft_ms(p.load, self._uncached("prefill", p), False), tpot))
+                for p in (prefills[:2] if route.path == "split" else [])
+            ]
+            local = Prediction(predict_ttft_ms(d.load, self._uncached("decode", d), True), tpot)
+            for p, pred in [*options, (None, local)]:
+                if pred.meets(self.targets):
+                    self._slo_local = p is None and route.path == "split"  # prefill services too slow
+                    first = [p] if p is not None else []
+                    prefills = first + [w for w in prefills if w is not p]
+                    self.route = self._route([d], prefills)
+                    return [d, *(w for w in decodes if w is not d)], prefills
+                if best is None or (pred.ttft_ms or 0.0) < (best.ttft_ms or 0.0):
+                    best = pred
+        _shed_event("slo")
+        self.o.metrics.shed.labels("slo").inc()
+        raise unattainable(self.targets, best or Prediction(None, None))
+
+    def _uncached(self, role: str, w: Worker) -> int:
+        """Prompt tokens `w` would compute: all of them less the prefix the index says it holds."""
+        c = self._scored.get((role, w.id))
+        return len(self.prompt_ids) + len(self.out_ids) - (c.hit_tokens if c is not None else 0)
 
     def _shed_if_overloaded(self, decodes: list[Worker]) -> list[Worker]:
         """503 before any work when every decode service is past max_decode_queue, or (start_timeout_s)
@@ -280,7 +388,7 @@ class Generation:
 
     async def _place_on(self, decodes: list[Worker], prefills: list[Worker]) -> list[int]:
         decodes = self._with_affinity(decodes)
-        route = self.o.route(len(self.prompt_ids) + len(self.out_ids), prefills, self._shared(decodes))
+        route = self._route(decodes, prefills)
         if route.reason == "shared_prefix":
             try:
                 return await self._place_local(decodes[:1])
@@ -289,7 +397,7 @@ class Generation:
                     raise
             # that service is full: placed as any request (the header and the record say how)
             self.affinity = None
-            route = self.o.route(len(self.prompt_ids), prefills)
+            route = self._route(decodes, prefills)
             self.route = route
             await self._record_route()
         if route.path == "local":
@@ -334,6 +442,7 @@ class Generation:
             self._take_prompt_logprobs(first.prompt_logprobs)
             if not self.out_ids:
                 self.num_cached_tokens = first.num_cached_tokens
+                self.prefill_id, self.prefill_reused_tokens = prefill.id, first.num_cached_tokens
             lps = [first.first_logprob] if first.first_logprob is not None else None
             return self._accept(len(self.out_ids), [first.first_token], lps)
         raise AssertionError("a split route needs a prefill service")
@@ -408,12 +517,19 @@ class Generation:
         """Open a generate stream on the least loaded D that accepts it; returns its Reserved frame."""
         ids, n_out = self.prompt_ids + self.out_ids, len(self.out_ids)
         body = encode(
-            GenerateRequest(self.id, ids, self._sampling(), mode, self.deadline, self._traceparent, n_out)
-        )
+            GenerateRequest(
+                self.id, ids, self._sampling(), mode, self.deadline, self._traceparent, n_out,
+                tenant=self.tenant, priority=self.priority,
+            )
+        )  # fmt: skip
         with span_scope(_tracer, "router.decode_reserve") as span:
             try:
                 self._stream, reserved = await DecodeStream.open(self.o.client, decodes, body, self.deadline)
-                self.decode_id = self.decode_id or self._stream.worker.id
+                if self.decode_id is None:
+                    self.decode_id, self.decode_reused_tokens = (
+                        self._stream.worker.id,
+                        reserved.num_cached_tokens,
+                    )
             except Busy:
                 raise self.o.unavailable("every decode service is at capacity; retry later") from None
             except Unreachable as e:
@@ -500,6 +616,7 @@ class Generation:
                 req = PrefillRequest(
                     self.id, ids, self._sampling(), r.kv_endpoint, r.block_ids, r.fence, r.num_cached_tokens,
                     self.deadline, traceparent(), len(self.out_ids),
+                    tenant=self.tenant, priority=self.priority,
                 )  # fmt: skip
                 first = await self._prefill_or_decode_error(call_prefill(self.o.client, w, req))
         finally:
@@ -548,7 +665,8 @@ class Generation:
         try:
             await self.o.records.create(
                 self.id, model=self.model, prompt_tokens=len(self.prompt_ids), router_id=self.o.router_id,
-                route=self.route.record, **self.owner,
+                route=self.route.record, prefix_hit_blocks=self.route.prefix_hit,
+                prefill_prefix_hit_blocks=self.route.prefill_hit, **self.owner,
             )  # fmt: skip
             self._recorded = True
             if self.o.owners is not None:  # ended by another router if this one dies first
@@ -561,7 +679,11 @@ class Generation:
         if self.o.records is None or not self._recorded or self.route is None:
             return
         try:
-            await self.o.records.set_fields(self.id, route=self.route.record)
+            route = self.route
+            await self.o.records.set_fields(
+                self.id, route=route.record, prefix_hit_blocks=route.prefix_hit,
+                prefill_prefix_hit_blocks=route.prefill_hit,
+            )  # fmt: skip
         except Exception:
             log.exception("request %s: could not record the route", self.id)
 

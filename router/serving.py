@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.metadata
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
@@ -40,6 +41,7 @@ from router.openai_types import (
     usage,
 )
 from router.orchestrator import Generation, Orchestrator, shielded
+from router.slo import Targets, parse_target
 from router.tools import check_tools, parse_tool_calls, render_messages, tool_guide, tool_mode
 
 T = TypeVar("T")
@@ -182,6 +184,7 @@ class Server:
                     "model", "model_not_found",
                 )  # fmt: skip
             self._check_stops(req.stop_list)
+            tenant, priority, targets = _tenant(request, key), _priority(request), _targets(request, key)
             guide = self._guide(req, run)
             prompt_ids = self._tokenize(req)
             max_tokens = self._max_tokens(req, len(prompt_ids))
@@ -215,6 +218,7 @@ class Server:
             run.text = []
         owner = {"tenant": key.tenant, "key_id": key.key_id} if key is not None else None
         gen = self.orch.generation(request_id, prompt_ids, sampling, self.model_name, owner)
+        gen.tenant, gen.priority, gen.targets = tenant, priority, targets
         headers = {"x-request-id": request_id, **(run.admission.headers if run.admission else {})}
         builder = Builder(request_id, self.model_name, chat, self.fingerprint, index)
         detok = IncrementalDetokenizer(self.info.tokenizer, req.stop_list)
@@ -618,11 +622,14 @@ class Server:
             return
         path = _path(gen)
         self.metrics.e2e.labels(path).observe(run.t_last - run.t0)
-        met = self.config.slo_ttft_ms is None or (run.t_first - run.t0) * 1000 <= self.config.slo_ttft_ms
+        # the request's own targets when it has them (router/slo.py), else the router's
+        ttft_ms = gen.targets.ttft_ms if gen.targets.ttft_ms is not None else self.config.slo_ttft_ms
+        tpot_ms = gen.targets.tpot_ms if gen.targets.tpot_ms is not None else self.config.slo_tpot_ms
+        met = ttft_ms is None or (run.t_first - run.t0) * 1000 <= ttft_ms
         if run.output_tokens > 1:
             tpot = (run.t_last - run.t_first) / (run.output_tokens - 1)
             self.metrics.tpot.labels(path).observe(tpot)
-            if self.config.slo_tpot_ms is not None and tpot * 1000 > self.config.slo_tpot_ms:
+            if tpot_ms is not None and tpot * 1000 > tpot_ms:
                 self.metrics.slo_misses.labels("tpot").inc()
                 met = False
         self.metrics.judge(met)
@@ -648,7 +655,8 @@ class Server:
         assert run.t_first is not None
         ttft = run.t_first - run.t0
         self.metrics.ttft.labels(_path(gen)).observe(ttft)
-        if self.config.slo_ttft_ms is not None and ttft * 1000 > self.config.slo_ttft_ms:
+        target = gen.targets.ttft_ms if gen.targets.ttft_ms is not None else self.config.slo_ttft_ms
+        if target is not None and ttft * 1000 > target:
             self.metrics.slo_misses.labels("ttft").inc()
 
 
@@ -661,6 +669,51 @@ def _answer_failure(e: BaseException, headers: dict[str, str]) -> Response:
     if isinstance(e, ClientGone):
         return JSONResponse(APIError(499, "client disconnected").body(), 499, headers)
     raise e
+
+
+_TENANT_NAME = re.compile(r"[A-Za-z0-9._:@-]{1,64}")
+
+
+def _tenant(request: Request, key: ApiKey | None) -> str:
+    """Whose request, for the services' fair share: the API key's tenant; without a key (auth off), the
+    `x-splitserve-tenant` header, or "" (everyone without one shares a tenant). A key's tenant always
+    wins: a header cannot move a request into another tenant's share."""
+    if key is not None:
+        return key.tenant
+    name = request.headers.get("x-splitserve-tenant")
+    if name is None:
+        return ""
+    if not _TENANT_NAME.fullmatch(name):
+        raise invalid(
+            "x-splitserve-tenant must be 1-64 characters of letters, digits and . _ : @ -",
+            "x-splitserve-tenant",
+        )
+    return name
+
+
+def _targets(request: Request, key: ApiKey | None) -> Targets:
+    """The request's latency targets: its headers', else its API key's defaults (router/slo.py)."""
+    h = request.headers
+    ttft = parse_target(h.get("x-splitserve-ttft-slo-ms"), "x-splitserve-ttft-slo-ms")
+    tpot = parse_target(h.get("x-splitserve-tpot-slo-ms"), "x-splitserve-tpot-slo-ms")
+    if key is not None:
+        ttft = ttft if ttft is not None else key.limits.ttft_slo_ms
+        tpot = tpot if tpot is not None else key.limits.tpot_slo_ms
+    return Targets(ttft, tpot)
+
+
+def _priority(request: Request) -> int:
+    """The request's class inside its tenant (`x-splitserve-priority`, lower runs first; default 0)."""
+    value = request.headers.get("x-splitserve-priority")
+    if value is None:
+        return 0
+    try:
+        priority = int(value)
+    except ValueError:
+        priority = None
+    if priority is None or not -100 <= priority <= 100:
+        raise invalid("x-splitserve-priority must be an integer from -100 to 100", "x-splitserve-priority")
+    return priority
 
 
 def _parent(request: Request) -> Any:

@@ -1,8 +1,9 @@
-"""Which decode / prefill service gets a request: least loaded first.
+"""The decode / prefill services a request may go to, and their order (router/placement.py).
 
-Workers come from the Redis registry (heartbeat load: running, waiting, free_blocks), or from fixed
-URL lists. The registry's load is up to a heartbeat old, so the router's own count of requests it has
-in flight on each worker breaks ties (and is the only signal for fixed lists).
+Workers come from the Redis registry (heartbeat load: running, waiting, queued_tokens, free_blocks;
+capacity: block_size), or from fixed URL lists. The registry's load is up to a heartbeat old, so the
+router's own count of requests it has in flight on each worker counts too (and is the only signal for
+fixed lists). With a KV index (Redis), every registry read tells it which workers to follow.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.cluster.state import ClusterState
+from router.placement import Candidate, PrefixIndex, least_loaded_key, rank
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,7 @@ class Worker:
     url: str
     load: dict[str, Any] = field(default_factory=dict)
     incarnation: str = ""
+    capacity: dict[str, Any] = field(default_factory=dict)  # block_size, total_blocks, max_num_seqs
 
 
 class WorkerPool:
@@ -34,14 +37,22 @@ class WorkerPool:
     CACHE_S = 0.25
     STALE_S = 10.0  # how long a last known list outlives a registry that is unreadable or empty
 
-    def __init__(self, state: ClusterState | None, decode_urls: list[str], prefill_urls: list[str]) -> None:
+    def __init__(
+        self,
+        state: ClusterState | None,
+        decode_urls: list[str],
+        prefill_urls: list[str],
+        index: Any = None,  # common.cluster.kv_events.KVIndex: told the workers at every registry read
+    ) -> None:
         self.state = state
+        self.index = index
         self.static = {"decode": list(decode_urls), "prefill": list(prefill_urls)}
         self.in_flight: Counter[str] = Counter()  # worker url -> requests this router has on it
         self._cache: dict[str, tuple[float, list[Worker]]] = {}  # role -> (read at, workers)
         self._known: dict[str, tuple[list[Worker], float]] = {}  # role -> last non-empty list, when read
         self.stale_reads = 0  # candidates served from the last known list (Redis away or emptied)
         self._incarnations: dict[str, str] = {}  # worker id -> the process start last seen
+        self._following: dict[str, list[tuple[str, str, int]]] = {}  # role -> what the index follows
 
     async def candidates(self, role: str) -> list[Worker]:
         """Workers of `role`, best first. When the registry (Redis) cannot be read, or comes back empty
@@ -73,7 +84,7 @@ class WorkerPool:
         known, seen = self._known.get(role, ([], 0.0))
         try:
             alive = await self.state.registry.alive(role)
-            workers = [Worker(w.id, w.url.rstrip("/"), w.load, w.incarnation) for w in alive]
+            workers = [Worker(w.id, w.url.rstrip("/"), w.load, w.incarnation, w.capacity) for w in alive]
         except Exception as e:
             if role not in self._known:
                 raise
@@ -85,15 +96,30 @@ class WorkerPool:
                     log.warning("%s %s restarted (incarnation %s -> %s)", role, w.id, was, w.incarnation)
                 self._incarnations[w.id] = w.incarnation
             self._known[role] = (workers, now)
+            if self.index is not None:
+                self._follow(role, workers)
         elif known and now - seen < self.STALE_S:
             self.stale_reads += 1
             workers = known
         self._cache[role] = (now, workers)
         return workers
 
+    def _follow(self, role: str, workers: list[Worker]) -> None:
+        """Tell the KV index which workers exist now (both roles: it follows their union)."""
+        assert self.index is not None
+        self._following[role] = [(w.id, w.incarnation, int(w.capacity.get("block_size", 0))) for w in workers]
+        self.index.set_workers([w for ws in self._following.values() for w in ws])
+
     def _key(self, w: Worker) -> tuple[int, int, int]:
-        queued = int(w.load.get("running", 0)) + int(w.load.get("waiting", 0))
-        return (queued, -int(w.load.get("free_blocks", 0)), self.in_flight[w.url])
+        return least_loaded_key(w.load, self.in_flight[w.url])
+
+    def rank(
+        self, workers: list[Worker], prompt_ids: list[int], prefix_weight: float, load_weight: float
+    ) -> list[Candidate]:
+        """`workers` cheapest first for this prompt: prefix hits (when the pool has a KV index) against
+        load (router/placement.py)."""
+        index: PrefixIndex | None = self.index
+        return rank(workers, prompt_ids, index, self.in_flight, prefix_weight, load_weight)
 
     def hold(self, worker: Worker) -> None:
         """Count a request of ours against `worker` (until release)."""

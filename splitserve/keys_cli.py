@@ -94,12 +94,18 @@ def _create(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--scopes must be a comma-separated subset of {','.join(sorted(SCOPES))}: {args.scopes!r}"
         )
-    for flag, value in (("--rpm", args.rpm), ("--tpm", args.tpm), ("--max-concurrent", args.max_concurrent)):
+    for flag, value in (
+        ("--rpm", args.rpm), ("--tpm", args.tpm), ("--max-concurrent", args.max_concurrent),
+        ("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms),
+    ):  # fmt: skip
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be a positive integer, got {value}")
     if not args.name.strip() or not args.tenant.strip():
         raise UsageError("--name and --tenant must not be empty")
-    limits = Limits(rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent)
+    limits = Limits(
+        rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent, ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
+    )  # fmt: skip
     expires_at = time.time() + parse_duration(args.expires_in) if args.expires_in else None
 
     async def body(store: KeyStore) -> int:
@@ -196,6 +202,12 @@ def add_keys_parser(sub: Any) -> None:
     c.add_argument("--rpm", type=int, default=None, help="requests per minute (default: unlimited)")
     c.add_argument("--tpm", type=int, default=None, help="tokens per minute, prompt + output")
     c.add_argument("--max-concurrent", type=int, default=None, help="requests in flight at once")
+    c.add_argument(
+        "--ttft-slo-ms", type=int, default=None, help="time-to-first-token target for requests naming none"
+    )
+    c.add_argument(
+        "--tpot-slo-ms", type=int, default=None, help="time-per-output-token target for requests naming none"
+    )
     c.add_argument("--expires-in", default=None, help="e.g. 30d, 12h, 90m (default: never)")
     c.set_defaults(func=_run(_create))
 

@@ -11,12 +11,20 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from common.config import EngineConfig, ServiceConfig
 
-INT_FIELDS = {"block_size", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "num_threads"}
+INT_FIELDS = {
+    "block_size",
+    "kv_cache_memory_mb",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "num_threads",
+    "fair_quantum_tokens",
+}
 ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--model": "model",
     "--device": "device",
@@ -29,8 +37,36 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--max-num-batched-tokens": "max_num_batched_tokens",
     "--policy": "policy",
     "--preemption-mode": "preemption_mode",
+    "--tenant-weights": "tenant_weights",
+    "--fair-quantum-tokens": "fair_quantum_tokens",
     "--threads": "num_threads",
 }
+
+
+def parse_tenant_weights(text: str) -> dict[str, float]:
+    """--tenant-weights "a=3,b=1" -> {"a": 3.0, "b": 1.0}: positive weights; a tenant not named weighs 1
+    ("=2" names the tenant of requests that name none)."""
+    weights: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = math.nan
+        if not sep or not (math.isfinite(weight) and weight > 0) or name in weights:
+            raise argparse.ArgumentTypeError(
+                f"expected tenant=weight[,tenant=weight...] with positive weights, each tenant once; "
+                f"got {text!r}"
+            )
+        weights[name] = weight
+    return weights
+
+
+def _tenant_weights_text(text: str) -> str:
+    """`up`: check --tenant-weights here, pass it on to the services as given."""
+    parse_tenant_weights(text)
+    return text
 
 
 def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
@@ -56,11 +92,13 @@ def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         help="decode: how prefill services write KV here (default auto: nixl where it imports)",
     )
     for flag, field in ENGINE_FLAGS.items():
-        kind: type = str
+        kind: Callable[[str], Any] = str
         if field in INT_FIELDS:
             kind = int
         elif field == "gpu_memory_utilization":
             kind = float
+        elif field == "tenant_weights":
+            kind = parse_tenant_weights
         p.add_argument(flag, dest=f"engine_{field}", type=kind, default=None)
 
 
@@ -292,6 +330,9 @@ def run_router(args: argparse.Namespace) -> int:
             "redis_url",
             "model",
             "local_prefill_threshold",
+            "routing",
+            "prefix_weight",
+            "load_weight",
             "decode_urls",
             "prefill_urls",
             "transfer_failure_policy",
@@ -330,6 +371,25 @@ def add_parsers(sub: Any) -> None:
         type=int,
         default=None,
         help="prompts shorter than this many tokens are prefilled on the decode service",
+    )
+    r.add_argument(
+        "--routing",
+        choices=["prefix_aware", "least_loaded"],
+        default=None,
+        help="prefix_aware (default): weigh the prompt blocks each service holds against its load; "
+        "least_loaded: load alone",
+    )
+    r.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=None,
+        help="prefix_aware: cost of a prompt block to compute (1)",
+    )
+    r.add_argument(
+        "--load-weight",
+        type=float,
+        default=None,
+        help="prefix_aware: cost of a queued prompt block or a running sequence (1)",
     )
     r.add_argument(
         "--transfer-failure-policy",
@@ -393,5 +453,6 @@ def add_parsers(sub: Any) -> None:
     u.add_argument("--kv-backend", choices=["auto", "nixl", "tcp", "torch_dist"], default=None)
     for flag, field in ENGINE_FLAGS.items():
         if flag != "--threads":
-            u.add_argument(flag, dest=f"engine_{field}", default=None)
+            check = _tenant_weights_text if field == "tenant_weights" else str
+            u.add_argument(flag, dest=f"engine_{field}", type=check, default=None)
     u.set_defaults(func=up, engine_num_threads=None)

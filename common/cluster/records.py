@@ -59,6 +59,8 @@ RECORD_FIELDS: dict[str, type] = {
     "decode_id": str,
     "model": str,
     "route": str,  # "split" or "local:<reason>"
+    "prefix_hit_blocks": int,  # leading prompt blocks the KV index said the chosen decode service held
+    "prefill_prefix_hit_blocks": int,  # the same for the chosen prefill service (split path)
     "prompt_tokens": int,
     "output_tokens": int,
     "finish_reason": str,

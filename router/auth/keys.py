@@ -57,9 +57,12 @@ class Limits:
     rpm: int | None = None  # requests per minute
     tpm: int | None = None  # tokens per minute (prompt + max output charged up front, refunded to actual)
     max_concurrent: int | None = None  # requests (streams included) in flight at once
+    # latency targets for the key's requests that name none (router/slo.py): not limits, defaults
+    ttft_slo_ms: int | None = None
+    tpot_slo_ms: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("rpm", "tpm", "max_concurrent"):
+        for name in ("rpm", "tpm", "max_concurrent", "ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -70,7 +73,13 @@ class Limits:
     def to_dict(self) -> dict[str, int]:
         return {
             k: v
-            for k, v in (("rpm", self.rpm), ("tpm", self.tpm), ("max_concurrent", self.max_concurrent))
+            for k, v in (
+                ("rpm", self.rpm),
+                ("tpm", self.tpm),
+                ("max_concurrent", self.max_concurrent),
+                ("ttft_slo_ms", self.ttft_slo_ms),
+                ("tpot_slo_ms", self.tpot_slo_ms),
+            )  # fmt: skip
             if v
         }
 
@@ -359,7 +368,7 @@ class KeyStore:
 
 # ---- the static keys file ----
 
-_INT_OPTIONS = ("rpm", "tpm", "max_concurrent")
+_INT_OPTIONS = ("rpm", "tpm", "max_concurrent", "ttft_slo_ms", "tpot_slo_ms")
 _OPTIONS = ("name", "tenant", "scopes", "expires", *_INT_OPTIONS)
 
 
@@ -458,7 +467,8 @@ def load_keys_file(path: str) -> list[tuple[str, ApiKey]]:
     One key per line; blank lines and `#` comments (whole lines, or after a key's options) are ignored:
 
         <secret> [name=<n>] [tenant=<t>] [scopes=inference,admin] [rpm=<n>] [tpm=<n>]
-                 [max_concurrent=<n>] [expires=<ISO-8601 date or date-time>]
+                 [max_concurrent=<n>] [ttft_slo_ms=<n>] [tpot_slo_ms=<n>]
+                 [expires=<ISO-8601 date or date-time>]
 
     An expiry without a UTC offset is UTC; a date alone means its start (00:00 UTC).
 

@@ -31,12 +31,15 @@ def cluster(tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
     c.stop()
 
 
-def start_request(router: Proc, result: dict) -> threading.Thread:
+def start_request(router: Proc, result: dict, tag: str) -> threading.Thread:
+    """The long prompt, made unique by `tag` at its start: a service that holds an earlier test's prompt
+    in its prefix cache would otherwise get it (prefix-aware routing) and compute nothing to fail in."""
+
     def run() -> None:
         r = httpx.post(
             router.url + "/v1/completions",
             timeout=120,
-            json={"model": "default", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+            json={"model": "default", "prompt": f"{tag}. {PROMPT}", "max_tokens": 4, "temperature": 0},
         )
         result["response"] = r
 
@@ -58,7 +61,7 @@ def test_prefill_killed_mid_prefill_is_recomputed_on_decode(cluster) -> None:  #
     decode_ = cluster.start("decode", *FLAGS)
     router = cluster.start("router", "--transfer-failure-policy", "recompute")
     result: dict = {}
-    t = start_request(router, result)
+    t = start_request(router, result, "Prefill killed")
     wait_until(lambda: prefilling(prefill), 60, "the prefill to start")
     prefill.popen.kill()
     t.join(120)
@@ -78,7 +81,7 @@ def test_decode_killed_mid_transfer_frees_prefill_blocks(cluster) -> None:  # ty
     router = next(p for p in cluster.procs if p.role == "router")
     time.sleep(1.5)  # let the router's registry cache see the new prefill service
     result: dict = {}
-    t = start_request(router, result)
+    t = start_request(router, result, "Decode killed")
     wait_until(lambda: prefilling(prefill), 60, "the prefill to start")
     decode_.popen.kill()
     h = cluster.wait_blocks_free(prefill, timeout_s=LEASE_S * 3)
@@ -100,7 +103,7 @@ def test_hung_prefill_lease_expires_and_the_policy_applies(cluster) -> None:  # 
     router = next(p for p in cluster.procs if p.role == "router")
     time.sleep(1.5)  # registry cache
     result: dict = {}
-    t = start_request(router, result)
+    t = start_request(router, result, "Prefill hung")
     wait_until(lambda: prefilling(prefill), 60, "the prefill to start")
     os.kill(prefill.popen.pid, signal.SIGSTOP)  # hung: its lease stops renewing
     try:

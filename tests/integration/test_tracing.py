@@ -91,7 +91,7 @@ WANTED = {
 def test_one_trace_across_router_prefill_transfer_decode(stack, receiver) -> None:  # type: ignore[no-untyped-def]
     rec = receiver[0]
     r = complete(stack[3].url, LONG)
-    assert r.headers["x-splitserve-route"] == "split"
+    assert r.headers["x-splitserve-route"].startswith("split")
     request_id = r.headers["x-request-id"]
     deadline = time.monotonic() + 20
     while True:

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -179,6 +179,7 @@ class FakeWorker:
     url: str
     load: dict[str, Any]
     incarnation: str = "1"
+    capacity: dict[str, Any] = field(default_factory=lambda: {"block_size": 16})
 
 
 class FakeRegistry:

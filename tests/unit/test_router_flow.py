@@ -488,3 +488,38 @@ async def test_choice_seeds_wrap_within_int64(out_ids: list[int]) -> None:
         resp = await client.post("/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     assert sorted(g.sampling.seed for _, g in cluster.generate_calls) == [-(2**63), 2**63 - 1]
+
+
+async def test_tenant_and_priority_headers_reach_the_services(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    async with make_router(cluster) as client:
+        headers = {"x-splitserve-tenant": "acme", "x-splitserve-priority": "-3"}
+        body = {"model": "default", "prompt": LONG_PROMPT, "max_tokens": 5}
+        assert (await client.post("/v1/completions", json=body, headers=headers)).status_code == 200
+        for bad in ({"x-splitserve-tenant": "no spaces"}, {"x-splitserve-priority": "urgent"}):
+            resp = await client.post("/v1/completions", json=body, headers=bad)
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == next(iter(bad))
+    (_, gen), = cluster.generate_calls  # fmt: skip
+    (_, pre), = cluster.prefill_calls  # fmt: skip
+    assert (gen.tenant, gen.priority, pre.tenant, pre.priority) == ("acme", -3, "acme", -3)
+
+
+async def test_latency_targets_pick_a_placement_that_meets_them_or_refuse_at_once(out_ids: list[int]) -> None:
+    state = FakeState()
+    slow = {"prefill_tps": 100.0, "queued_tokens": 2000, "decode_step_ms": 20.0, "running": 1}
+    fast = {"prefill_tps": 2000.0, "queued_tokens": 0, "decode_step_ms": 20.0, "running": 3}
+    state.registry.workers = {"decode": [("d1", slow), ("d2", fast)]}  # d1 first by load alone
+    cluster = FakeCluster(out_ids, state=state)
+    async with make_router(cluster, decodes=("d1", "d2"), static=False) as client:
+        body = {"model": "default", "prompt": "Hi", "max_tokens": 5}
+        resp = await client.post("/v1/completions", json=body, headers={"x-splitserve-ttft-slo-ms": "500"})
+        assert resp.status_code == 200 and [n for n, _ in cluster.generate_calls] == ["d2"]
+        # 20 s of queue on d1, 20 ms steps shared by 4 on d2: 1 ms per token is out of reach
+        resp = await client.post("/v1/completions", json=body, headers={"x-splitserve-tpot-slo-ms": "1"})
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+        err = resp.json()["error"]
+        assert err["code"] == "slo_unattainable" and "TPOT 27 ms" in err["message"], err
+        assert len(cluster.generate_calls) == 1, "refused before any work"
+        resp = await client.post("/v1/completions", json=body, headers={"x-splitserve-ttft-slo-ms": "soon"})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-splitserve-ttft-slo-ms"
+        assert 'splitserve_router_shed_total{reason="slo"} 1.0' in (await client.get("/metrics")).text

@@ -1,0 +1,85 @@
+"""Prefix-aware routing end to end: real prefill and decode processes publish KV events to a real Redis,
+a real router follows them, and a chat's next turn goes where its history already is."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.sampling_params import SamplingParams
+from tests.support.cluster import Cluster, get_json
+
+pytestmark = pytest.mark.slow
+SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
+SYSTEM = (
+    "You are a patient tutor in astronomy. Answer every question in two plain sentences, with one "
+    "concrete example, and never use lists. Keep the whole conversation in mind and refer back to "
+    "earlier answers when that helps the student."
+)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
+    cluster = Cluster(redis_url, str(tmp_path_factory.mktemp("logs")))
+    try:
+        cluster.start("prefill", *SERVICE_FLAGS, "--worker-id", "prefix-p0")
+        for name in ("prefix-d0", "prefix-d1"):
+            cluster.start("decode", *SERVICE_FLAGS, "--worker-id", name)
+        router = cluster.start("router", "--local-prefill-threshold", "24")
+        yield cluster, router
+    finally:
+        cluster.stop()
+
+
+def chat(router_url: str, messages: list[dict[str, str]]) -> tuple[httpx.Response, str]:
+    body = {"model": "default", "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{router_url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r, r.json()["choices"][0]["message"]["content"]
+
+
+def hit(route: str, name: str) -> int:
+    m = re.search(rf"(?:^|; ){name}=(\d+) blocks", route)
+    return int(m.group(1)) if m else 0
+
+
+def test_a_chats_next_turn_goes_where_its_history_is(stack, smollm) -> None:  # type: ignore[no-untyped-def]
+    cluster, router = stack
+    model, tok = smollm
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why do stars twinkle?"}]
+    first, answer = chat(router.url, messages)
+    assert first.headers["x-splitserve-route"].startswith("split")
+    rec1 = get_json(f"{router.url}/v1/requests/{first.headers['x-request-id']}")
+    time.sleep(0.6)  # the services' KV events reach the router's index (flush 0.1 s, poll 0.05 s)
+
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And planets?"}]
+    second, text = chat(router.url, messages)
+    route = second.headers["x-splitserve-route"]
+    rec2 = get_json(f"{router.url}/v1/requests/{second.headers['x-request-id']}")
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)  # as the router does
+    n_prompt = len(ids)
+    # the decode service that served turn one holds its prompt (and answer) blocks: placed there again
+    assert rec2["decode_id"] == rec1["decode_id"], (rec1, rec2)
+    decode_hit = hit(route, "prefix_hit")
+    assert decode_hit >= rec1["prompt_tokens"] // 16 - 1, route
+    assert rec2["prefix_hit_blocks"] == decode_hit
+    if route.startswith("split"):  # the prefill service holds turn one's prompt: it computes the rest
+        assert hit(route, "prefill_prefix_hit") > 0 and rec2["prefill_prefix_hit_blocks"] > 0
+        # only the blocks the decode service lacked moved
+        assert rec2["transfer_bytes"] < rec1["transfer_bytes"]
+    else:
+        assert "reason=cached_prefix" in route and n_prompt - decode_hit * 16 < 24
+    # and the answer is the plain engine's, token for token
+    want = LLMEngine(model, tok, EngineConfig(max_num_seqs=1)).generate(
+        [ids], SamplingParams(max_tokens=12, ignore_eos=True)
+    )[0]
+    assert text == want.text
+
+    metrics = httpx.get(f"{router.url}/metrics").text
+    reused = re.search(r'splitserve_router_prefix_blocks_total\{kind="reused",role="decode"\} (\S+)', metrics)
+    assert reused is not None and float(reused.group(1)) >= decode_hit, metrics[-2000:]

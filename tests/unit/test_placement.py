@@ -1,0 +1,105 @@
+"""Prefix-aware placement (router/placement.py) and the route it leads to (Orchestrator.route), with a
+small in-memory index standing in for the KV index (its own tests run against Redis:
+tests/integration/test_kv_events.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+import pytest
+
+from common.prefix_hash import prefix_chain
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator, Route
+from router.placement import rank
+from router.workers import Worker
+
+BS = 16
+
+
+class SetIndex:
+    """worker id -> the block hashes it holds."""
+
+    def __init__(self, held: dict[str, set[int]]) -> None:
+        self.held = held
+
+    def matched_blocks(self, worker_id: str, chain: list[int]) -> int:
+        n = 0
+        for h in chain:
+            if h not in self.held.get(worker_id, set()):
+                break
+            n += 1
+        return n
+
+
+def worker(wid: str, running: int = 0, waiting: int = 0, queued_tokens: int = 0, free: int = 100) -> Worker:
+    load = {"running": running, "waiting": waiting, "queued_tokens": queued_tokens, "free_blocks": free}
+    return Worker(wid, f"http://{wid}", load, "inc", {"block_size": BS})
+
+
+PROMPT = list(range(1000, 1000 + 40 * BS + 5))  # 40 full blocks and a partial one
+CHAIN = prefix_chain(PROMPT, BS)
+
+
+def test_the_worker_holding_the_prefix_wins_against_a_little_load() -> None:
+    index = SetIndex({"d1": set(CHAIN[:30])})
+    ranked = rank([worker("d0"), worker("d1", running=3)], PROMPT, index, Counter(), 1.0, 1.0)
+    assert [c.worker.id for c in ranked] == ["d1", "d0"]
+    assert ranked[0].hit_blocks == 30 and ranked[0].hit_tokens == 30 * BS
+    # 41 blocks to compute (40 full + the partial one) less 30 held, plus 3 running sequences
+    assert ranked[0].cost == pytest.approx(11 + 3) and ranked[1].cost == pytest.approx(41)
+
+
+def test_enough_load_outweighs_the_prefix() -> None:
+    index = SetIndex({"d1": set(CHAIN[:30])})
+    busy = worker("d1", running=10, queued_tokens=40 * BS)  # 40 blocks of prompts waiting
+    ranked = rank([worker("d0"), busy], PROMPT, index, Counter(), 1.0, 1.0)
+    assert [c.worker.id for c in ranked] == ["d0", "d1"]
+    # a higher prefix weight brings it back
+    ranked = rank([worker("d0"), busy], PROMPT, index, Counter(), 3.0, 1.0)
+    assert ranked[0].worker.id == "d1"
+
+
+def test_only_leading_blocks_count_and_the_router_in_flight_count_is_load() -> None:
+    index = SetIndex({"d0": set(CHAIN[1:])})  # everything but the first block: no prefix at all
+    ranked = rank([worker("d0"), worker("d1")], PROMPT, index, Counter({"http://d1": 2}), 1.0, 1.0)
+    assert ranked[0].worker.id == "d0" and ranked[0].hit_blocks == 0
+    assert ranked[1].cost == pytest.approx(41 + 2)  # two of ours there since its last heartbeat
+
+
+def test_without_an_index_it_is_least_loaded() -> None:
+    ranked = rank([worker("d0", running=2), worker("d1", running=1)], PROMPT, None, Counter(), 1.0, 1.0)
+    assert [c.worker.id for c in ranked] == ["d1", "d0"] and all(c.hit_blocks == 0 for c in ranked)
+
+
+def _orch(threshold: int = 32) -> Orchestrator:
+    config = RouterConfig(local_prefill_threshold=threshold)
+    return Orchestrator(config, None, httpx.AsyncClient(), RouterMetrics(), "router-test")
+
+
+@pytest.mark.parametrize(
+    ("held", "want"),
+    [
+        (0, Route("split", "long_prompt")),
+        (20, Route("split", "long_prompt", 20)),
+        # 40 of 41 blocks held: 5 tokens left to compute, under the threshold
+        (40, Route("local", "cached_prefix", 40)),
+    ],
+)
+def test_conditional_disaggregation_weighs_the_uncached_tail(held: int, want: Route) -> None:
+    index = SetIndex({"d0": set(CHAIN[:held])})
+    (d,) = rank([worker("d0")], PROMPT, index, Counter(), 1.0, 1.0)
+    (p,) = rank([worker("p0")], PROMPT, index, Counter(), 1.0, 1.0)
+    assert _orch().route(len(PROMPT), [p.worker], decode_hit=d, prefill_hit=p) == want
+
+
+def test_the_route_header_names_the_hits() -> None:
+    assert Route("split", "long_prompt").header == "split"
+    assert (
+        Route("split", "long_prompt", 3, 7).header
+        == "split; prefix_hit=3 blocks; prefill_prefix_hit=7 blocks"
+    )
+    assert Route("local", "cached_prefix", 40).header == "local; reason=cached_prefix; prefix_hit=40 blocks"
+    assert Route("local", "cached_prefix", 40).record == "local:cached_prefix"
