@@ -14,7 +14,7 @@ Scenario = Callable[[argparse.Namespace], dict[str, Any]]
 DEFAULT_REQUESTS = {"serving": 24, "soak": 5000}  # --requests when not given; 64 for the others
 # --rounds when not given; 5 for the others. A round of batching or peer-hf runs the whole workload on
 # each side (a smaller one would change the figure: the ratio grows with requests per batch slot).
-DEFAULT_ROUNDS = {"batching": 3, "peer-hf": 3}
+DEFAULT_ROUNDS = {"batching": 3, "peer-hf": 3, "prefix": 2, "fairness": 2}
 
 
 SCENARIOS = {  # name -> module in bench/ with run(args); imported only when chosen, so a scenario
@@ -28,6 +28,8 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "transfer": "transfer",
     "overlap": "overlap",
     "soak": "soak",
+    "prefix": "prefix",
+    "fairness": "fairness",
 }
 
 
@@ -67,7 +69,8 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="run a benchmark scenario (or 'all')")
     b.add_argument(
         "scenario",
-        help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | all",
+        help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
+        "prefix | fairness | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument("--requests", type=int, default=None, help="default 64 (serving: 24, soak: 5000)")
@@ -94,6 +97,16 @@ def add_bench_parser(sub: Any) -> None:
     s.add_argument(
         "--feature-rounds", type=int, default=8, help="rounds of plain/logprobs/penalties/guided requests"
     )
+    x = b.add_argument_group("prefix")
+    x.add_argument("--sessions", type=int, default=4, help="prefix: chat sessions run at once")
+    x.add_argument("--turns", type=int, default=6, help="prefix: questions per session")
+    x.add_argument("--answer-tokens", type=int, default=16, help="prefix, fairness: tokens per answer")
+    x.add_argument(
+        "--prefix-threshold", type=int, default=64, help="prefix: both routers' --local-prefill-threshold"
+    )
+    f = b.add_argument_group("fairness")
+    f.add_argument("--phase-s", type=float, default=20.0, help="fairness: seconds per phase")
+    f.add_argument("--fair-seqs", type=int, default=4, help="fairness: the decode services' max_num_seqs")
     o = b.add_argument_group("soak")
     o.add_argument("--concurrency", type=int, default=8, help="soak: requests in flight at once")
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")

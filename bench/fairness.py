@@ -1,0 +1,197 @@
+"""Tenant fair share against FCFS on one decode service (issue: tenant fair share).
+
+One real stack: two decode services that differ only in `--policy` (fcfs, fair), each with a router of
+its own in front (every prompt prefilled on the decode service: admission there is what is compared).
+Requests name their tenant with `x-splitserve-tenant` (auth off; with API keys, the key's tenant).
+Per policy, in rounds that alternate the two (A B, B A, ...):
+
+1. **victim alone**: tenant B sends at `--rate` (Poisson) for `--phase-s` seconds: B's TTFT p99;
+2. **flood**: tenant A sends at 10x B's rate at the same time as B: B's TTFT p99 again, and
+   `victim_ttft_p99_ratio` = flood / alone (goal <= 1.5 under fair share);
+3. **both backlogged**: closed loops, A with 3x B's clients, both more than their share of the batch:
+   output tokens each tenant received in the window where both had requests waiting, and Jain's
+   fairness index of the two (equal weights; goal >= 0.95 under fair share).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.loadgen import arrival_offsets
+from bench.rounds import alternate, load_avg, spread
+from bench.serving import Stack
+from bench.workload import QUESTIONS
+from common.security.secret import ensure_for_children
+
+POLICIES = ("fair", "fcfs")
+FLOOD = 10  # A's rate over B's
+
+
+@dataclass
+class Req:
+    tenant: str
+    sent: float = 0.0  # perf_counter
+    ttft: float | None = None
+    token_times: list[float] = field(default_factory=list)  # perf_counter of every text chunk
+    error: str | None = None
+
+
+def prompt(rng: random.Random, tenant: str) -> str:
+    q = " ".join(rng.choice(QUESTIONS) for _ in range(3))
+    return f"Tenant {tenant}, ticket {rng.randrange(10**6)}: {q}"
+
+
+async def send(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_tokens: int) -> Req:
+    body = {
+        "model": "default",
+        "prompt": text,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    r = Req(tenant, time.perf_counter())
+    try:
+        headers = {"x-splitserve-tenant": tenant}
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    r.ttft = r.ttft if r.ttft is not None else now - r.sent
+                    r.token_times.append(now)
+    except (httpx.HTTPError, asyncio.CancelledError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+async def open_loop(
+    url: str, streams: dict[str, float], seconds: float, seed: int, max_tokens: int
+) -> list[Req]:
+    """Poisson arrivals per tenant (tenant -> rate) for `seconds`; waits for every answer."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        start = time.perf_counter()
+
+        async def one(tenant: str, at: float, text: str) -> Req:
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            return await send(client, url, tenant, text, max_tokens)
+
+        tasks = []
+        for k, (tenant, rate) in enumerate(streams.items()):
+            rng = random.Random(seed * 100 + k)
+            n = max(1, int(rate * seconds * 1.5) + 5)
+            offsets = [t for t in arrival_offsets(n, rate, seed * 100 + k) if t < seconds]
+            tasks += [one(tenant, at, prompt(rng, tenant)) for at in offsets]
+        return list(await asyncio.gather(*tasks))
+
+
+async def closed_loop(
+    url: str, clients: dict[str, int], seconds: float, seed: int, max_tokens: int
+) -> dict[str, Any]:
+    """`clients[t]` clients of tenant t each send one request after another for `seconds`; the tokens
+    each tenant got while both were backlogged (the window after a warm-up, before the first stop)."""
+    reqs: list[Req] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        start = time.perf_counter()
+        stop = start + seconds
+
+        async def loop(tenant: str, i: int) -> None:
+            rng = random.Random(seed * 1000 + i)
+            while time.perf_counter() < stop:
+                reqs.append(await send(client, url, tenant, prompt(rng, tenant), max_tokens))
+
+        await asyncio.gather(*(loop(t, i) for t, n in clients.items() for i in range(n)))
+    lo, hi = start + seconds * 0.2, stop  # the first fifth fills the queues
+    tokens = {t: sum(lo <= x < hi for r in reqs if r.tenant == t for x in r.token_times) for t in clients}
+    xs = list(tokens.values())
+    jain = sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 0.0
+    return {"tokens": tokens, "jain": jain, "errors": sum(r.error is not None for r in reqs)}
+
+
+def p99_ms(reqs: list[Req], tenant: str) -> float:
+    xs = [r.ttft for r in reqs if r.tenant == tenant and r.ttft is not None]
+    return round(float(np.percentile(xs, 99)) * 1000, 1) if xs else float("nan")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rate, seconds, max_tokens = args.rate, args.phase_s, args.answer_tokens
+    model_flags = ["--model", args.model] if args.model else []
+    ensure_for_children()
+    stack = Stack(tempfile.mkdtemp(prefix="splitserve-bench-fairness-"))
+    load_before = load_avg()
+    seeds = iter(range(1, 10_000))
+    try:
+        urls = {}
+        for policy in POLICIES:
+            decode = stack.start(
+                "decode", *model_flags, "--threads", str(args.threads), "--policy", policy,
+                "--max-num-seqs", str(args.fair_seqs),
+            )  # fmt: skip
+            urls[policy] = stack.start(
+                "router", *model_flags, "--decode-urls", decode, "--local-prefill-threshold", "100000"
+            )
+        for url in urls.values():  # first-request costs stay out
+            asyncio.run(open_loop(url, {"warm": 2.0}, 2.0, 0, 4))
+
+        def side(policy: str) -> dict[str, Any]:
+            url = urls[policy]
+            alone = asyncio.run(open_loop(url, {"B": rate}, seconds, next(seeds), max_tokens))
+            flood = asyncio.run(
+                open_loop(url, {"A": rate * FLOOD, "B": rate}, seconds, next(seeds), max_tokens)
+            )
+            backlog = asyncio.run(
+                closed_loop(
+                    url, {"A": 3 * args.fair_seqs, "B": args.fair_seqs}, seconds, next(seeds), max_tokens
+                )
+            )
+            errors = sum(r.error is not None for r in alone + flood) + backlog["errors"]
+            b_alone, b_flood = p99_ms(alone, "B"), p99_ms(flood, "B")
+            print(f"  {policy}: B p99 alone {b_alone} ms, flooded {b_flood} ms; {backlog}", flush=True)
+            return {
+                "b_ttft_p99_alone_ms": b_alone,
+                "b_ttft_p99_flood_ms": b_flood,
+                "a_ttft_p99_flood_ms": p99_ms(flood, "A"),
+                "ratio": b_flood / b_alone,
+                "jain": backlog["jain"],
+                "tokens": backlog["tokens"],
+                "errors": errors,
+            }
+
+        results = alternate({p: (lambda p=p: side(p)) for p in POLICIES}, args.rounds)  # type: ignore[misc]
+    finally:
+        stack.stop()
+    out: dict[str, Any] = {
+        "rate_b": rate,
+        "rate_a": rate * FLOOD,
+        "phase_s": seconds,
+        "max_num_seqs": args.fair_seqs,
+        "rounds": args.rounds,
+        "load_before": load_before,
+        "load_after": load_avg(),
+    }
+    for policy, rs in results.items():
+        prefix = "" if policy == "fair" else "fcfs_"
+        ratio, jain = spread([r["ratio"] for r in rs]), spread([r["jain"] for r in rs])
+        out[f"{prefix}victim_ttft_p99_ratio"] = ratio["median"]
+        out[f"{prefix}victim_ttft_p99_ratio_spread"] = [ratio["min"], ratio["max"]]
+        out[f"{prefix}jain_index"] = jain["median"]
+        out[f"{prefix}jain_index_spread"] = [jain["min"], jain["max"]]
+        for k in ("b_ttft_p99_alone_ms", "b_ttft_p99_flood_ms", "a_ttft_p99_flood_ms", "tokens"):
+            out[f"{policy}_{k}"] = [r[k] for r in rs]
+        out[f"{policy}_errors"] = sum(r["errors"] for r in rs)
+    return out
