@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import tempfile
 import time
@@ -34,6 +35,7 @@ from bench.workload import QUESTIONS
 from common.security.secret import ensure_for_children
 
 POLICIES = ("fair", "fcfs")
+PLOT = os.path.join("docs", "img", "fairness.png")
 FLOOD = 10  # A's rate over B's
 
 
@@ -128,6 +130,36 @@ def p99_ms(reqs: list[Req], tenant: str) -> float:
     return round(float(np.percentile(xs, 99)) * 1000, 1) if xs else float("nan")
 
 
+def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
+    """B's TTFT p99 alone and under A's flood, and the tokens each tenant got while both were
+    backlogged, per policy (medians over rounds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    x, w = np.arange(len(POLICIES)), 0.35
+    alone = [np.median([r["b_ttft_p99_alone_ms"] for r in results[p]]) for p in POLICIES]
+    flood = [np.median([r["b_ttft_p99_flood_ms"] for r in results[p]]) for p in POLICIES]
+    ax1.bar(x - w / 2, alone, w, label="B alone")
+    ax1.bar(x + w / 2, flood, w, label="B while A sends 10x")
+    ax1.set(
+        xticks=x, xticklabels=POLICIES, ylabel="B's TTFT p99 (ms)", yscale="log", title="The light tenant"
+    )
+    for k, tenant in enumerate(("A", "B")):
+        toks = [np.median([r["tokens"][tenant] for r in results[p]]) for p in POLICIES]
+        ax2.bar(x + (k - 0.5) * w, toks, w, label=f"tenant {tenant}")
+    ax2.set(xticks=x, xticklabels=POLICIES, ylabel="output tokens in the window", title="Both backlogged")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rate, seconds, max_tokens = args.rate, args.phase_s, args.answer_tokens
     model_flags = ["--model", args.model] if args.model else []
@@ -175,7 +207,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = alternate({p: (lambda p=p: side(p)) for p in POLICIES}, args.rounds)  # type: ignore[misc]
     finally:
         stack.stop()
+    plot(results, PLOT)
     out: dict[str, Any] = {
+        "plot": PLOT,
         "rate_b": rate,
         "rate_a": rate * FLOOD,
         "phase_s": seconds,

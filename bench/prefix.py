@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import tempfile
 import time
@@ -42,6 +43,7 @@ from common.cluster.state import ClusterState
 from common.security.secret import ensure_for_children
 
 POLICIES = ("prefix_aware", "least_loaded")
+PLOT = os.path.join("docs", "img", "prefix_routing.png")
 TOPICS = ["astronomy", "cooking", "gardening", "music theory", "sailing", "chess", "geology", "poetry"]
 
 
@@ -191,6 +193,35 @@ def summarize(turns: list[Turn]) -> dict[str, Any]:
     }
 
 
+def plot(every: dict[str, list[Turn]], n_turns: int, path: str) -> None:
+    """Per turn of a session: TTFT p50 and KV bytes moved per request, for each policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    x = np.arange(1, n_turns + 1)
+    for policy, turns in every.items():
+        ok = [t for t in turns if t.error is None and t.ttft is not None]
+        ttft = [np.median([t.ttft for t in ok if t.turn == i] or [np.nan]) * 1000 for i in range(n_turns)]
+        kv = [
+            np.mean([float(t.transfer_bytes) for t in ok if t.turn == i] or [np.nan]) / 2**20
+            for i in range(n_turns)
+        ]
+        ax1.plot(x, ttft, marker="o", label=policy)
+        ax2.plot(x, kv, marker="o", label=policy)
+    ax1.set(xlabel="turn of the chat session", ylabel="TTFT p50 (ms)", title="Time to first token")
+    ax2.set(xlabel="turn of the chat session", ylabel="MiB per request", title="KV moved prefill -> decode")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     n_sessions, n_turns, max_tokens = args.sessions, args.turns, args.answer_tokens
     model_flags = ["--model", args.model] if args.model else []
@@ -213,16 +244,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             warm = make_sessions(2, 2, salt=998, seed=args.seed)
         salts = iter(range(1, 1000))
 
+        every: dict[str, list[Turn]] = {p: [] for p in POLICIES}
+
         def side(policy: str) -> dict[str, Any]:
             sessions = make_sessions(n_sessions, n_turns, next(salts), args.seed)
             turns = asyncio.run(run_sessions(urls[policy], sessions, max_tokens, policy))
             asyncio.run(fill_transfer_bytes(redis.url, turns))
+            every[policy] += turns
             return summarize(turns)
 
         results = alternate({p: (lambda p=p: side(p)) for p in POLICIES}, args.rounds)  # type: ignore[misc]
     finally:
         stack.stop()
         redis.stop()
+    plot(every, n_turns, PLOT)
     aware, least = results["prefix_aware"], results["least_loaded"]
     ttft = ratio_stats([r["ttft_p50_ms"] for r in least], [r["ttft_p50_ms"] for r in aware])
     bytes_aware = sum(r["kv_bytes_moved"] for r in aware)
@@ -238,6 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_saved_fraction": round(1 - bytes_aware / bytes_least, 3) if bytes_least else None,
         "load_before": load_before,
         "load_after": load_avg(),
+        "plot": PLOT,
     }
     for name, rs in results.items():
         for k in ("ttft_p50_ms", "ttft_p99_ms", "later_turns_ttft_p50_ms", "cache_hit_rate"):

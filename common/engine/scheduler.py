@@ -9,7 +9,8 @@ Policies: `fcfs` (arrival order), `priority` (lower value first, aged so nothing
 (below). The static-batching baseline is its own scheduler (common/engine/static_batching.py).
 
 Tenant fair share (`fair`): admission is deficit round robin over tenants (Sequence.tenant; "" is one
-too). Tenants with queued work form a round; the tenant at its head with no credit left (deficit <= 0)
+too). Tenants with queued work form a round (one whose request arrives to an empty queue joins at the
+head with one quantum: `_join`); the tenant at its head with no credit left (deficit <= 0)
 is credited `fair_quantum_tokens * weight` and the turn passes; one with credit has its most urgent
 sequence admitted (priority, aged as in `priority`; recompute-preempted sequences first) and keeps the
 turn while its credit lasts. Credit is spent on tokens served: the prompt positions an admission
@@ -17,7 +18,9 @@ computes (prefix-cache hits are free, a recompute after preemption is the engine
 decode step; an admission may overdraw it, later credit pays the debt. A tenant whose queue empties
 leaves the round and loses its credit: nothing is banked while idle. Rounds in which nobody could be
 served are skipped in one go, so a deep debt never leaves capacity idle. Decode-side reservations
-(`reserving`) follow the same round and credit. Preemption takes its victim from the tenant holding
+(`reserving`) follow the same round and credit. With every batch slot taken, a queued tenant under its
+share of `max_num_seqs` starts in place of the least urgent sequence of the tenant furthest over its
+own (recomputed: `_make_room`). Out of KV blocks, preemption takes its victim from the tenant holding
 the most KV blocks per unit of weight (the one furthest over its share of the cache), least urgent
 first. `tenant_served` counts each tenant's billed tokens under every policy.
 
@@ -29,6 +32,7 @@ finishes it again once the transfer let go (`holds_blocks`, asked of the KV conn
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -127,6 +131,7 @@ class Scheduler:
         self.tenant_served: Counter[str] = Counter()  # tokens billed to each tenant (see _charge)
         # fair: the round of tenants with queued work ([0] has the turn) and each one's credit in tokens
         self._rr: deque[str] = deque()
+        self._fresh: set[str] = set()  # tenants that joined on arrival and have not had their turn yet
         self._deficit: dict[str, float] = {}
 
     # --- queue ------------------------------------------------------------------------------------
@@ -139,7 +144,7 @@ class Scheduler:
         self._arrivals += 1
         seq.arrival_order = self._arrivals
         (self.reserving if seq.remote_kv == "receive" else self.waiting).append(seq)
-        self._join(seq.tenant)
+        self._join(seq.tenant, arriving=True)
 
     def has_work(self) -> bool:
         """Anything a step would do (parked sequences wait for a transfer, not for a step)."""
@@ -310,11 +315,22 @@ class Scheduler:
             yield from queue
 
     # --- tenant fair share (policy "fair"; see the module doc) ------------------------------------
-    def _join(self, tenant: str) -> None:
-        """A tenant with newly queued work joins the end of the round, with no credit."""
+    def _join(self, tenant: str, arriving: bool = False) -> None:
+        """A tenant with newly queued work joins the round. One whose request just arrived (it had
+        nothing queued: a sparse tenant) goes to the head with one quantum of credit, so its request is
+        next, as new flows are in FQ-CoDel: a light tenant's first token does not wait for a heavy one's
+        credit to run out. It gets that once per idle period; while it stays backlogged it takes its
+        turns like any. Otherwise (a preempted sequence's tenant) it joins the end with no credit."""
         if self.config.policy == "fair" and tenant not in self._deficit:
-            self._deficit[tenant] = 0.0
-            self._rr.append(tenant)
+            if arriving:  # behind the other new tenants still waiting for their first turn
+                self._deficit[tenant] = self.config.quantum * self.config.weight(tenant)
+                self._rr.insert(
+                    sum(1 for _ in itertools.takewhile(self._fresh.__contains__, self._rr)), tenant
+                )
+                self._fresh.add(tenant)
+            else:
+                self._deficit[tenant] = 0.0
+                self._rr.append(tenant)
 
     def _fair_order(self, queue: deque[Sequence]) -> Iterator[Sequence]:
         """queue's sequences in deficit-round-robin order over their tenants. Within a tenant:
@@ -352,6 +368,7 @@ class Scheduler:
         for tenant in [t for t in rr if not groups.get(t) and t not in elsewhere]:
             rr.remove(tenant)
             del deficit[tenant]
+            self._fresh.discard(tenant)
         ready = [t for t in rr if groups.get(t)]
         if not ready:
             return None
@@ -367,7 +384,9 @@ class Scheduler:
             if deficit[tenant] <= 0:
                 deficit[tenant] += cfg.quantum * cfg.weight(tenant)
                 rr.rotate(-1)
+                self._fresh.discard(tenant)
             elif groups.get(tenant):
+                self._fresh.discard(tenant)  # it has had its turn: later arrivals queue behind the round
                 return groups[tenant][0]
             else:
                 return None  # its turn: the other queue's pass serves it

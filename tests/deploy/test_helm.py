@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import re
 import subprocess
 import sys
@@ -337,6 +338,7 @@ def test_2p2d_with_rdma(rendered: dict[str, dict[str, str]]) -> None:
     )
     data = m[("ConfigMap", f"{FULL}-workers")]["data"]
     assert data["UCX_TLS"] == "rc,cuda_copy,cuda_ipc" and data["SPLITSERVE_DTYPE"] == "bfloat16"
+    assert json.loads(data["SPLITSERVE_TENANT_WEIGHTS"]) == {"acme": 3, "free": 1}  # a map goes as JSON
     assert data["SPLITSERVE_MODEL"] == "/models/Qwen2.5-7B-Instruct"
     assert data["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
     router_data = m[("ConfigMap", f"{FULL}-router")]["data"]

@@ -80,6 +80,11 @@ def test_a_chats_next_turn_goes_where_its_history_is(stack, smollm) -> None:  # 
     )[0]
     assert text == want.text
 
+    # what SLO-aware admission predicts from: the services measure their own speed and publish it
+    prefill = next(p for p in cluster.procs if p.role == "prefill")
+    load = get_json(prefill.url + "/health")
+    assert load["prefill_tps"] > 0 and load["queued_tokens"] == 0, load
+
     metrics = httpx.get(f"{router.url}/metrics").text
     reused = re.search(r'splitserve_router_prefix_blocks_total\{kind="reused",role="decode"\} (\S+)', metrics)
     assert reused is not None and float(reused.group(1)) >= decode_hit, metrics[-2000:]

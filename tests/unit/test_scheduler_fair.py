@@ -150,8 +150,9 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     assert "b" not in s._deficit
     for _ in range(10):
         s.add(seq("b"))
-    # b's flood gets its share from now on, not a burst for the ten steps it was idle
-    assert [tenants_of(step(s).admitted) for _ in range(6)] == ["ab", "ab", "ab", "ab", "ab", "ab"]
+    # b arrives after an idle period: one quantum up front (one 8-token prompt: its first request goes
+    # next, as a new flow in FQ-CoDel), then its share, not a burst for the ten steps it was idle
+    assert [tenants_of(step(s).admitted) for _ in range(6)] == ["bb", "ab", "ab", "ab", "ab", "ab"]
 
 
 def test_a_tenant_whose_queue_empties_loses_its_credit() -> None:
@@ -163,7 +164,9 @@ def test_a_tenant_whose_queue_empties_loses_its_credit() -> None:
     assert tenants_of(out.admitted) == "abbbb"
     assert "a" not in s._deficit and "a" not in s._rr, "the 32 tokens a did not use are gone"
     s.add(seq("a"))
-    assert s._deficit["a"] == 0 and s._rr[-1] == "a", "back at the end of the round, with no credit"
+    # back with one quantum, the one any tenant gets when its request arrives to an empty queue, ahead
+    # of b (whose turn it was): not the 32 tokens it left unused
+    assert s._deficit["a"] == 40 and s._rr[0] == "a"
 
 
 def test_a_deep_debt_never_leaves_capacity_idle(caplog: pytest.LogCaptureFixture) -> None:

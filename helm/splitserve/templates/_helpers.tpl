@@ -243,11 +243,12 @@ router that does not serve HTTPS itself gets only the CA of the certificate Secr
 {path: /health, port: http{{ if include "splitserve.servesTLS" . }}, scheme: HTTPS{{ end }}}
 {{- end -}}
 
-{{/* Settings map -> env list: (dict "prefix" "SPLITSERVE_" "map" .Values.engine) */}}
+{{/* Settings map -> env list: (dict "prefix" "SPLITSERVE_" "map" .Values.engine); a map value (e.g.
+tenant_weights) as JSON, which the services read */}}
 {{- define "splitserve.settingsEnv" -}}
 {{- range $k, $v := .map }}
 - name: {{ printf "%s%s" $.prefix (upper $k) }}
-  value: {{ $v | toString | quote }}
+  value: {{ ternary (toJson $v) (toString $v) (kindIs "map" $v) | quote }}
 {{- end }}
 {{- end -}}
 
