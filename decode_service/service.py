@@ -175,6 +175,8 @@ class DecodeService(Service):
                     yield frame(ErrorFrame(rid, ev.error, ev.code))
                     return
                 if isinstance(ev, Admission):
+                    if job.tl.admitted:  # admitted again after a preemption (recompute): it already has
+                        continue  # its Reserved frame, and its output goes on where it was
                     yield frame(await self._admitted(job, ev))
                 elif isinstance(ev, TokenOutput):
                     job.finish_reason = ev.finish_reason
