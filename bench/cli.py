@@ -102,11 +102,21 @@ def add_bench_parser(sub: Any) -> None:
     x.add_argument("--turns", type=int, default=6, help="prefix: questions per session")
     x.add_argument("--answer-tokens", type=int, default=16, help="prefix, fairness: tokens per answer")
     x.add_argument(
+        "--system-notes",
+        type=int,
+        default=10,
+        help="prefix: course notes in each system prompt (~35 tokens each)",
+    )
+    x.add_argument(
         "--prefix-threshold", type=int, default=64, help="prefix: both routers' --local-prefill-threshold"
     )
     f = b.add_argument_group("fairness")
     f.add_argument("--phase-s", type=float, default=20.0, help="fairness: seconds per phase")
     f.add_argument("--fair-seqs", type=int, default=4, help="fairness: the decode services' max_num_seqs")
+    f.add_argument("--victim-rate", type=float, default=0.5, help="fairness: tenant B's requests per second")
+    f.add_argument(
+        "--fair-budget", type=int, default=None, help="fairness: the decode services' max_num_batched_tokens"
+    )
     o = b.add_argument_group("soak")
     o.add_argument("--concurrency", type=int, default=8, help="soak: requests in flight at once")
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")

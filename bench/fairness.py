@@ -5,7 +5,7 @@ its own in front (every prompt prefilled on the decode service: admission there 
 Requests name their tenant with `x-splitserve-tenant` (auth off; with API keys, the key's tenant).
 Per policy, in rounds that alternate the two (A B, B A, ...):
 
-1. **victim alone**: tenant B sends at `--rate` (Poisson) for `--phase-s` seconds: B's TTFT p99;
+1. **victim alone**: tenant B sends at `--victim-rate` (Poisson) for `--phase-s` seconds: B's TTFT p99;
 2. **flood**: tenant A sends at 10x B's rate at the same time as B: B's TTFT p99 again, and
    `victim_ttft_p99_ratio` = flood / alone (goal <= 1.5 under fair share);
 3. **both backlogged**: closed loops, A with 3x B's clients, both more than their share of the batch:
@@ -122,7 +122,13 @@ async def closed_loop(
     tokens = {t: sum(lo <= x < hi for r in reqs if r.tenant == t for x in r.token_times) for t in clients}
     xs = list(tokens.values())
     jain = sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 0.0
-    return {"tokens": tokens, "jain": jain, "errors": sum(r.error is not None for r in reqs)}
+    errors = [r.error for r in reqs if r.error]
+    return {
+        "tokens": tokens,
+        "jain": jain,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+    }
 
 
 def p99_ms(reqs: list[Req], tenant: str) -> float:
@@ -161,7 +167,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    rate, seconds, max_tokens = args.rate, args.phase_s, args.answer_tokens
+    rate, seconds, max_tokens = args.victim_rate, args.phase_s, args.answer_tokens
     model_flags = ["--model", args.model] if args.model else []
     ensure_for_children()
     stack = Stack(tempfile.mkdtemp(prefix="splitserve-bench-fairness-"))
@@ -173,6 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             decode = stack.start(
                 "decode", *model_flags, "--threads", str(args.threads), "--policy", policy,
                 "--max-num-seqs", str(args.fair_seqs),
+                *(["--max-num-batched-tokens", str(args.fair_budget)] if args.fair_budget else []),
             )  # fmt: skip
             urls[policy] = stack.start(
                 "router", *model_flags, "--decode-urls", decode, "--local-prefill-threshold", "100000"
@@ -192,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
             errors = sum(r.error is not None for r in alone + flood) + backlog["errors"]
+            first_error = next((r.error for r in alone + flood if r.error), backlog["first_error"])
             b_alone, b_flood = p99_ms(alone, "B"), p99_ms(flood, "B")
             print(f"  {policy}: B p99 alone {b_alone} ms, flooded {b_flood} ms; {backlog}", flush=True)
             return {
@@ -202,6 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "jain": backlog["jain"],
                 "tokens": backlog["tokens"],
                 "errors": errors,
+                "first_error": first_error,
             }
 
         results = alternate({p: (lambda p=p: side(p)) for p in POLICIES}, args.rounds)  # type: ignore[misc]
@@ -214,6 +223,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rate_a": rate * FLOOD,
         "phase_s": seconds,
         "max_num_seqs": args.fair_seqs,
+        "max_num_batched_tokens": args.fair_budget or "default",
         "rounds": args.rounds,
         "load_before": load_before,
         "load_after": load_avg(),
@@ -228,4 +238,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for k in ("b_ttft_p99_alone_ms", "b_ttft_p99_flood_ms", "a_ttft_p99_flood_ms", "tokens"):
             out[f"{policy}_{k}"] = [r[k] for r in rs]
         out[f"{policy}_errors"] = sum(r["errors"] for r in rs)
+        out[f"{policy}_first_error"] = next((r["first_error"] for r in rs if r["first_error"]), None)
     return out

@@ -69,17 +69,25 @@ class Session:
     messages: list[dict[str, str]] = field(default_factory=list)
 
 
-def make_sessions(n: int, turns: int, salt: int, seed: int) -> list[Session]:
-    """`n` sessions of `turns` questions; every system prompt names the round's salt and its session."""
+def make_sessions(n: int, turns: int, salt: int, seed: int, system_notes: int = 0) -> list[Session]:
+    """`n` sessions of `turns` questions; every system prompt names the round's salt and its session,
+    and carries `system_notes` course notes (about 35 tokens each): the instructions a deployed
+    assistant's system prompt holds, shared by every turn of the session."""
     rng = random.Random(seed * 1000 + salt)
     out = []
     for i in range(n):
         topic = TOPICS[i % len(TOPICS)]
+        notes = " ".join(
+            f"Course note {k + 1}: when a student asks '{rng.choice(QUESTIONS)}', connect the answer to "
+            f"{rng.choice(TOPICS)} and to {topic}, name one everyday observation, and check understanding."
+            for k in range(system_notes)
+        )
         system = (
             f"Session {salt}-{i}. You are a patient tutor in {topic}. Answer every question in two or three "
             f"plain sentences, with one concrete example drawn from {topic}, and never use lists. Keep the "
             "whole conversation in mind: refer back to earlier answers when that helps the student, and "
-            "correct yourself if an earlier answer was wrong. The student is curious and reads carefully."
+            "correct yourself if an earlier answer was wrong. The student is curious and reads carefully. "
+            + notes
         )
         questions = [
             f"{rng.choice(QUESTIONS)} Relate it to {topic} if you can, question {t + 1}."
@@ -247,7 +255,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         every: dict[str, list[Turn]] = {p: [] for p in POLICIES}
 
         def side(policy: str) -> dict[str, Any]:
-            sessions = make_sessions(n_sessions, n_turns, next(salts), args.seed)
+            sessions = make_sessions(n_sessions, n_turns, next(salts), args.seed, args.system_notes)
             turns = asyncio.run(run_sessions(urls[policy], sessions, max_tokens, policy))
             asyncio.run(fill_transfer_bytes(redis.url, turns))
             every[policy] += turns
@@ -266,6 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sessions": n_sessions,
         "turns": n_turns,
         "answer_tokens": max_tokens,
+        "system_notes": args.system_notes,
         "local_prefill_threshold": args.prefix_threshold,
         "rounds": args.rounds,
         "ttft_p50_ratio": ttft["median"],
