@@ -207,7 +207,9 @@ ROUTER_MOVES = [
 def test_metrics_exposed_and_move(stack) -> None:  # type: ignore[no-untyped-def]
     _, prefill, decode_, router = stack
     before = {p.role: scrape(p.url) for p in (prefill, decode_, router)}
-    complete(router.url, LONG + " (metrics)", max_tokens=8)
+    # new text first: a prompt that starts like an earlier one would be prefilled where that one's KV is
+    # (prefix-aware routing), and the prefill service's figures would not move
+    complete(router.url, "(metrics) " + LONG, max_tokens=8)
     time.sleep(0.3)  # the decode stream's end is counted just after the router's answer
     after = {p.role: scrape(p.url) for p in (prefill, decode_, router)}
     for role in ("prefill", "decode"):
