@@ -191,6 +191,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "disconnect_fraction": args.disconnect_fraction,
         "duration_s": round(max((o.started for o in outcomes), default=0.0), 1),
         "first_error": errors[0] if errors else None,
+        "errors": [
+            f"{o.request_id}: {o.status}: {o.error}" for o in outcomes if o.error and o.status != "cancelled"
+        ][:10],
         "load_before": [round(x, 2) for x in load_before],
         "load_after": [round(x, 2) for x in psutil.getloadavg()],
     }

@@ -458,14 +458,16 @@ class Generation:
         """The decode service failed this request: leave it (it is never tried again for this request)
         and count a migration, or give up past max_migrations."""
         stream, prefill = self._stream, self._prefill
-        old = stream.worker if stream is not None else None
+        old = stream.worker if stream is not None else e.worker  # lost before its Reserved frame: e's
         if old is not None:
             self._lost.add(old.id)
             self._spawn_abort(old)  # a frozen service may still come back: it frees what it held
+        if stream is not None:
             await self._close_decode()
         if prefill is not None:
-            self._prefill = None
-            self._spawn_abort(prefill)
+            # The request is placed again next, maybe through this prefill service, which refuses an
+            # id it is still working on (409, then tried as a failed prefill): give it 2 s to let go.
+            await self._abort(prefill)
         if self.migrations >= self.o.config.max_migrations:
             self.o.metrics.migrations.labels("gave_up").inc()
             raise APIError(502, f"{e.message}; gave up after {self.migrations} migration(s)")

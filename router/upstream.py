@@ -46,9 +46,9 @@ class DecodeLost(APIError):
     """The decode stream broke, closed early or went silent: another decode service may finish the
     request (the router migrates it)."""
 
-    def __init__(self, message: str, stalled: bool = False) -> None:
+    def __init__(self, message: str, stalled: bool = False, worker: Worker | None = None) -> None:
         super().__init__(502, message)
-        self.stalled = stalled
+        self.stalled, self.worker = stalled, worker  # worker: the decode service it was lost on
 
 
 class Busy(Exception):
@@ -86,12 +86,14 @@ class DecodeStream:
                 chunk = await anext(self._raw, b"")
                 if not chunk:
                     why = f"decode service {self.worker.id} closed the stream before the request finished"
-                    await self._queue.put(DecodeLost(why))
+                    await self._queue.put(DecodeLost(why, worker=self.worker))
                     return
                 for frame in self._reader.feed(chunk):
                     await self._queue.put(frame)
         except httpx.HTTPError as e:
-            await self._queue.put(DecodeLost(f"decode stream from {self.worker.id} broke: {e!r}"))
+            await self._queue.put(
+                DecodeLost(f"decode stream from {self.worker.id} broke: {e!r}", worker=self.worker)
+            )
         except ProtocolError as e:
             await self._queue.put(APIError(502, f"decode stream: {e}"))
 
@@ -150,7 +152,7 @@ class DecodeStream:
                     item = await self._queue.get()
             except TimeoutError:
                 why = f"decode service {self.worker.id} sent nothing for {stall_s:g} s"
-                raise DecodeLost(why, stalled=True) from None
+                raise DecodeLost(why, stalled=True, worker=self.worker) from None
         else:
             item = await until_deadline(self._queue.get(), self.deadline)
         if isinstance(item, APIError):
@@ -178,7 +180,7 @@ async def call_prefill(client: httpx.AsyncClient, w: Worker, req: PrefillRequest
         raise PrefillFailed(f"{w.id}: {e!r}") from e
     if resp.status_code == 504:  # past the deadline: another worker would be too
         raise APIError(504, f"prefill service {w.id}: {await error_text(resp)}", code="deadline_exceeded")
-    if resp.status_code >= 500:
+    if resp.status_code >= 500 or resp.status_code == 409:  # 409: still busy with this id (another try)
         raise PrefillFailed(f"{w.id} answered {resp.status_code}: {await error_text(resp)}")
     if resp.status_code != 200:
         raise APIError(502, f"prefill service {w.id} refused: {await error_text(resp)}")

@@ -22,7 +22,7 @@ def test_a_short_soak_with_faults_loses_and_leaks_nothing(tmp_path) -> None:  # 
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (r["lost"], r["failed"], r["leaked_blocks"], r["leaked_leases"]) == (0, 0, 0, 0), r
+    assert (r["lost"], r["failed"], r["leaked_blocks"], r["leaked_leases"]) == (0, 0, 0, 0), (r["errors"], r)
     assert r["completed"] + r["cancelled"] == r["requests"] == 120 and r["cancelled"] > 0, r
     assert [f["role"] for f in r["faults"]] == ["decode", "prefill"]
     for name in ("prefill-1", "decode-1"):  # the services never restarted: no runaway memory

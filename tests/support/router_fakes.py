@@ -228,6 +228,13 @@ class FakeCluster:
         # decode service name -> ("break" | "stall", output index): that service's streams close, or go
         # silent, once they reach that output index
         self.fail_on: dict[str, tuple[str, int]] = {}
+        # decode services that die while the prefill service writes a request's KV: the stream ends
+        # after Reserved, and the prefill (its transfer stuck) lets go only when aborted, teardown_s later
+        self.dies_in_prefill: set[str] = set()
+        self.teardown_s = 0.2
+        self.dies_before_reserved: set[str] = set()  # decode services whose streams end at once
+        self._reserved_on: dict[str, str] = {}  # request id -> the decode service of its reservation
+        self._prefilling: dict[tuple[str, str], asyncio.Event] = {}  # (prefill, request id) -> aborted
 
     def decode_app(self, name: str) -> FastAPI:
         app = FastAPI()
@@ -243,6 +250,7 @@ class FakeCluster:
             self.fence += 1
             kv_done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             self.reservations[req.request_id] = (self.fence, kv_done)
+            self._reserved_on[req.request_id] = name
             return StreamingResponse(self._frames(name, req, self.fence, kv_done), media_type=MSGPACK)
 
         @app.post("/internal/abort")
@@ -258,11 +266,17 @@ class FakeCluster:
         rid, done = req.request_id, False
         try:
             remote = req.mode == "remote"
+            if name in self.dies_before_reserved:
+                return  # answered 200, then the process died
             blocks, endpoint = ([7, 8, 9], f"tcp://{name}:9000") if remote else ([], "")
             # D records RESERVED itself before telling anyone, so its own DECODING can never race
             # the router's RESERVED (the router's attempt then finds it done).
             await self._record(rid, RequestState.RESERVED, decode_id=f"{name}-id")
             yield frame(Reserved(rid, blocks, fence, 0, endpoint, f"{name}-id"))
+            if remote and name in self.dies_in_prefill:
+                while not any(r == rid for _, r in self._prefilling):
+                    await asyncio.sleep(0.01)
+                return  # the process died while the prefill service was writing its KV
             n_out = req.num_output_tokens  # a migrated request: the client has these outputs already
             assert req.token_ids[len(req.token_ids) - n_out :] == self.output_ids[:n_out]
             tokens = list(self.output_ids)
@@ -310,6 +324,17 @@ class FakeCluster:
         async def prefill(request: Request) -> Response:
             req = decode(await request.body(), PrefillRequest)
             self.prefill_calls.append((name, req))
+            key = (name, req.request_id)
+            if key in self._prefilling:  # as the real service: one id at a time
+                return Response(encode(ErrorFrame(req.request_id, "already in progress", 409)), 409)
+            if self._reserved_on.get(req.request_id) in self.dies_in_prefill:
+                aborted = self._prefilling[key] = asyncio.Event()
+                try:
+                    await aborted.wait()  # the transfer to a dead decode service hangs until then
+                    await asyncio.sleep(self.teardown_s)
+                finally:
+                    del self._prefilling[key]
+                return Response(b"transfer failed", 500)
             if name in self.failing:
                 return Response(b"prefill worker on fire", 500)
             if self.prefill_hangs:
@@ -329,7 +354,12 @@ class FakeCluster:
 
         @app.post("/internal/abort")
         async def abort(request: Request) -> Response:
-            self.aborts.append((name, decode(await request.body(), AbortRequest).request_id))
+            rid = decode(await request.body(), AbortRequest).request_id
+            self.aborts.append((name, rid))
+            if (aborted := self._prefilling.get((name, rid))) is not None:
+                aborted.set()
+                while (name, rid) in self._prefilling:  # answers once the request is gone, as the real one
+                    await asyncio.sleep(0.01)
             return Response(status_code=200)
 
         return app

@@ -197,6 +197,34 @@ async def test_a_failed_decode_stream_migrates_and_the_text_goes_on(
     assert f'splitserve_router_migrations_total{{reason="{reason}"}} 1.0' in metrics
 
 
+@pytest.mark.parametrize("prefills", [("p1",), ("p1", "p2")])
+async def test_a_decode_lost_while_its_kv_is_written_is_placed_again_without_a_409(
+    out_ids: list[int], prefills: tuple[str, ...]
+) -> None:
+    """d1 dies while p1 writes the prompt's KV into it. The request moves to d2, through p1 again when it
+    ranks first: p1 must have let go of the request id by then, or it refuses it (409)."""
+    cluster = FakeCluster(out_ids)
+    cluster.dies_in_prefill = {"d1"}
+    async with make_router(cluster, decodes=("d1", "d2"), prefills=prefills) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": LONG_PROMPT})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == TEXT
+    assert [n for n, _ in cluster.generate_calls] == ["d1", "d2"]
+    assert (
+        cluster.prefill_calls[0][0] == "p1"
+        and ("p1", cluster.prefill_calls[0][1].request_id) in cluster.aborts
+    )
+
+
+async def test_a_decode_lost_before_its_reserved_frame_is_not_tried_again(out_ids: list[int]) -> None:
+    cluster = FakeCluster(out_ids)
+    cluster.dies_before_reserved = {"d1"}
+    async with make_router(cluster, decodes=("d1", "d2"), max_migrations=3) as client:
+        resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
+    assert resp.status_code == 200, resp.text
+    assert [n for n, _ in cluster.generate_calls] == ["d1", "d2"]
+
+
 async def test_migrations_are_bounded(out_ids: list[int]) -> None:
     cluster = FakeCluster(out_ids)
     cluster.fail_on = {"d1": ("break", 3), "d2": ("break", 6)}
