@@ -256,6 +256,15 @@ class RouterMetrics:
         )
         for role in WORKER_ROLES:
             workers.labels(role).set_function(functools.partial(_known_workers, orch.pool, role))
+        index = getattr(orch.pool, "index", None)  # prefix-aware routing's KV index (kv_events.py)
+        if index is not None:
+            for name, attr, text in (
+                ("kv_index_events_applied", "events_applied", "Block hashes added or removed (since start)"),
+                ("kv_index_resyncs", "resyncs", "Worker snapshots loaded: start, gap, trim or restart"),
+                ("kv_index_errors", "errors", "KV index polls that failed on Redis (count since start)"),
+                ("kv_index_lag_seconds", "lag_s", "Age of the newest KV event in the index's last read"),
+            ):
+                Gauge(p + name, text, registry=r).set_function(functools.partial(getattr, index, attr))
 
     def judge(self, met: bool) -> None:
         """Count one finished request against the SLOs."""

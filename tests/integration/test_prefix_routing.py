@@ -88,3 +88,9 @@ def test_a_chats_next_turn_goes_where_its_history_is(stack, smollm) -> None:  # 
     metrics = httpx.get(f"{router.url}/metrics").text
     reused = re.search(r'splitserve_router_prefix_blocks_total\{kind="reused",role="decode"\} (\S+)', metrics)
     assert reused is not None and float(reused.group(1)) >= decode_hit, metrics[-2000:]
+    # the index's own health: it loaded each worker's snapshot and applied their events
+    index = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r"^splitserve_router_kv_index_(\w+) (\S+)$", metrics, re.MULTILINE)
+    }
+    assert index["events_applied"] > 0 and index["resyncs"] >= 2 and index["errors"] == 0, index
