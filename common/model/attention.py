@@ -1,10 +1,11 @@
-"""Attention over the paged KV cache, one sequence at a time (selective batching).
+"""Attention over the paged KV cache (selective batching).
 
-Every other op of the step runs on the flattened (total_tokens, hidden) matrix; only attention needs
-to know where one sequence ends and the next begins. It reads each sequence's own blocks, never a
-padded rectangle. This torch version is the CPU reference; the Triton kernels
-(common/kernels/paged_attention.py) must match it, and run instead when the metadata carries
-`kernel` tensors (the model runner builds them for the Triton backend).
+Every other op of the step runs on the flattened (total_tokens, hidden) matrix; only attention needs to
+know where one sequence ends and the next begins. In the torch path the decode sequences (one new token
+each) go in one call, their block tables padded to the longest and the padding masked; each prefill
+chunk goes on its own, over its own blocks. This torch version is the CPU reference; the Triton kernels
+(common/kernels/paged_attention.py) must match it, and run instead when the metadata carries `kernel`
+tensors (the model runner builds them for the Triton backend).
 """
 
 from __future__ import annotations
@@ -77,10 +78,48 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]
     slot_mapping: torch.Tensor
     kernel: KernelMetadata | None = field(default=None)
+    _decodes: DecodeBatch | None = field(default=None, repr=False)  # built at the first layer
 
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
+
+    def decode_batch(self, block_size: int) -> DecodeBatch | None:
+        """The step's decode sequences (one new token each) as one padded batch; None with fewer than 2."""
+        if self._decodes is None:
+            self._decodes = DecodeBatch.build(self, block_size)
+        return self._decodes if self._decodes.rows.numel() > 1 else None
+
+
+@dataclass
+class DecodeBatch:
+    """The decode sequences of a step, for one attention call over all of them (the torch path):
+
+    rows:   (D,) their rows in the step;
+    blocks: (D, max_blocks) their block tables, padded with block 0;
+    mask:   (D, 1, 1, max_blocks * block_size) bool, True for the positions each one has in KV.
+    """
+
+    rows: torch.Tensor
+    blocks: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int) -> DecodeBatch:
+        qsl = meta.query_start_loc
+        seqs = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+        device = meta.slot_mapping.device
+        if len(seqs) < 2:
+            empty = torch.empty(0, dtype=torch.long, device=device)
+            return cls(empty, empty, empty.bool())
+        width = max(len(meta.block_tables[i]) for i in seqs)
+        blocks = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+        for j, i in enumerate(seqs):
+            blocks[j, : len(meta.block_tables[i])] = meta.block_tables[i]
+        lens = torch.tensor([meta.context_lens[i] for i in seqs], device=device)
+        mask = torch.arange(width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
+        rows = torch.tensor([qsl[i] for i in seqs], dtype=torch.long, device=device)
+        return cls(rows, blocks, mask[:, None, None, :])
 
 
 def paged_attention(
@@ -98,8 +137,21 @@ def paged_attention(
     n_heads, n_kv = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     qsl = meta.query_start_loc
+    batch = meta.decode_batch(kv_cache.spec.block_size)
+    if batch is not None:
+        # every decode sequence in one call: its one query row against its own blocks, the padding masked
+        d, hd = batch.blocks.shape[0], q.shape[2]
+        kc = kv_cache.k[layer][batch.blocks].view(d, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
+        vc = kv_cache.v[layer][batch.blocks].view(d, -1, n_kv, hd).transpose(1, 2)
+        qd = q[batch.rows].unsqueeze(2)  # (D, n_heads, 1, hd)
+        od = F.scaled_dot_product_attention(
+            qd, kc, vc, attn_mask=batch.mask, scale=scale, enable_gqa=n_heads != n_kv
+        )
+        out[batch.rows] = od.squeeze(2)
     for i in range(meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
+        if batch is not None and end - start == 1:
+            continue  # computed above
         n_new, ctx = end - start, meta.context_lens[i]
         kc, vc = kv_cache.gather(layer, meta.block_tables[i], ctx)  # (ctx, n_kv, hd)
         qi = q[start:end].transpose(0, 1)  # (n_heads, n_new, hd)
