@@ -47,6 +47,12 @@ class EngineConfig(BaseSettings):
     fair_quantum_tokens: int | None = Field(
         None, ge=1, description="fair: tokens of credit per round at weight 1; default max_num_batched_tokens"
     )
+    fair_bulk_prefill_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="fair: prefill tokens per step beside a just-arrived tenant's request (which goes "
+        "whole); default max_num_batched_tokens (small: a sparse tenant's request waits less for a step)",
+    )
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
 

@@ -24,6 +24,7 @@ INT_FIELDS = {
     "max_num_batched_tokens",
     "num_threads",
     "fair_quantum_tokens",
+    "fair_bulk_prefill_tokens",
 }
 ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--model": "model",
@@ -39,6 +40,7 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--preemption-mode": "preemption_mode",
     "--tenant-weights": "tenant_weights",
     "--fair-quantum-tokens": "fair_quantum_tokens",
+    "--fair-bulk-prefill-tokens": "fair_bulk_prefill_tokens",
     "--threads": "num_threads",
 }
 

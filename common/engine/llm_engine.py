@@ -112,6 +112,7 @@ class LLMEngine:
             aging_s=config.aging_s,
             tenant_weights=config.tenant_weights,
             fair_quantum_tokens=config.fair_quantum_tokens,
+            fair_bulk_prefill_tokens=config.fair_bulk_prefill_tokens,
         )
         self.connector = connector or KVConnector()
         self.speed = StepSpeed()  # recent steps' prefill and decode speed (the service publishes it)

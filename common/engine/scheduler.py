@@ -1,8 +1,9 @@
 """Iteration-level (continuous-batching) scheduler. Plain Python: no torch, no I/O.
 
 Every step re-decides the batch (Orca). Order of work within one step's token budget (Sarathi):
-  1. running sequences that decode (one token each), then running prefills, chunked to the budget;
-     a sequence that needs a new KV block and finds none preempts the least urgent running one
+  1. running sequences that decode (one token each), then (fair) the first request of a tenant that
+     just arrived, then running prefills, chunked to the budget; a sequence that needs a new KV block
+     and finds none preempts the least urgent running one
   2. sequences swapped out to host memory come back before anything new is admitted
   3. waiting sequences are admitted while KV blocks, `max_num_seqs` and the budget allow
 Policies: `fcfs` (arrival order), `priority` (lower value first, aged so nothing starves) and `fair`
@@ -10,19 +11,21 @@ Policies: `fcfs` (arrival order), `priority` (lower value first, aged so nothing
 
 Tenant fair share (`fair`): admission is deficit round robin over tenants (Sequence.tenant; "" is one
 too). Tenants with queued work form a round (one whose request arrives to an empty queue joins at the
-head with one quantum: `_join`); the tenant at its head with no credit left (deficit <= 0)
-is credited `fair_quantum_tokens * weight` and the turn passes; one with credit has its most urgent
-sequence admitted (priority, aged as in `priority`; recompute-preempted sequences first) and keeps the
-turn while its credit lasts. Credit is spent on tokens served: the prompt positions an admission
-computes (prefix-cache hits are free, a recompute after preemption is the engine's cost), then one per
-decode step; an admission may overdraw it, later credit pays the debt. A tenant whose queue empties
-leaves the round and loses its credit: nothing is banked while idle. Rounds in which nobody could be
-served are skipped in one go, so a deep debt never leaves capacity idle. Decode-side reservations
-(`reserving`) follow the same round and credit. With every batch slot taken, a queued tenant under its
-share of `max_num_seqs` starts in place of the least urgent sequence of the tenant furthest over its
-own (recomputed: `_make_room`). Out of KV blocks, preemption takes its victim from the tenant holding
-the most KV blocks per unit of weight (the one furthest over its share of the cache), least urgent
-first. `tenant_served` counts each tenant's billed tokens under every policy.
+head with one quantum: `_join`); the tenant at its head with no credit left (deficit <= 0) is credited
+`fair_quantum_tokens * weight` and the turn passes; one with credit has its most urgent sequence
+admitted (priority, aged as in `priority`; recompute-preempted sequences first) and keeps the turn while
+its credit lasts. A newcomer's first request goes into the next step whole, ahead of other prefill work;
+with `fair_bulk_prefill_tokens`, all other prefill tokens of a step are bounded by it (0 in a step where
+a newcomer starts), so a flooding tenant's steps stay short. Credit is spent on tokens served: the
+prompt positions an admission computes (prefix-cache hits are free, a recompute after preemption is the
+engine's cost), then one per decode step; an admission may overdraw it, later credit pays the debt. A
+tenant whose queue empties leaves the round and loses its credit: nothing is banked while idle. Rounds
+in which nobody could be served are skipped in one go, so a deep debt never leaves capacity idle.
+Decode-side reservations (`reserving`) follow the same round and credit. With every batch slot taken, a
+queued tenant under its share of `max_num_seqs` starts in place of the least urgent sequence of the
+tenant furthest over its own (recomputed: `_make_room`). Out of KV blocks, preemption takes its victim
+from the tenant holding the most KV blocks per unit of weight (the one furthest over its share of the
+cache), least urgent first. `tenant_served` counts each tenant's billed tokens under every policy.
 
 Remote KV: a decode service's request waits in `reserving` until its prompt's blocks can be reserved,
 then sits in `parked` (holding them, never scheduled) until `kv_arrived`. A prefill service's request
@@ -62,6 +65,10 @@ class SchedulerConfig:
     # round, in tokens (None: max_num_batched_tokens)
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     fair_quantum_tokens: int | None = None
+    # fair: prefill tokens per step, all together, beside the request of a tenant that just arrived to
+    # an empty queue, which goes whole (None: the step budget). A small figure keeps the steps a
+    # flooding tenant fills short, so a sparse tenant's request that arrives during one soon starts.
+    fair_bulk_prefill_tokens: int | None = None
     # Cost model for choosing swap or recompute (seconds). Defaults are CPU-ish; the engine
     # passes measured figures.
     swap_s_per_block: float = 2e-5  # copy one block out (and again back in)
@@ -72,6 +79,8 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.fair_quantum_tokens is not None and self.fair_quantum_tokens < 1:
             raise ValueError("fair_quantum_tokens must be positive")
+        if self.fair_bulk_prefill_tokens is not None and self.fair_bulk_prefill_tokens < 1:
+            raise ValueError("fair_bulk_prefill_tokens must be positive")
         bad = {t: w for t, w in self.tenant_weights.items() if not (math.isfinite(w) and w > 0)}
         if bad:
             raise ValueError(f"tenant weights must be positive and finite: {bad}")
@@ -133,6 +142,7 @@ class Scheduler:
         self._rr: deque[str] = deque()
         self._fresh: set[str] = set()  # tenants that joined on arrival and have not had their turn yet
         self._deficit: dict[str, float] = {}
+        self._bulk: int | None = None  # fair_bulk_prefill_tokens left in this step (None: no bound)
 
     # --- queue ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -191,14 +201,39 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        bs = self.bm.block_size
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decodes + prefills:
+        # fair: the first request of a tenant that just arrived to an empty queue (a sparse tenant)
+        # goes into the step whole, ahead of other prefill work. With fair_bulk_prefill_tokens, all
+        # other prefill tokens of a step are bounded by it, and wait a step where a newcomer starts.
+        self._bulk = self.config.fair_bulk_prefill_tokens if self.config.policy == "fair" else None
+        budget, short = self._run(decodes, out, budget)
+        if self._fresh and not short:
+            budget = self._admit(out, budget, newcomers=set(self._fresh))
+            if out.admitted and self._bulk is not None:
+                self._bulk = 0
+        budget, short_too = self._run(prefills, out, budget)
+        if short or short_too:
+            return out  # memory is short: admit nothing new this step
+        self._reserve(out)
+        budget = self._swap_in(out, budget)
+        self._admit(out, budget)
+        return out
+
+    def _run(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Schedule running sequences' next tokens (decode or prefill chunk) within the budget; one that
+        needs a new KV block and finds none preempts the least urgent running sequence. Returns the
+        budget left, and whether memory was short (something was preempted)."""
+        preempted = len(out.preempted)
+        bs = self.bm.block_size
+        for seq in seqs:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
+            n = self._chunk(seq, budget)
+            if n == 0:
+                continue
             while len(seq.token_ids) > len(seq.block_table) * bs and not self.bm.can_append(seq):
                 budget += self._preempt(self._pick_victim(), out)
                 if seq.status is not SequenceStatus.RUNNING:
@@ -206,15 +241,21 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             self.bm.append_slots(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            out.scheduled.append((seq, n))
+            n = self._chunk(seq, budget)
+            self._take(seq, n, out)
             budget -= n
-        if out.preempted:
-            return out  # memory is short: admit nothing new this step
-        self._reserve(out)
-        budget = self._swap_in(out, budget)
-        self._admit(out, budget)
-        return out
+        return budget, len(out.preempted) > preempted
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of seq's uncomputed tokens this step can take: the budget, and for a prefill
+        fair_bulk_prefill_tokens (what is left of it this step)."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        return min(n, self._bulk) if self._bulk is not None and seq.num_uncomputed_tokens > 1 else n
+
+    def _take(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        if self._bulk is not None and seq.num_uncomputed_tokens > 1:
+            self._bulk -= n
+        out.scheduled.append((seq, n))
 
     def _reserve(self, out: SchedulerOutput) -> None:
         """Admission control for remote prefill: reserve the prompt's blocks, in arrival order (fair:
@@ -271,22 +312,29 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, newcomers: set[str] | None = None) -> int:
+        """Admit waiting sequences in the policy's order while the budget, the batch and the KV blocks
+        allow. `newcomers` (fair): admit only the first sequence of each of these tenants, whole (no
+        fair_bulk_prefill_tokens bound), and stop at any other. Returns the budget left."""
         if self.swapped or not self.waiting:
-            return  # swapped sequences come back first
+            return budget  # swapped sequences come back first
         taken: list[Sequence] = []
         order = self._admission_order(self.waiting, by_priority=True)
         while budget > 0:
-            if self.num_active < self.config.max_num_seqs:
-                seq = next(order, None)
-            else:  # fair: a tenant under its share may still start, in place of one over its own
-                seq = self._starved_head(self.waiting, taken)
-                refund = self._make_room(seq, out) if seq is not None else None
+            full = self.num_active >= self.config.max_num_seqs
+            # fair, every batch slot taken: a tenant under its share may still start, in place of one
+            # over its own
+            seq = self._starved_head(self.waiting, taken) if full else next(order, None)
+            if seq is None or (newcomers is not None and seq.tenant not in newcomers):
+                break
+            chunk = min(seq.num_tokens, budget) if newcomers is not None else self._chunk(seq, budget)
+            if chunk == 0:
+                break
+            if full:
+                refund = self._make_room(seq, out)
                 if refund is None:
                     break
                 budget += refund
-            if seq is None:
-                break
             # prompt logprobs need every prompt row computed: no prefix-cache hits for such a request
             cache = seq.prompt_logprobs is None
             if not self.bm.can_allocate(seq, use_prefix_cache=cache):
@@ -298,10 +346,16 @@ class Scheduler:
             taken.append(seq)
             out.admitted.append(seq)
             self._charge_admission(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            out.scheduled.append((seq, n))
+            if newcomers is not None:
+                newcomers.discard(seq.tenant)
+                n = min(seq.num_uncomputed_tokens, budget)
+                out.scheduled.append((seq, n))
+            else:
+                n = self._chunk(seq, budget)
+                self._take(seq, n, out)
             budget -= n
         self.waiting = _without(self.waiting, taken)
+        return budget
 
     def _admission_order(self, queue: deque[Sequence], by_priority: bool) -> Iterator[Sequence]:
         """The order queue's sequences are offered in: fcfs, priority (when by_priority) or the fair

@@ -373,3 +373,52 @@ def test_fcfs_never_preempts_for_a_tenant() -> None:
     step(s)
     s.add(seq("b", max_tokens=20))
     assert not step(s).preempted and s.stats["preempt_fair_share"] == 0
+
+
+def test_a_new_tenants_prompt_has_the_step_to_itself_and_the_others_prefill_waits_one_step() -> None:
+    s = make(max_num_seqs=8, max_num_batched_tokens=64, fair_bulk_prefill_tokens=64)
+    a_decoding, a_long = seq("a", max_tokens=20), seq("a", n_prompt=200, max_tokens=2)
+    s.add(a_decoding)
+    step(s)
+    s.add(a_long)
+    step(s)  # a_long's first chunk
+    assert 0 < a_long.num_computed_tokens < 200
+    b = seq("b", n_prompt=40)
+    s.add(b)
+    out = s.schedule()
+    # a's decode runs, b's whole prompt goes in, a's next chunk waits (and so do a's other admissions)
+    assert [(x, n) for x, n in out.scheduled] == [(a_decoding, 1), (b, 40)]
+    s.postprocess(out, fake_run(out))
+    out = step(s)  # b is an ordinary tenant now: a's prefill continues
+    assert a_long in [x for x, _ in out.scheduled]
+
+
+def test_bulk_prefill_tokens_bound_the_other_tenants_prefill_per_step_but_not_a_new_tenants_prompt() -> None:
+    s = make(max_num_seqs=8, max_num_batched_tokens=256, fair_bulk_prefill_tokens=16)
+    for _ in range(4):
+        s.add(seq("a", n_prompt=40, max_tokens=30))
+    assert step(s).scheduled[0][1] == 40  # a just arrived: its first request goes whole
+    for _ in range(12):
+        out = step(s)
+        prefill = sum(n for x, n in out.scheduled if n > 1)
+        assert prefill <= 16, out.scheduled  # every other a admission and chunk together
+    assert all(x.num_computed_tokens >= 40 for x in s.running)  # and a's prompts still got through
+    b1, b2 = seq("b", n_prompt=40), seq("b", n_prompt=40)
+    s.add(b1)
+    s.add(b2)  # b has queued work now: its second request is not a newcomer's
+    out = step(s)
+    assert (b1, 40) in out.scheduled and b2 not in out.admitted  # b1 whole; no other prefill this step
+    assert sum(n for x, n in out.scheduled if n > 1) == 40
+    out = step(s)
+    assert [(x, n) for x, n in out.scheduled if n > 1] == [(b2, 16)]  # b2 in bounded chunks
+
+
+def test_a_new_tenant_that_cannot_start_does_not_hold_up_the_others_prefill() -> None:
+    s = make(num_blocks=14, block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
+    a = seq("a", n_prompt=48, max_tokens=2)  # 12 of the 14 blocks
+    s.add(a)
+    step(s)
+    s.add(seq("b", n_prompt=16))  # needs 4 blocks: there are 2 until a finishes
+    for _ in range(8):
+        step(s)
+    assert a.status is SequenceStatus.FINISHED
