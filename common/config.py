@@ -55,6 +55,12 @@ class EngineConfig(BaseSettings):
     )
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="ranks the model is sharded over (Megatron-style, one process each, rank 0 the engine's; "
+        "CPU/gloo only, no KV transfer); each rank uses num_threads, default cores // tensor_parallel_size",
+    )
 
 
 class ServiceConfig(BaseSettings):

@@ -25,6 +25,7 @@ INT_FIELDS = {
     "num_threads",
     "fair_quantum_tokens",
     "fair_bulk_prefill_tokens",
+    "tensor_parallel_size",
 }
 ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--model": "model",
@@ -42,6 +43,7 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--fair-quantum-tokens": "fair_quantum_tokens",
     "--fair-bulk-prefill-tokens": "fair_bulk_prefill_tokens",
     "--threads": "num_threads",
+    "--tensor-parallel-size": "tensor_parallel_size",
 }
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,11 +40,15 @@ from common.kv.kv_cache import KVCacheSpec, PagedKVCache
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
+from common.parallel.partition import shard_layouts
 from common.protocol import KVCompat
 from common.sampling_params import SamplingParams
 from common.text.detokenizer import IncrementalDetokenizer
 from common.text.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # imported lazily: only an engine with tensor parallelism needs torch.distributed
+    from common.parallel.workers import TPWorkers
 
 log = logging.getLogger("splitserve.engine")
 
@@ -76,6 +82,28 @@ def kv_compat(model_config: ModelConfig, spec: KVCacheSpec) -> KVCompat:
     )
 
 
+def _cores() -> int:
+    """CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _check_tensor_parallel(placement: Placement, connector: KVConnector | None) -> None:
+    """What tensor_parallel_size > 1 cannot do yet: ValueError naming it."""
+    if placement.device.type != "cpu" or placement.attention_backend != "torch" or placement.cuda_graphs:
+        raise ValueError(
+            "tensor_parallel_size > 1 runs on the CPU only for now (gloo, the torch attention backend, no "
+            f"CUDA graphs); got device={placement.device}, attention_backend={placement.attention_backend}"
+        )
+    if connector is not None and type(connector) is not KVConnector:
+        raise ValueError(
+            "tensor_parallel_size > 1 with a KV connector is not supported yet: each rank holds only its "
+            "KV heads and KV transfer (the prefill/decode split) moves one whole cache; run the prefill "
+            "and decode services with tensor_parallel_size=1"
+        )
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -85,8 +113,10 @@ class LLMEngine:
         placement: Placement | None = None,
         connector: KVConnector | None = None,
     ) -> None:
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        tp = config.tensor_parallel_size
+        threads = config.num_threads or (max(1, _cores() // tp) if tp > 1 else None)
+        if threads:
+            torch.set_num_threads(threads)
         placement = placement or Placement.from_config(config)
         if model.dtype != placement.dtype:
             if config.dtype != "auto":
@@ -94,13 +124,36 @@ class LLMEngine:
             placement = dataclasses.replace(placement, dtype=model.dtype)  # a model built by the caller
         self.placement = placement
         device = placement.device
-        self.model, self.tokenizer, self.config = model.to(device), tokenizer, config
         mc = model.config
+        if tp > 1:
+            _check_tensor_parallel(placement, connector)
+        # tensor parallelism: rank 0's share of the heads, MLP and vocabulary (ValueError if none fits)
+        layouts = shard_layouts(mc.num_heads, mc.num_kv_heads, mc.intermediate_size, mc.vocab_size, tp)
+        self.tokenizer, self.config = tokenizer, config
+        self.model = model.to(device)  # with tensor parallelism: replaced by rank 0's shard below
         dtype = self.placement.dtype
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        probe = KVCacheSpec(mc.num_layers, 1, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+
+        def kv_spec(blocks: int, kv_heads: int) -> KVCacheSpec:
+            return KVCacheSpec(mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, dtype)
+
+        # rank 0 holds the most KV heads (the partition gives the first ranks the larger share), so the
+        # KV budget (kv_cache_memory_mb, per rank) sizes the block count every rank uses
+        probe = kv_spec(1, len(layouts[0].kv_heads))
         num_blocks = config.num_kv_blocks or self._kv_blocks(probe.bytes_per_block)
-        spec = KVCacheSpec(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        spec = kv_spec(num_blocks, len(layouts[0].kv_heads))
+        self.tp_workers: TPWorkers | None = None
+        if tp > 1:
+            from common.parallel.workers import TPWorkers
+
+            t0 = time.monotonic()
+            specs = [kv_spec(num_blocks, len(lay.kv_heads)) for lay in layouts]
+            self.tp_workers = TPWorkers(model, layouts, specs, threads or 1)
+            self.model = self.tp_workers.model
+            log.info(
+                "tensor parallelism: %d ranks (KV heads %s, %d threads each) started in %.1f s",
+                tp, [len(lay.kv_heads) for lay in layouts], threads, time.monotonic() - t0,
+            )  # fmt: skip
         self.kv_cache = PagedKVCache(spec, device=device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
@@ -122,7 +175,12 @@ class LLMEngine:
             sched_cfg, self.block_manager, tuple(mc.eos_token_ids), holds_blocks=self.connector.holds_blocks
         )
         self.runner = ModelRunner(
-            model, self.kv_cache, self.placement.attention_backend, self.connector, tuple(mc.eos_token_ids)
+            self.model,
+            self.kv_cache,
+            self.placement.attention_backend,
+            self.connector,
+            tuple(mc.eos_token_ids),
+            share_step=self.tp_workers.run if self.tp_workers is not None else None,
         )
         self._grammars: GrammarCompiler | None = None  # made on the first structured-output request
         if self.placement.cuda_graphs:
@@ -141,8 +199,17 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, connector: KVConnector | None = None) -> LLMEngine:
         placement = Placement.from_config(config)
+        if config.tensor_parallel_size > 1:
+            _check_tensor_parallel(placement, connector)  # before loading anything
         model, tokenizer = load_model(config.model, dtype=placement.dtype)
+        # with tensor parallelism the engine keeps only its shard: the whole model goes with this frame
         return cls(model, tokenizer, config, placement, connector)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (a no-op without them); idempotent. The engine
+        cannot step afterwards."""
+        if self.tp_workers is not None:
+            self.tp_workers.close()
 
     def _kv_blocks(self, bytes_per_block: int) -> int:
         """KV blocks from kv_cache_memory_mb, or on a GPU (by default) from what is free after a
@@ -275,13 +342,16 @@ class LLMEngine:
         """Forget a finished sequence, unless a transfer still holds its blocks (it stays findable)."""
         if seq.is_finished and seq.seq_id not in self.scheduler.parked:
             self._seqs.pop(seq.seq_id, None)
-            self._swapped_kv.pop(seq.seq_id, None)
+            if self._swapped_kv.pop(seq.seq_id, None) is not None and self.tp_workers is not None:
+                self.tp_workers.drop(seq.seq_id)  # the workers' swapped copies go with the next step
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     def kv_compat(self) -> KVCompat:
         """What a peer must match before KV moves between this engine's cache and its own."""
+        if self.tp_workers is not None:
+            raise ValueError("KV transfer with tensor_parallel_size > 1 is not supported yet")
         return kv_compat(self.model.config, self.kv_cache.spec)
 
     # --- one iteration ----------------------------------------------------------------------------
@@ -296,6 +366,8 @@ class LLMEngine:
             num_tokens=out.num_batched_tokens + len(out.padding),
         )
         if out.is_empty and not out.padding:
+            if self.tp_workers is not None:
+                self.tp_workers.flush()  # this step's swaps, with no forward to carry them
             return result
         meta = self.connector.build_meta(out)
         t0 = time.perf_counter()
@@ -318,11 +390,19 @@ class LLMEngine:
         return result
 
     def _move_swapped(self, out: SchedulerOutput) -> None:
+        """Swap KV out and in; the tensor-parallel workers do the same to their shards, first thing
+        when they get this step."""
+        tpw = self.tp_workers
         for seq, blocks in out.swap_out:
             self._swapped_kv[seq.seq_id] = self.kv_cache.copy_out(blocks)
+            if tpw is not None:
+                tpw.swap_out(seq.seq_id, blocks)
         for seq in out.swap_in:
             saved = self._swapped_kv.pop(seq.seq_id)
-            self.kv_cache.copy_in(seq.block_table[: saved[0].shape[1]], saved)
+            blocks = seq.block_table[: saved[0].shape[1]]
+            self.kv_cache.copy_in(blocks, saved)
+            if tpw is not None:
+                tpw.swap_in(seq.seq_id, blocks)
 
     # --- offline convenience ----------------------------------------------------------------------
     def generate(

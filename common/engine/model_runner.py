@@ -9,10 +9,15 @@ also goes over as device tensors (`KernelMetadata`); decode-only steps on a GPU 
 
 When the step has KV to ship (a prefill service's connector built transfer metadata for it), the
 connector's worker side is called once per layer, as soon as that layer's K/V are in the cache.
+
+With tensor parallelism rank 0's runner hands each step's `StepInputs` to `share_step` (which sends it
+to the other ranks) before its forward; a worker rank's runner runs it with `run_shard`, making the
+same forward and logits calls, so every collective inside the model meets its peers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,8 +55,10 @@ class ModelRunner:
         attention_backend: str = "torch",
         connector: KVConnector | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        share_step: Callable[[StepInputs], None] | None = None,
     ) -> None:
         self.model = model
+        self.share_step = share_step  # tensor parallelism, rank 0: sends the step to the other ranks
         self.connector = connector or KVConnector()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
@@ -113,29 +120,9 @@ class ModelRunner:
         `transfer` is the connector's metadata for this step: each layer is handed to its worker side.
         Sequences that asked for prompt logprobs get this step's rows scored (seq.prompt_logprobs)."""
         step = self.prepare(out)
-        ids = torch.tensor(step.ids, dtype=torch.long)
-        positions = torch.tensor(step.positions, dtype=torch.long)
-        slots = torch.tensor(step.slots, dtype=torch.long)
-        on_layer_done = None
-        if transfer is not None:
-            connector = self.connector
-
-            def on_layer_done(layer: int) -> None:
-                connector.save_layer(layer, transfer)
-
-        if self.graphs is not None and transfer is None and self._decode_only(step):
-            # the graph's static buffers take the host tensors directly: no per-step metadata to build
-            hidden = self.graphs.run(ids, positions, slots, step.context_lens, step.block_tables)
-        else:
-            meta = self.attention_metadata(step.query_start_loc, step.context_lens, step.block_tables, slots)
-            dev = self.device
-            hidden = self.model(
-                ids.to(dev, non_blocking=True),
-                positions.to(dev, non_blocking=True),
-                self.kv_cache,
-                meta,
-                on_layer_done=on_layer_done,
-            )
+        if self.share_step is not None:
+            self.share_step(step)
+        hidden = self.forward(step, transfer)
         result: list[Sampled | None] = [None] * len(out.scheduled)
         for i, row0, pos0, n in step.prompt_rows:
             self._score_prompt(out.scheduled[i][0], hidden[row0 : row0 + n], pos0)
@@ -149,6 +136,42 @@ class ModelRunner:
         for (i, _), tok in zip(sampling, tokens, strict=True):
             result[i] = tok
         return result
+
+    def forward(self, step: StepInputs, transfer: Any | None = None) -> torch.Tensor:
+        """The step's final hidden states (T, hidden); its K/V land in the cache."""
+        ids = torch.tensor(step.ids, dtype=torch.long)
+        positions = torch.tensor(step.positions, dtype=torch.long)
+        slots = torch.tensor(step.slots, dtype=torch.long)
+        on_layer_done = None
+        if transfer is not None:
+            connector = self.connector
+
+            def on_layer_done(layer: int) -> None:
+                connector.save_layer(layer, transfer)
+
+        if self.graphs is not None and transfer is None and self._decode_only(step):
+            # the graph's static buffers take the host tensors directly: no per-step metadata to build
+            return self.graphs.run(ids, positions, slots, step.context_lens, step.block_tables)
+        meta = self.attention_metadata(step.query_start_loc, step.context_lens, step.block_tables, slots)
+        dev = self.device
+        hidden: torch.Tensor = self.model(
+            ids.to(dev, non_blocking=True),
+            positions.to(dev, non_blocking=True),
+            self.kv_cache,
+            meta,
+            on_layer_done=on_layer_done,
+        )
+        return hidden
+
+    @torch.inference_mode()
+    def run_shard(self, step: StepInputs) -> None:
+        """A worker rank's part of the step rank 0 runs in `run`: the same forward, then the same
+        compute_logits calls (prompt rows, then sampled rows), whose gathers rank 0 collects."""
+        hidden = self.forward(step)
+        for _, row0, _, n in step.prompt_rows:
+            self.model.compute_logits(hidden[row0 : row0 + n])
+        if step.sample_rows:
+            self.model.compute_logits(hidden[step.sample_rows])
 
     def _score_prompt(self, seq: Any, hidden: torch.Tensor, pos0: int) -> None:
         """Logprobs of prompt tokens pos0 + 1 .. pos0 + n from the rows of positions pos0 .. pos0 + n - 1."""

@@ -6,6 +6,12 @@ KV cache (`paged_attention`). `dense_forward` is an independent one-sequence ref
 
 Weights are loaded from HF-named tensors (both loaders produce those names); q/k/v and gate/up are
 fused into one matmul each at load time, which saves two GEMM launches per layer on small batches.
+
+Tensor parallelism (Megatron-style): built with a `TPRank`, the model holds only its rank's shard,
+sliced at load (common/parallel/partition.py says which): fused q/k/v and gate/up are column-parallel
+(its query/KV heads, its slice of the intermediate dim), o_proj and down_proj row-parallel with one
+all-reduce after each; the embedding and lm_head are vocabulary-parallel (rows of its vocab slice; the
+embedding masks ids outside it and all-reduces, the logits are gathered to rank 0).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch import nn
 from common.kv.kv_cache import PagedKVCache
 from common.model.attention import AttentionMetadata, paged_attention
 from common.model.config import ModelConfig, rope_inv_freq
+from common.parallel.collective import TPRank
 
 # attn_fn(q (T, nh, hd), k (T, nkv, hd), v (T, nkv, hd), layer) -> (T, nh, hd)
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -49,49 +56,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPRank | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        h = cfg.hidden_size
+        self.cfg, self.tp = cfg, tp
+        h, hd = cfg.hidden_size, cfg.head_dim
+        # this rank's heads and MLP width (all of them without tensor parallelism)
+        self.num_heads = len(tp.layout.q_heads) if tp else cfg.num_heads
+        self.num_kv_heads = len(tp.layout.kv_heads) if tp else cfg.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        inter = len(tp.layout.intermediate) if tp else cfg.intermediate_size
         self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=False, dtype=dtype)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
         self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, dtype=dtype)
+        self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(inter, h, bias=False, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn_fn: AttnFn
     ) -> torch.Tensor:  # x: (T, hidden)
-        cfg = self.cfg
+        hd = self.cfg.head_dim
         T = x.shape[0]
         qkv = self.qkv_proj(self.input_norm(x))  # (T, q_size + 2 kv_size)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)  # (T, nh, hd)
-        k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # (T, nkv, hd)
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)  # (T, nkv, hd)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, hd), cos, sin)  # (T, nh, hd)
+        k = apply_rope(k.view(T, self.num_kv_heads, hd), cos, sin)  # (T, nkv, hd)
+        v = v.view(T, self.num_kv_heads, hd)  # (T, nkv, hd)
         attn = attn_fn(q, k, v, layer)  # (T, nh, hd)
-        x = x + self.o_proj(attn.reshape(T, cfg.q_size))
+        out = self.o_proj(attn.reshape(T, self.q_size))  # with TP: this rank's heads' share of the sum
+        x = x + (out if self.tp is None else self.tp.comm.all_reduce(out))
         gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)  # (T, inter) each
-        return x + self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return x + (out if self.tp is None else self.tp.comm.all_reduce(out))
 
 
 class LlamaForCausalLM(nn.Module):
     inv_freq: torch.Tensor  # (hd/2,) fp32 RoPE frequencies, a non-persistent buffer
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPRank | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.tp = tp  # None: the whole model; else this rank's shard
         self.scale = config.head_dim**-0.5
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        vocab = len(tp.layout.vocab) if tp else config.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied models reuse the embedding matrix as the output projection (no second copy).
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (hd/2,) fp32
         self.requires_grad_(False)
 
@@ -124,14 +142,27 @@ class LlamaForCausalLM(nn.Module):
             return out
 
         cos, sin = self.rope_cos_sin(positions)
-        x = self.embed_tokens(input_ids)  # (T, hidden)
+        x = self.embed(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, attn_fn)
         return self.norm(x)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        # vocabulary-parallel: rows of ids outside this rank's slice are zero here, found on another rank
+        vocab = self.tp.layout.vocab
+        mine = (input_ids >= vocab.start) & (input_ids < vocab.stop)
+        local = torch.where(mine, input_ids - vocab.start, 0)
+        x = self.embed_tokens(local).masked_fill_(~mine.unsqueeze(1), 0)
+        return self.tp.comm.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab) fp32
+        """With tensor parallelism every rank must call this for the same rows; rank 0 gets the whole
+        vocabulary, the others their slice's logits."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        return logits if self.tp is None else self.tp.comm.gather(logits)
 
     def dense_forward(self, input_ids: torch.Tensor, seq_lens: list[int] | None = None) -> torch.Tensor:
         """Reference forward with no KV cache: plain causal attention. Used by tests.
@@ -140,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
         block-diagonal causal (each sequence sees only itself) and positions restart per sequence.
         Same rows as the paged step, so the matmuls sum in the same order and fp32 results agree.
         """
-        cfg = self.config
-        rep = cfg.num_heads // cfg.num_kv_heads
+        first = self.layers[0]
+        assert isinstance(first, DecoderLayer)
+        rep = first.num_heads // first.num_kv_heads  # this rank's heads under tensor parallelism
         T = input_ids.shape[0]
         seq_lens = [T] if seq_lens is None else seq_lens
         assert sum(seq_lens) == T, "seq_lens must add up to the number of tokens"
@@ -157,39 +189,68 @@ class LlamaForCausalLM(nn.Module):
             return out.transpose(0, 1)  # (T, nh, hd)
 
         cos, sin = self.rope_cos_sin(positions)
-        x = self.embed_tokens(input_ids)  # (T, hidden)
+        x = self.embed(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, i, attn_fn)
         return self.compute_logits(self.norm(x))
 
     # --- weights -----------------------------------------------------------------------------------
     @classmethod
-    def from_hf_weights(
-        cls, config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+    def empty(
+        cls, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPRank | None = None
     ) -> LlamaForCausalLM:
-        """Build without random init (parameters start on the meta device) and load the weights."""
+        """The model with uninitialised weights (no random init: parameters start on the meta device)."""
         with torch.device("meta"):
-            model = cls(config, dtype)
+            model = cls(config, dtype, tp)
         model.to_empty(device="cpu")
         model.inv_freq = rope_inv_freq(config)  # buffers are not weights: recompute after to_empty
-        model.load_hf_weights(tensors)
         return model.eval()
+
+    @classmethod
+    def from_hf_weights(
+        cls,
+        config: ModelConfig,
+        tensors: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        tp: TPRank | None = None,
+    ) -> LlamaForCausalLM:
+        """Build and load the weights (with `tp`: only that rank's shard of them)."""
+        model = cls.empty(config, dtype, tp)
+        model.load_hf_weights(tensors)
+        return model
+
+    def shard(self, tp: TPRank) -> LlamaForCausalLM:
+        """A new model holding `tp`'s shard of this (whole) model's weights; this one is left as it is."""
+        if self.tp is not None:
+            raise ValueError("this model is a tensor-parallel shard already")
+        return LlamaForCausalLM.from_hf_weights(self.config, self.hf_state_dict(), self.dtype, tp)
 
     @torch.no_grad()
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors ("model.layers.0.self_attn.q_proj.weight", ...) in, fusing q/k/v and
         gate/up. Every parameter must be covered exactly once; missing or unknown names raise."""
         todo = dict(tensors)
+        hd = self.config.head_dim
+        # this rank's heads, MLP and vocabulary slices; None (no tensor parallelism): all of them
+        lay = self.tp.layout if self.tp is not None else None
+        q_heads, kv_heads = (lay.q_heads, lay.kv_heads) if lay else (None, None)
+        inter, vocab = (lay.intermediate, lay.vocab) if lay else (None, None)
 
         def take(name: str) -> torch.Tensor:
             if name not in todo:
                 raise KeyError(f"weight {name!r} missing from checkpoint")
             return todo.pop(name)
 
-        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        def rows(t: torch.Tensor, r: range | None, unit: int = 1) -> torch.Tensor:  # rows of the slice
+            return t if r is None else t[r.start * unit : r.stop * unit]
+
+        def cols(t: torch.Tensor, r: range | None, unit: int = 1) -> torch.Tensor:  # columns of the slice
+            return t if r is None else t[:, r.start * unit : r.stop * unit]
+
+        self.embed_tokens.weight.copy_(rows(take("model.embed_tokens.weight"), vocab))
         self.norm.weight.copy_(take("model.norm.weight"))
         if self.lm_head is not None:
-            self.lm_head.weight.copy_(take("lm_head.weight"))
+            self.lm_head.weight.copy_(rows(take("lm_head.weight"), vocab))
         else:
             todo.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
         for i, layer in enumerate(self.layers):
@@ -197,14 +258,16 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            heads = {"q": q_heads, "k": kv_heads, "v": kv_heads}
+            qkv = [rows(take(p + f"self_attn.{n}_proj.weight"), heads[n], hd) for n in "qkv"]
             layer.qkv_proj.weight.copy_(torch.cat(qkv, dim=0))
             if layer.qkv_proj.bias is not None:
-                layer.qkv_proj.bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
+                bias = [rows(take(p + f"self_attn.{n}_proj.bias"), heads[n], hd) for n in "qkv"]
+                layer.qkv_proj.bias.copy_(torch.cat(bias))
+            layer.o_proj.weight.copy_(cols(take(p + "self_attn.o_proj.weight"), q_heads, hd))
             gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-            layer.gate_up_proj.weight.copy_(torch.cat([gate, up], dim=0))
-            layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+            layer.gate_up_proj.weight.copy_(torch.cat([rows(gate, inter), rows(up, inter)], dim=0))
+            layer.down_proj.weight.copy_(cols(take(p + "mlp.down_proj.weight"), inter))
         # Rotary inv_freq buffers from old HF checkpoints are derived, not weights.
         unknown = [n for n in todo if not n.endswith("rotary_emb.inv_freq")]
         if unknown:
@@ -214,6 +277,8 @@ class LlamaForCausalLM(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The inverse of load_hf_weights: HF-named, un-fused tensors (for export and comparisons)."""
+        if self.tp is not None:
+            raise ValueError("a tensor-parallel shard holds part of each weight: it has no HF state dict")
         cfg = self.config
         out = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight}
         if self.lm_head is not None:

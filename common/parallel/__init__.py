@@ -1,0 +1,1 @@
+"""Tensor parallelism inside one engine: the head/vocab partition, the collectives, the worker ranks."""

@@ -1,0 +1,286 @@
+"""The worker ranks of a tensor-parallel engine, and rank 0's handle on them.
+
+Rank 0 is the engine process: scheduler, sampler, everything as without tensor parallelism. It starts
+ranks 1..N-1 as processes ("spawn"), which join one gloo group with it (a TCPStore on 127.0.0.1, any
+free port), receive their weight shard from it over the group and allocate their KV cache shard (same
+blocks, only their KV heads). Every step rank 0 sends each worker the step's flattened inputs
+(`StepInputs`, what ModelRunner.prepare built) with the step's swap-outs, swap-ins and dropped swap
+copies, pickled once, over a pipe per worker; then all ranks run the forward (whose all-reduces and
+logit gathers are the gloo collectives) and rank 0 samples.
+
+The step goes over a pipe, not a gloo broadcast: an idle engine leaves its workers blocked in
+`recv`, which no collective timeout can end, and a pipe's end (rank 0 exited, even by SIGKILL) ends
+them: a worker exits on EOF, on a broken collective, or when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.engine.model_runner import ModelRunner, StepInputs
+from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.model.config import ModelConfig
+from common.model.llama import LlamaForCausalLM
+from common.parallel.collective import GlooCollective, TPRank, Unconnected, gloo_group
+from common.parallel.partition import ShardLayout
+
+log = logging.getLogger("splitserve.tp")
+
+# A collective waits at most this long for the other ranks. Ranks run each step in lockstep (one
+# all-reduce per half layer), so this only bounds how long a hung or vanished rank goes unnoticed.
+OP_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0  # spawning, importing torch, joining the group, receiving the weights
+WEIGHTS_TAG = 7
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    store_port: int
+    model_config: ModelConfig
+    dtype: torch.dtype
+    layout: ShardLayout
+    kv_spec: KVCacheSpec
+    num_threads: int
+
+
+@dataclass
+class StepMessage:
+    """What a worker does for one step, in this order: forget, swap out, swap in, forward."""
+
+    step: StepInputs | None = None
+    drop: list[str] = field(default_factory=list)  # swapped-out copies of sequences let go
+    swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (seq id, its blocks)
+    swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # (seq id, the blocks it gets)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.step is None and not (self.drop or self.swap_out or self.swap_in)
+
+
+class TPWorkers:
+    """Rank 0's side of the group: starts the workers, hands them their shards, sends each step."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        layouts: list[ShardLayout],
+        kv_specs: list[KVCacheSpec],
+        num_threads: int,
+    ) -> None:
+        """Start ranks 1.. and build rank 0's shard of `model` (a whole model, left as it is):
+        `self.model`. Returns once every worker holds its weights and KV cache."""
+        n = len(layouts)
+        self.world_size = n
+        self._pending = StepMessage()
+        timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        # close() and the interpreter's exit (or this object's collection) stop the workers
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+        try:
+            for r in range(1, n):
+                spec = WorkerSpec(
+                    r, n, store.port, model.config, model.dtype, layouts[r], kv_specs[r], num_threads
+                )
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(
+                    target=worker_main, args=(spec, theirs), name=f"splitserve-tp{r}", daemon=True
+                )
+                proc.start()
+                theirs.close()
+                self._procs.append(proc)
+                self._conns.append(ours)
+            group = self._wait(lambda: gloo_group(store, 0, n, OP_TIMEOUT_S), "join the gloo group")
+            self._group, self._store = group, store
+            for r in range(1, n):  # one shard at a time: the whole model and one shard at most
+                shard = model.shard(TPRank(layouts[r], Unconnected(r, n)))
+                tensors = list(shard.state_dict().values())
+                del shard
+                self._wait(functools.partial(_send_all, group, tensors, r), f"send rank {r} its weights")
+                del tensors
+            for r, conn in enumerate(self._conns, start=1):
+                self._wait(functools.partial(_ready, conn), f"hear from rank {r}")
+            self.model = model.shard(TPRank(layouts[0], GlooCollective(group, 0, n)))
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run fn (a blocking call the workers must answer) while watching them: a worker that exits
+        meanwhile fails the start at once, naming it, instead of after a timeout."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+
+        t = threading.Thread(target=run, name="splitserve-tp-start", daemon=True)
+        t.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while t.is_alive():
+            t.join(0.1)
+            for r, proc in enumerate(self._procs, start=1):
+                if not proc.is_alive() and t.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel rank {r} exited (code {proc.exitcode}) before it could {what}"
+                    )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel start: timed out waiting to {what}")
+        if "error" in box:
+            raise RuntimeError(f"tensor-parallel start: could not {what}: {box['error']}") from box["error"]
+        return box.get("value")
+
+    # --- per step -----------------------------------------------------------------------------------
+    def swap_out(self, seq_id: str, blocks: list[int]) -> None:
+        self._pending.swap_out.append((seq_id, list(blocks)))
+
+    def swap_in(self, seq_id: str, blocks: list[int]) -> None:
+        self._pending.swap_in.append((seq_id, list(blocks)))
+
+    def drop(self, seq_id: str) -> None:
+        self._pending.drop.append(seq_id)
+
+    def run(self, step: StepInputs | None) -> None:
+        """Send the workers this step (None: only the KV operations queued since the last one)."""
+        msg, self._pending = self._pending, StepMessage()
+        msg.step = step
+        if msg.is_empty:
+            return
+        for r, proc in enumerate(self._procs, start=1):  # a step with a rank missing would fail in gloo
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {r} is gone (exit code {proc.exitcode})")
+        self._send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def flush(self) -> None:
+        """Send the queued KV operations now (a step that computes nothing)."""
+        self.run(None)
+
+    def _send(self, data: bytes) -> None:
+        for r, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except OSError as e:
+                code = self._procs[r - 1].exitcode
+                raise RuntimeError(f"tensor-parallel rank {r} is gone (exit code {code}): {e}") from e
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        self._finalizer()
+
+    @property
+    def alive(self) -> list[int]:
+        """Pids of the workers still running (for tests and /health-like checks)."""
+        return [p.pid for p in self._procs if p.is_alive()]
+
+
+def _send_all(group: Any, tensors: list[torch.Tensor], rank: int) -> None:
+    for t in tensors:
+        group.send([t.contiguous()], rank, WEIGHTS_TAG).wait()
+
+
+def _ready(conn: multiprocessing.connection.Connection) -> None:
+    kind, detail = conn.recv()
+    if kind != "ready":
+        raise RuntimeError(detail)
+
+
+def _stop(procs: list[Any], conns: list[multiprocessing.connection.Connection]) -> None:
+    stop = pickle.dumps(None)
+    for conn in conns:
+        with contextlib.suppress(OSError):  # that worker is gone already
+            conn.send_bytes(stop)
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        proc.join(max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            log.warning("tensor-parallel worker %s did not stop: killing it", proc.name)
+            proc.kill()
+            proc.join(5)
+    for conn in conns:
+        conn.close()
+    procs.clear()
+    conns.clear()
+
+
+# --- the worker process -------------------------------------------------------------------------------
+def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
+    """A worker rank's process: join, receive the shard, then run steps until told to stop or rank 0
+    is gone. Always ends with os._exit (no interpreter teardown racing gloo's threads)."""
+    _exit_with_parent()
+    code = 0
+    try:
+        torch.set_num_threads(spec.num_threads)
+        timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
+        store = dist.TCPStore("127.0.0.1", spec.store_port, None, False, timeout=timeout)
+        group = gloo_group(store, spec.rank, spec.world_size, OP_TIMEOUT_S)
+        tp = TPRank(spec.layout, GlooCollective(group, spec.rank, spec.world_size))
+        model = LlamaForCausalLM.empty(spec.model_config, spec.dtype, tp)
+        for t in model.state_dict().values():
+            group.recv([t], 0, WEIGHTS_TAG).wait()
+        kv = PagedKVCache(spec.kv_spec)
+        runner = ModelRunner(model, kv)
+        conn.send(("ready", None))
+        _serve(conn, runner, kv)
+    except (EOFError, OSError):
+        code = 0  # rank 0 closed its end: the engine is gone
+    except BaseException:
+        code = 1
+        detail = f"tensor-parallel rank {spec.rank} failed:\n{traceback.format_exc()}"
+        log.error("%s", detail)
+        with contextlib.suppress(OSError):
+            conn.send(("error", detail))
+    os._exit(code)
+
+
+def _serve(conn: multiprocessing.connection.Connection, runner: ModelRunner, kv: PagedKVCache) -> None:
+    swapped: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    while True:
+        msg = pickle.loads(conn.recv_bytes())  # EOFError once rank 0 is gone
+        if msg is None:
+            return
+        assert isinstance(msg, StepMessage)
+        for seq_id in msg.drop:
+            swapped.pop(seq_id, None)
+        for seq_id, blocks in msg.swap_out:
+            swapped[seq_id] = kv.copy_out(blocks)
+        for seq_id, blocks in msg.swap_in:
+            kv.copy_in(blocks, swapped.pop(seq_id))
+        if msg.step is not None:
+            runner.run_shard(msg.step)
+
+
+def _exit_with_parent() -> None:
+    """Exit as soon as the parent (rank 0) is gone, whatever this process is blocked in."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+    sentinel = parent.sentinel
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="splitserve-tp-parent", daemon=True).start()
