@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any, cast
 
 Scenario = Callable[[argparse.Namespace], dict[str, Any]]
-DEFAULT_REQUESTS = {"serving": 24, "soak": 5000}  # --requests when not given; 64 for the others
+# --requests when not given; 64 for the others
+DEFAULT_REQUESTS = {"serving": 24, "soak": 5000, "kv-dtype": 20}
 # --rounds when not given; 5 for the others. A round of batching or peer-hf runs the whole workload on
 # each side (a smaller one would change the figure: the ratio grows with requests per batch slot).
 DEFAULT_ROUNDS = {"batching": 3, "peer-hf": 3, "prefix": 2, "fairness": 2}
@@ -30,6 +31,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "soak": "soak",
     "prefix": "prefix",
     "fairness": "fairness",
+    "kv-dtype": "kv_dtype",
 }
 
 
@@ -70,10 +72,12 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | all",
+        "prefix | fairness | kv-dtype | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
-    b.add_argument("--requests", type=int, default=None, help="default 64 (serving: 24, soak: 5000)")
+    b.add_argument(
+        "--requests", type=int, default=None, help="default 64 (serving: 24, soak: 5000, kv-dtype: 20)"
+    )
     b.add_argument("--max-batch", type=int, default=16)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--model", default=None)
@@ -100,7 +104,9 @@ def add_bench_parser(sub: Any) -> None:
     x = b.add_argument_group("prefix")
     x.add_argument("--sessions", type=int, default=4, help="prefix: chat sessions run at once")
     x.add_argument("--turns", type=int, default=6, help="prefix: questions per session")
-    x.add_argument("--answer-tokens", type=int, default=16, help="prefix, fairness: tokens per answer")
+    x.add_argument(
+        "--answer-tokens", type=int, default=16, help="prefix, fairness, kv-dtype: tokens per answer"
+    )
     x.add_argument(
         "--system-notes",
         type=int,

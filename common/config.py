@@ -53,6 +53,11 @@ class EngineConfig(BaseSettings):
         description="fair: prefill tokens per step beside a just-arrived tenant's request (which goes "
         "whole); default max_num_batched_tokens (small: a sparse tenant's request waits less for a step)",
     )
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto",
+        description="what the KV cache stores: auto (the model dtype), a narrower float, or fp8 with a "
+        "calibrated power-of-two scale per layer and KV head (tensor_parallel_size 1 for now)",
+    )
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
     tensor_parallel_size: int = Field(

@@ -234,6 +234,7 @@ class KVCompat(msgspec.Struct, frozen=True):
     head_dim: int
     block_size: int
     layout: str = "LBSHD"  # (layer, block, slot, kv_head, head_dim), K and V separate
+    kv_scales: str = ""  # fp8 KV: the per-(layer, KV head) scales' exponents (common/kv/quant.py)
     protocol_version: int = PROTOCOL_VERSION
 
     def mismatches(self, other: KVCompat) -> list[str]:

@@ -44,6 +44,7 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--fair-bulk-prefill-tokens": "fair_bulk_prefill_tokens",
     "--threads": "num_threads",
     "--tensor-parallel-size": "tensor_parallel_size",
+    "--kv-cache-dtype": "kv_cache_dtype",
 }
 
 

@@ -35,8 +35,9 @@ from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.sequence import Sequence
 from common.engine.speed import StepSpeed
 from common.engine.static_batching import StaticBatchScheduler
+from common.kv import quant
 from common.kv.block_manager import BlockManager
-from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -64,7 +65,7 @@ class Completion:
     finish_reason: str
 
 
-def kv_compat(model_config: ModelConfig, spec: KVCacheSpec) -> KVCompat:
+def kv_compat(model_config: ModelConfig, spec: KVCacheSpec, kv_scales: str = "") -> KVCompat:
     """The transfer preflight's record for this model and KV cache: every field the KV bytes depend on."""
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
         model_config.num_layers,
@@ -79,6 +80,7 @@ def kv_compat(model_config: ModelConfig, spec: KVCacheSpec) -> KVCompat:
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         block_size=spec.block_size,
+        kv_scales=kv_scales,
     )
 
 
@@ -133,9 +135,18 @@ class LLMEngine:
         self.model = model.to(device)  # with tensor parallelism: replaced by rank 0's shard below
         dtype = self.placement.dtype
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        kv_dtype = quant.kv_dtype(config.kv_cache_dtype, dtype)
+        scales: KVScales | None = None
+        if kv_dtype in FP8:
+            if tp > 1:
+                raise ValueError(
+                    f"kv_cache_dtype={config.kv_cache_dtype} needs tensor_parallel_size 1 for now (the TP "
+                    "ranks' caches hold the model dtype)"
+                )
+            scales = quant.calibrate(self.model, tokenizer.encode(quant.CALIBRATION_TEXT), kv_dtype)
 
         def kv_spec(blocks: int, kv_heads: int) -> KVCacheSpec:
-            return KVCacheSpec(mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, dtype)
+            return KVCacheSpec(mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype)
 
         # rank 0 holds the most KV heads (the partition gives the first ranks the larger share), so the
         # KV budget (kv_cache_memory_mb, per rank) sizes the block count every rank uses
@@ -154,7 +165,7 @@ class LLMEngine:
                 "tensor parallelism: %d ranks (KV heads %s, %d threads each) started in %.1f s",
                 tp, [len(lay.kv_heads) for lay in layouts], threads, time.monotonic() - t0,
             )  # fmt: skip
-        self.kv_cache = PagedKVCache(spec, device=device)
+        self.kv_cache = PagedKVCache(spec, device=device, compute_dtype=dtype, scales=scales)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -352,7 +363,8 @@ class LLMEngine:
         """What a peer must match before KV moves between this engine's cache and its own."""
         if self.tp_workers is not None:
             raise ValueError("KV transfer with tensor_parallel_size > 1 is not supported yet")
-        return kv_compat(self.model.config, self.kv_cache.spec)
+        scales = self.kv_cache.scales
+        return kv_compat(self.model.config, self.kv_cache.spec, scales.digest() if scales else "")
 
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> StepResult:

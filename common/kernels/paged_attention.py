@@ -23,6 +23,11 @@ Layouts (as in common/kv/kv_cache.py, one layer's slice):
     context_lens    (S,) int32                    tokens in KV after this step (cached + new)
     seq_ids         (N,) int32                    which sequences this launch covers
 A sequence with context length 0 (CUDA-graph padding) produces zeros, and `store_kv` skips slot < 0.
+
+An fp8 cache (QUANT) holds x / scale with one scale per KV head (of this layer: k_scale, v_scale, fp32),
+written by `store_kv` as the caller quantized them; attention reads the raw values in the query's dtype
+and applies the scales where they cost least — K's to the scores, V's to the output (one KV head per
+program, so each is one scalar).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def _paged_attention_kernel(
     seq_ids_ptr,
     part_acc_ptr,  # split decode: (N, n_heads, num_splits, head_dim) fp32 unnormalized outputs
     part_ml_ptr,  # split decode: (2, N, n_heads, num_splits) fp32 running max, running sum
+    k_scale_ptr,  # QUANT: (n_kv_heads,) fp32, this layer's
+    v_scale_ptr,
     num_splits,
     n_heads,
     scale,
@@ -80,6 +87,7 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr,  # fp32 dots in full precision (no TF32)
     UPCAST: tl.constexpr,  # compute the dots in fp32 (the interpreter's bf16 dot is wrong)
     SPLIT: tl.constexpr,  # decode with num_splits > 1: axis 2 is the split, results are partial
+    QUANT: tl.constexpr,  # the cache holds fp8 values scaled per KV head
 ):
     launch_idx = tl.program_id(0)
     seq = tl.load(seq_ids_ptr + launch_idx)
@@ -112,6 +120,9 @@ def _paged_attention_kernel(
     )  # (BLOCK_M, HEAD_PAD)
     if UPCAST:
         q = q.to(tl.float32)
+    qk_scale = scale
+    if QUANT:
+        qk_scale = scale * tl.load(k_scale_ptr + kv_head)
 
     # keys this tile can see: up to the last valid query's position
     last_q = tl.minimum(n_new, (q_tile + 1) * BLOCK_Q) - 1
@@ -153,11 +164,14 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        if QUANT:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:  # noqa: SIM108 (a constexpr branch: each specialization compiles one dot)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * scale  # (BLOCK_M, TILE) fp32
+        s = s * qk_scale  # (BLOCK_M, TILE) fp32
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         s = tl.where(visible, s, float("-inf"))
 
@@ -173,6 +187,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if QUANT:
+        acc = acc * tl.load(v_scale_ptr + kv_head)
     if SPLIT:
         part = (launch_idx * n_heads + head) * num_splits + split  # (BLOCK_M,)
         ml_stride = tl.num_programs(0) * n_heads * num_splits
@@ -258,6 +274,9 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (T,) int; slot < 0: skip (padding)
 ) -> None:
+    """Copy new K/V rows into their slots. k and v are already in the cache's dtype (an fp8 cache's
+    caller scaled and cast them: PagedKVCache.quantize, so that both attention paths store the same
+    bytes — Triton's interpreter rounds fp32 -> fp8 wrongly where the mantissa carries)."""
     T, n_kv, hd = k.shape
     if T == 0:
         return
@@ -266,12 +285,26 @@ def store_kv(
             raise ValueError(f"store_kv: {name} rows must be contiguous (T, n_kv, hd)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.stride() != v_cache.stride():
         raise ValueError("store_kv: the K and V caches must be contiguous and of one layout")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"store_kv: K/V are {k.dtype}/{v.dtype}, the cache holds {k_cache.dtype}")
     row = n_kv * hd
     _store_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
         ROW=row, ROW_PAD=_pow2(row), BLOCK_SIZE=k_cache.shape[1],
     )  # fmt: skip
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _quantized(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether `cache` is fp8 (then both scales are required)."""
+    if cache.dtype not in FP8:
+        return False
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {cache.dtype} KV cache needs its per-head k_scale and v_scale")
+    return True
 
 
 def paged_attention_launch(
@@ -287,6 +320,8 @@ def paged_attention_launch(
     max_new_tokens: int,  # the most new tokens any covered sequence has (sizes the grid)
     decode: bool,  # every covered sequence has exactly one new token
     num_splits: int | None = None,  # decode: programs per (sequence, KV head); None: decode_splits()
+    k_scale: torch.Tensor | None = None,  # an fp8 cache: (n_kv,) fp32, what each head was divided by
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     n_seqs = seq_ids.numel()
     if n_seqs == 0:
@@ -310,13 +345,14 @@ def paged_attention_launch(
         group_pad = _pow2(group)
         block_q = max(1, PREFILL_ROWS // group_pad)
         axis2 = triton.cdiv(max_new_tokens, block_q)
+    quant = _quantized(k_cache, k_scale, v_scale)
     part_acc = part_ml = out  # unused unless split
     if splits > 1:
         part_acc = torch.empty((n_seqs, n_heads, splits, hd), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((2, n_seqs, n_heads, splits), dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(n_seqs, n_kv, axis2)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens, seq_ids,
-        part_acc, part_ml, splits, n_heads, scale,
+        part_acc, part_ml, k_scale if quant else out, v_scale if quant else out, splits, n_heads, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -324,7 +360,7 @@ def paged_attention_launch(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=hd, HEAD_PAD=_pow2(hd, MIN_DOT), BLOCK_SIZE=k_cache.shape[1], TILE=TILE_N,
         IEEE=q.dtype == torch.float32 or interpreted,
-        UPCAST=interpreted and q.dtype != torch.float32, SPLIT=splits > 1,
+        UPCAST=interpreted and q.dtype != torch.float32, SPLIT=splits > 1, QUANT=quant,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(n_seqs, n_heads)](

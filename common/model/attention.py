@@ -141,8 +141,9 @@ def paged_attention(
     if batch is not None:
         # every decode sequence in one call: its one query row against its own blocks, the padding masked
         d, hd = batch.blocks.shape[0], q.shape[2]
-        kc = kv_cache.k[layer][batch.blocks].view(d, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
-        vc = kv_cache.v[layer][batch.blocks].view(d, -1, n_kv, hd).transpose(1, 2)
+        kb, vb = kv_cache.read_blocks(layer, batch.blocks)  # (D, max_blocks, block_size, n_kv, hd)
+        kc = kb.view(d, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
+        vc = vb.view(d, -1, n_kv, hd).transpose(1, 2)
         qd = q[batch.rows].unsqueeze(2)  # (D, n_heads, 1, hd)
         od = F.scaled_dot_product_attention(
             qd, kc, vc, attn_mask=batch.mask, scale=scale, enable_gqa=n_heads != n_kv
@@ -183,9 +184,13 @@ def _triton_paged_attention(
     from common.kernels.paged_attention import paged_attention_launch, store_kv
 
     kc, vc = kv_cache.k[layer], kv_cache.v[layer]
-    store_kv(k, v, kc, vc, slot_mapping)
+    sc = kv_cache.scales  # an fp8 cache's per-head scales of this layer
+    ks, vs = (None, None) if sc is None else (sc.k[layer], sc.v[layer])
+    store_kv(kv_cache.quantize(k, layer, "k"), kv_cache.quantize(v, layer, "v"), kc, vc, slot_mapping)
     out = torch.empty_like(q)
     common = (q, kc, vc, out, km.block_tables, km.query_start_loc, km.context_lens)
-    paged_attention_launch(*common, km.decode_ids, scale, 1, decode=True)
-    paged_attention_launch(*common, km.prefill_ids, scale, km.max_prefill_tokens, decode=False)
+    paged_attention_launch(*common, km.decode_ids, scale, 1, decode=True, k_scale=ks, v_scale=vs)
+    paged_attention_launch(
+        *common, km.prefill_ids, scale, km.max_prefill_tokens, decode=False, k_scale=ks, v_scale=vs
+    )
     return out

@@ -69,8 +69,9 @@ def test_layers_move_byte_exact_and_done_follows_them() -> None:
     assert Endpoint.parse(r.endpoint, "nixl").host == "127.0.0.1"
 
 
-def test_layers_move_byte_exact_between_processes(tmp_path: Path) -> None:
-    spec = dataclasses.replace(SPEC, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])  # no numpy dtype: byte views
+def test_layers_move_byte_exact_between_processes(tmp_path: Path, dtype: torch.dtype) -> None:
+    spec = dataclasses.replace(SPEC, dtype=dtype)
     src = filled(spec, seed=1)
 
     async def send(endpoint: str) -> None:

@@ -97,8 +97,9 @@ def test_layers_move_byte_exact_and_done_follows_them(receiver: ThreadReceiver) 
     assert receiver.rx.stats.bytes_received == 2 * len(DST) * 2 * block_bytes(src)
 
 
-def test_layers_move_byte_exact_between_processes(tmp_path: Path) -> None:
-    spec = dataclasses.replace(SPEC, dtype=torch.bfloat16)  # bf16 has no numpy dtype: exercises byte views
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])  # no numpy dtype: byte views
+def test_layers_move_byte_exact_between_processes(tmp_path: Path, dtype: torch.dtype) -> None:
+    spec = dataclasses.replace(SPEC, dtype=dtype)
     src = filled(spec, seed=1)
 
     async def send(endpoint: str) -> None:

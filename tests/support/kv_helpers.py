@@ -15,7 +15,7 @@ from typing import Any, Generic, Self, TypeVar
 import pytest
 import torch
 
-from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
 from common.protocol import KVCompat, KVDone, Message, decode, frame, frame_length
 from common.security.secret import InternalSecret
 from kv_transfer import KVReceiver, KVSender, PreflightError, ReceiverOwner
@@ -55,8 +55,16 @@ def compat(spec: KVCacheSpec) -> KVCompat:
     return KVCompat("tiny", "h", dtype, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size)
 
 
+def cache(spec: KVCacheSpec) -> PagedKVCache:
+    """An empty cache of `spec`; an fp8 one with unit scales (the transports move its bytes as they are)."""
+    if spec.dtype not in FP8:
+        return PagedKVCache(spec)
+    ones = torch.ones(spec.num_layers, spec.num_kv_heads)
+    return PagedKVCache(spec, compute_dtype=torch.float32, scales=KVScales(ones, ones))
+
+
 def filled(spec: KVCacheSpec, seed: int = 0) -> PagedKVCache:
-    kv = PagedKVCache(spec)
+    kv = cache(spec)
     g = torch.Generator().manual_seed(seed)
     kv.k.copy_(torch.randn(kv.k.shape, generator=g))
     kv.v.copy_(torch.randn(kv.v.shape, generator=g))
@@ -131,7 +139,7 @@ class LoopReceiver(Generic[R]):
 
 
 def _receiver_process(make: MakeReceiver[KVReceiver], spec: KVCacheSpec, conn: Any, out: str) -> None:
-    kv = PagedKVCache(spec)
+    kv = cache(spec)
 
     async def main() -> None:
         done = asyncio.Event()
@@ -165,7 +173,7 @@ def received_in_another_process(
         assert proc.exitcode == 0
     finally:
         proc.kill()
-    got = PagedKVCache(spec)
+    got = cache(spec)
     saved = torch.load(out)
     got.k.copy_(saved["k"])
     got.v.copy_(saved["v"])

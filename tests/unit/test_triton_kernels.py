@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from common.kernels.paged_attention import paged_attention_launch, store_kv  # noqa: E402
-from common.kv.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache  # noqa: E402
 from common.model.attention import AttentionMetadata, KernelMetadata, paged_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,14 +45,15 @@ def make_step(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     spare_blocks: int = 3,
+    kv_dtype: torch.dtype | None = None,  # the cache's, if not `dtype` (fp8: with per-head scales)
 ) -> Step:
     g = torch.Generator().manual_seed(seed)
     need = [-(-c // block_size) for _, c in seqs]
     num_blocks = sum(need) + spare_blocks
-    spec = KVCacheSpec(2, num_blocks, block_size, n_kv, head_dim, dtype)
-    cache = PagedKVCache(spec, device=DEVICE)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(dtype))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(dtype))
+    spec = KVCacheSpec(2, num_blocks, block_size, n_kv, head_dim, kv_dtype or dtype)
+    cache = new_cache(spec, dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(spec.dtype))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(spec.dtype))
     perm = torch.randperm(num_blocks, generator=g).tolist()  # blocks scattered over the cache
     tables, slots, qsl = [], [], [0]
     for (n, c), nb in zip(seqs, need, strict=True):
@@ -77,9 +78,19 @@ def make_step(
     )
 
 
+def new_cache(spec: KVCacheSpec, compute_dtype: torch.dtype) -> PagedKVCache:
+    """An empty cache; an fp8 one with a different power-of-two scale for every (layer, head), K and V."""
+    scales = None
+    if spec.dtype in FP8:
+        n = spec.num_layers * spec.num_kv_heads
+        exps = torch.arange(n, dtype=torch.float32).view(spec.num_layers, spec.num_kv_heads)
+        scales = KVScales(torch.exp2(exps - 3), torch.exp2(1 - exps))
+    return PagedKVCache(spec, device=DEVICE, compute_dtype=compute_dtype, scales=scales)
+
+
 def run_both(step: Step, layer: int = 1, scale: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
     """(torch reference output, kernel output); each on its own copy of the cache, compared after."""
-    ref_cache = PagedKVCache(step.cache.spec, device=DEVICE)
+    ref_cache = new_cache(step.cache.spec, step.q.dtype)
     ref_cache.k.copy_(step.cache.k)
     ref_cache.v.copy_(step.cache.v)
     tables_t = [torch.tensor(t, dtype=torch.long, device=DEVICE) for t in step.tables]
@@ -150,6 +161,18 @@ def test_bfloat16_matches_reference_within_bf16_precision() -> None:
     ref, out = run_both(step)
     assert out.dtype == torch.bfloat16
     assert (ref.float() - out.float()).abs().max().item() <= tol(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fp8_cache_matches_the_reference_over_the_same_bytes(kv_dtype: torch.dtype, seed: int) -> None:
+    """Both paths store the same fp8 bytes (run_both checks), and attention over them with the per-head
+    scales applied in the kernel matches the reference's attention over the dequantized values."""
+    seqs = [(1, 33), (12, 40), (1, 5), (1, 70), (7, 7)]
+    step = make_step(seqs, 9, 3, 64, 16, seed=seed, kv_dtype=kv_dtype)
+    step.k[0, 0, :4] = torch.tensor([1e6, -1e6, 3.0, 0.0])  # past the range: saturates, never inf/NaN
+    ref, out = run_both(step)
+    assert torch.isfinite(out).all() and (ref - out).abs().max().item() <= 1e-4
 
 
 def test_padding_rows_give_zeros_and_write_nothing() -> None:

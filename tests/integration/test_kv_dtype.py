@@ -1,0 +1,50 @@
+"""The real model with a narrower KV cache (`kv_cache_dtype`): bounded logprob drift against fp32 KV,
+the same calibrated scales every time, the capacity, and what is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.kv_dtype import prompt_logprobs
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.sampling_params import SamplingParams
+
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Why is the sky blue?", "2+2="]
+
+
+def _engine(smollm, dtype: str) -> LLMEngine:  # type: ignore[no-untyped-def]
+    model, tok = smollm
+    return LLMEngine(model, tok, EngineConfig(kv_cache_dtype=dtype, kv_cache_memory_mb=16, max_num_seqs=4))
+
+
+@pytest.mark.timeout(300)
+def test_narrow_kv_drifts_little_from_fp32_kv_and_holds_more_blocks(smollm) -> None:  # type: ignore[no-untyped-def]
+    _, tok = smollm
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    base = _engine(smollm, "auto")
+    answers = [c.token_ids for c in base.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    seqs = [p + a for p, a in zip(prompts, answers, strict=True)]
+    ref = [prompt_logprobs(base, s) for s in seqs]
+    for dtype, bound, gain in (("bfloat16", 0.02, 2), ("fp8_e4m3", 0.2, 4)):
+        engine = _engine(smollm, dtype)
+        assert engine.kv_cache.spec.num_blocks >= gain * base.kv_cache.spec.num_blocks
+        got = [prompt_logprobs(engine, s) for s in seqs]
+        drift = np.abs(np.concatenate([np.subtract(g, r) for g, r in zip(got, ref, strict=True)]))
+        # the mean over every scored token (prompts and answers); measured: bf16 ~0.003, fp8 e4m3 ~0.06
+        assert np.isfinite(drift).all() and drift.mean() < bound, (dtype, drift.mean(), drift.max())
+
+
+def test_fp8_scales_are_calibrated_the_same_every_time_and_named_in_the_preflight(smollm) -> None:  # type: ignore[no-untyped-def]
+    a, b = _engine(smollm, "fp8_e4m3"), _engine(smollm, "fp8_e4m3")
+    assert a.kv_compat() == b.kv_compat()
+    assert a.kv_compat().dtype == "float8_e4m3fn" and a.kv_compat().kv_scales
+    mismatch = a.kv_compat().mismatches(_engine(smollm, "fp8_e5m2").kv_compat())
+    assert [m.split(" ")[0] for m in mismatch] == ["dtype", "kv_scales"]
+
+
+def test_fp8_kv_is_refused_where_it_is_not_read_yet(smollm) -> None:  # type: ignore[no-untyped-def]
+    model, tok = smollm
+    with pytest.raises(ValueError, match="needs tensor_parallel_size 1"):
+        LLMEngine(model, tok, EngineConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, num_threads=1))
