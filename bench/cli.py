@@ -123,6 +123,10 @@ def add_bench_parser(sub: Any) -> None:
     f.add_argument(
         "--fair-budget", type=int, default=None, help="fairness: the decode services' max_num_batched_tokens"
     )
+    f.add_argument(
+        "--fair-bulk", type=int, default=0,
+        help="fairness: the fair-share service's --fair-bulk-prefill-tokens (default 0: unbounded)",
+    )  # fmt: skip
     o = b.add_argument_group("soak")
     o.add_argument("--concurrency", type=int, default=8, help="soak: requests in flight at once")
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")

@@ -1,16 +1,20 @@
 """Tenant fair share against FCFS on one decode service (issue: tenant fair share).
 
-One real stack: two decode services that differ only in `--policy` (fcfs, fair), each with a router of
-its own in front (every prompt prefilled on the decode service: admission there is what is compared).
-Requests name their tenant with `x-splitserve-tenant` (auth off; with API keys, the key's tenant).
-Per policy, in rounds that alternate the two (A B, B A, ...):
+One real stack: two decode services that differ only in `--policy` (fcfs, fair; and `--fair-bulk`, if
+given), each with a router of its own in front (every prompt prefilled on the decode service: admission
+there is what is compared). Requests name their tenant with `x-splitserve-tenant` (auth off; with API
+keys, the key's tenant). Per policy, in rounds that alternate the two (A B, B A, ...):
 
 1. **victim alone**: tenant B sends at `--victim-rate` (Poisson) for `--phase-s` seconds: B's TTFT p99;
 2. **flood**: tenant A sends at 10x B's rate at the same time as B: B's TTFT p99 again, and
    `victim_ttft_p99_ratio` = flood / alone (goal <= 1.5 under fair share);
 3. **both backlogged**: closed loops, A with 3x B's clients, both more than their share of the batch:
    output tokens each tenant received in the window where both had requests waiting, and Jain's
-   fairness index of the two (equal weights; goal >= 0.95 under fair share).
+   fairness index of the two (equal weights; goal >= 0.95 under fair share), and what fair share
+   costs: `throughput_ratio`, the tokens both received under fair share over those under FCFS.
+
+`--fair-bulk N` runs the fair-share service with `--fair-bulk-prefill-tokens N` (default: unbounded):
+other prefill work per step kept short, so that B's request arriving during a step soon starts.
 """
 
 from __future__ import annotations
@@ -180,6 +184,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "decode", *model_flags, "--threads", str(args.threads), "--policy", policy,
                 "--max-num-seqs", str(args.fair_seqs),
                 *(["--max-num-batched-tokens", str(args.fair_budget)] if args.fair_budget else []),
+                *(["--fair-bulk-prefill-tokens", str(args.fair_bulk)] if policy == "fair" and args.fair_bulk
+                  else []),
             )  # fmt: skip
             urls[policy] = stack.start(
                 "router", *model_flags, "--decode-urls", decode, "--local-prefill-threshold", "100000"
@@ -224,6 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "phase_s": seconds,
         "max_num_seqs": args.fair_seqs,
         "max_num_batched_tokens": args.fair_budget or "default",
+        "fair_bulk_prefill_tokens": args.fair_bulk or "default",
         "rounds": args.rounds,
         "load_before": load_before,
         "load_after": load_avg(),
@@ -239,4 +246,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out[f"{policy}_{k}"] = [r[k] for r in rs]
         out[f"{policy}_errors"] = sum(r["errors"] for r in rs)
         out[f"{policy}_first_error"] = next((r["first_error"] for r in rs if r["first_error"]), None)
+    # what fair share costs: tokens served while both tenants are backlogged, fair over fcfs, per round
+    pairs = zip(results["fair"], results["fcfs"], strict=True)
+    served = spread([sum(f["tokens"].values()) / max(1, sum(c["tokens"].values())) for f, c in pairs])
+    out["throughput_ratio"], out["throughput_ratio_spread"] = served["median"], [served["min"], served["max"]]
     return out

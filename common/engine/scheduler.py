@@ -23,9 +23,11 @@ tenant whose queue empties leaves the round and loses its credit: nothing is ban
 in which nobody could be served are skipped in one go, so a deep debt never leaves capacity idle.
 Decode-side reservations (`reserving`) follow the same round and credit. With every batch slot taken, a
 queued tenant under its share of `max_num_seqs` starts in place of the least urgent sequence of the
-tenant furthest over its own (recomputed: `_make_room`). Out of KV blocks, preemption takes its victim
-from the tenant holding the most KV blocks per unit of weight (the one furthest over its share of the
-cache), least urgent first. `tenant_served` counts each tenant's billed tokens under every policy.
+tenant furthest over its own (recomputed: `_make_room`). A light tenant (asking RECENT_RATIO times fewer
+tokens lately than another) may take a slot from it while that one runs as many sequences, and that one
+never takes the light one's slots (`_may_take`). Out of KV blocks, preemption takes its victim from the
+tenant holding the most KV blocks per unit of weight (the one furthest over its share of the cache),
+least urgent first. `tenant_served` counts each tenant's billed tokens under every policy.
 
 Remote KV: a decode service's request waits in `reserving` until its prompt's blocks can be reserved,
 then sits in `parked` (holding them, never scheduled) until `kv_arrived`. A prefill service's request
@@ -48,6 +50,8 @@ from common.engine.sequence import Sequence, SequenceStatus
 from common.kv.block_manager import BlockManager
 
 log = logging.getLogger("splitserve.scheduler")
+RECENT_HALF_LIFE_S = 5.0  # fair: how fast served tokens stop counting as recent (_may_take)
+RECENT_RATIO = 4.0  # fair: asking this many times less lately, a tenant may take a slot (_may_take)
 
 Policy = Literal["fcfs", "priority", "fair", "static"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
@@ -142,6 +146,9 @@ class Scheduler:
         self._rr: deque[str] = deque()
         self._fresh: set[str] = set()  # tenants that joined on arrival and have not had their turn yet
         self._deficit: dict[str, float] = {}
+        # fair: tokens asked for per tenant lately (decayed; see _may_take) and when each was last updated
+        self._recent: dict[str, float] = {}
+        self._recent_at: dict[str, float] = {}
         self._bulk: int | None = None  # fair_bulk_prefill_tokens left in this step (None: no bound)
 
     # --- queue ------------------------------------------------------------------------------------
@@ -155,6 +162,9 @@ class Scheduler:
         seq.arrival_order = self._arrivals
         (self.reserving if seq.remote_kv == "receive" else self.waiting).append(seq)
         self._join(seq.tenant, arriving=True)
+        if self.config.policy == "fair" and seq.num_preemptions == 0:
+            asked = seq.num_prompt_tokens + seq.params.max_tokens
+            self._recent[seq.tenant] = self._recent_demand(seq.tenant) + asked
 
     def has_work(self) -> bool:
         """Anything a step would do (parked sequences wait for a transfer, not for a step)."""
@@ -464,6 +474,14 @@ class Scheduler:
         if seq.tenant in self._deficit:
             self._deficit[seq.tenant] -= tokens
 
+    def _recent_demand(self, tenant: str) -> float:
+        """Tokens `tenant` asked for lately (prompt + max_tokens of each request it sent), each one's
+        weight halving every RECENT_HALF_LIFE_S: how heavy a tenant is, whatever it was served."""
+        now = self.clock()
+        last = self._recent_at.get(tenant, now)
+        self._recent_at[tenant] = now
+        return self._recent.get(tenant, 0.0) * 0.5 ** ((now - last) / RECENT_HALF_LIFE_S)
+
     def _slots(self) -> Counter[str]:
         """Batch slots per tenant: running sequences and reservations waiting for their KV."""
         slots = Counter(s.tenant for s in self.running)
@@ -474,6 +492,24 @@ class Scheduler:
         """tenant's share of max_num_seqs, by weight, among the tenants holding slots and `newcomer`."""
         w = self.config.weight
         return self.config.max_num_seqs * w(tenant) / sum(w(t) for t in {*slots, newcomer})
+
+    def _may_take(self, t: str, v: str, slots: Counter[str]) -> bool:
+        """fair, every batch slot taken: may a queued request of tenant t start in place of one of v's?
+        Between tenants of like demand (tokens asked for lately, per unit of weight, within
+        RECENT_RATIO of each other): when t runs fewer sequences than its share of max_num_seqs (one
+        more would not take it over) while v runs more than its own. A light tenant (asking
+        RECENT_RATIO times less than v) may take from v while v runs at least as many sequences as it,
+        and v may never take from it: a light tenant whose few requests overlap is not held to its share
+        of a small batch by a flooding one."""
+        if t == v or not slots[v]:
+            return False
+        w = self.config.weight
+        demand_t, demand_v = self._recent_demand(t) / w(t), self._recent_demand(v) / w(v)
+        if demand_t * RECENT_RATIO < demand_v:  # t is light next to v
+            return slots[v] >= slots[t]
+        if demand_v * RECENT_RATIO < demand_t:  # v is light next to t: its few slots stay its own
+            return False
+        return slots[t] + 1 <= self._share(t, slots, t) and slots[v] - 1 >= self._share(v, slots, t)
 
     def _starved_head(self, queue: deque[Sequence], taken: list[Sequence]) -> Sequence | None:
         """fair, every batch slot taken: the most urgent queued sequence of the tenant furthest under
@@ -486,12 +522,7 @@ class Scheduler:
         gone = {id(s) for s in taken}  # admitted this step, still in the queue until the pass ends
         queued = [s for s in queue if id(s) not in gone]
         slots, w = self._slots(), self.config.weight
-        starved = [
-            t
-            for t in {s.tenant for s in queued}
-            if slots[t] + 1 <= self._share(t, slots, t)
-            and any(v != t and slots[v] - 1 >= self._share(v, slots, t) for v in slots)
-        ]
+        starved = [t for t in {s.tenant for s in queued} if any(self._may_take(t, v, slots) for v in slots)]
         if not starved:
             return None
         tenant = min(starved, key=lambda t: (slots[t] / w(t), t))
@@ -508,7 +539,7 @@ class Scheduler:
         little waits for a flooding tenant's generations to end before its first token. None if no slot
         was freed; else the token budget the victim gave back."""
         slots, w = self._slots(), self.config.weight
-        over = [t for t in slots if t != seq.tenant and slots[t] - 1 >= self._share(t, slots, seq.tenant)]
+        over = [v for v in slots if self._may_take(seq.tenant, v, slots)]
         fresh = {id(s) for s in out.admitted}  # admitted this very step: preempting them gains nothing
         victims = [s for s in self.running if s.tenant in over and id(s) not in fresh]
         if not victims:

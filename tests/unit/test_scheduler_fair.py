@@ -422,3 +422,35 @@ def test_a_new_tenant_that_cannot_start_does_not_hold_up_the_others_prefill() ->
     for _ in range(8):
         step(s)
     assert a.status is SequenceStatus.FINISHED
+
+
+def test_a_light_tenant_is_not_held_to_its_share_of_a_small_batch_by_a_flooding_one() -> None:
+    # a asks for far more than b lately (20 requests to 3): b's overlapping requests may hold more
+    # than half of a 4-slot batch, and a does not take those slots back
+    s = make(max_num_seqs=4, fair_quantum_tokens=8)
+    for _ in range(20):
+        s.add(seq("a", max_tokens=50))
+    for _ in range(3):
+        step(s)
+    bs = [seq("b", max_tokens=50) for _ in range(3)]
+    for b in bs:
+        s.add(b)
+    for _ in range(4):
+        step(s)
+    assert all(b.status is SequenceStatus.RUNNING for b in bs)
+    # b may take while a runs as many as b: a keeps one
+    assert sorted(x.tenant for x in s.running) == ["a", "b", "b", "b"]
+
+
+def test_tenants_of_like_demand_share_a_full_batch_by_weight() -> None:
+    # a asks only twice b's tokens: neither is light; b gets its half of the slots and no more
+    s = make(max_num_seqs=4, fair_quantum_tokens=8)
+    for _ in range(6):
+        s.add(seq("a", max_tokens=50))
+    for _ in range(3):
+        step(s)
+    for _ in range(3):
+        s.add(seq("b", max_tokens=50))
+    for _ in range(4):
+        step(s)
+    assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
