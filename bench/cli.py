@@ -15,7 +15,7 @@ Scenario = Callable[[argparse.Namespace], dict[str, Any]]
 DEFAULT_REQUESTS = {"serving": 24, "soak": 5000, "kv-dtype": 20}
 # --rounds when not given; 5 for the others. A round of batching or peer-hf runs the whole workload on
 # each side (a smaller one would change the figure: the ratio grows with requests per batch slot).
-DEFAULT_ROUNDS = {"batching": 3, "peer-hf": 3, "prefix": 2, "fairness": 2}
+DEFAULT_ROUNDS = {"batching": 3, "peer-hf": 3, "prefix": 2, "fairness": 2, "tp": 3}
 
 
 SCENARIOS = {  # name -> module in bench/ with run(args); imported only when chosen, so a scenario
@@ -32,6 +32,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "prefix": "prefix",
     "fairness": "fairness",
     "kv-dtype": "kv_dtype",
+    "tp": "tp",
 }
 
 
@@ -72,7 +73,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | kv-dtype | all",
+        "prefix | fairness | kv-dtype | tp | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(

@@ -7,6 +7,7 @@ live in one process); the tests plug in an in-process fake world instead.
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,22 +51,33 @@ def gloo_group(store: Any, rank: int, size: int, timeout_s: float) -> Any:
 class GlooCollective:
     def __init__(self, group: Any, rank: int, world_size: int) -> None:
         self.group, self.rank, self.world_size = group, rank, world_size
+        self.seconds = 0.0  # wall time in collectives (waiting for slower ranks included): `bench tp`
+        self.calls = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
+        t0 = time.perf_counter()
         self.group.allreduce([x]).wait()
+        self._count(t0)
         return x
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         opts = dist.GatherOptions()
         opts.rootRank = 0
+        t0 = time.perf_counter()
         if self.rank != 0:
             self.group.gather([], [x], opts).wait()
+            self._count(t0)
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         self.group.gather([parts], [x], opts).wait()
+        self._count(t0)
         return torch.cat(parts, dim=-1)
+
+    def _count(self, t0: float) -> None:
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
 
 
 class Unconnected:

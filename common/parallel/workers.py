@@ -121,7 +121,8 @@ class TPWorkers:
                 del tensors
             for r, conn in enumerate(self._conns, start=1):
                 self._wait(functools.partial(_ready, conn), f"hear from rank {r}")
-            self.model = model.shard(TPRank(layouts[0], GlooCollective(group, 0, n)))
+            self.comm = GlooCollective(group, 0, n)  # rank 0's collectives (and their time)
+            self.model = model.shard(TPRank(layouts[0], self.comm))
         except BaseException:
             self.close()
             raise
