@@ -1,7 +1,7 @@
 """Runs one scheduled step through the model with selective batching.
 
 The step's tokens of every sequence, prefill chunks and decode tokens alike, are flattened into one
-(T,) batch; the model runs its non-attention ops on (T, hidden) and attention per sequence over its
+(T,) batch; the model runs its non-attention ops on (T, hidden) and attention over each sequence's
 own paged KV. Logits are computed only for the rows that sample.
 
 Inputs are built on the host and moved to the KV cache's device. With the Triton backend the metadata

@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain torch.
 
 Selective batching: `forward` takes the flattened tokens of every sequence in the step, (T,), and runs
-every op except attention on the (T, hidden) matrix; attention alone goes per sequence over the paged
-KV cache (`paged_attention`). `dense_forward` is an independent one-sequence reference with no cache.
+every op except attention on the (T, hidden) matrix; attention alone reads each sequence's own paged KV
+(`paged_attention`: the decode rows in one call, each prefill chunk on its own). `dense_forward` is an
+independent one-sequence reference with no cache.
 
 Weights are loaded from HF-named tensors (both loaders produce those names); q/k/v and gate/up are
 fused into one matmul each at load time, which saves two GEMM launches per layer on small batches.
