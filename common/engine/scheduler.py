@@ -479,8 +479,9 @@ class Scheduler:
         weight halving every RECENT_HALF_LIFE_S: how heavy a tenant is, whatever it was served."""
         now = self.clock()
         last = self._recent_at.get(tenant, now)
-        self._recent_at[tenant] = now
-        return self._recent.get(tenant, 0.0) * 0.5 ** ((now - last) / RECENT_HALF_LIFE_S)
+        decayed = self._recent.get(tenant, 0.0) * 0.5 ** ((now - last) / RECENT_HALF_LIFE_S)
+        self._recent[tenant], self._recent_at[tenant] = decayed, now
+        return decayed
 
     def _slots(self) -> Counter[str]:
         """Batch slots per tenant: running sequences and reservations waiting for their KV."""

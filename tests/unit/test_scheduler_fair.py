@@ -454,3 +454,15 @@ def test_tenants_of_like_demand_share_a_full_batch_by_weight() -> None:
     for _ in range(4):
         step(s)
     assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
+
+
+def test_demand_fades_with_its_half_life_however_often_it_is_read() -> None:
+    now = [0.0]
+    s = make(max_num_seqs=4, clock=lambda: now[0])
+    s.add(seq("a", n_prompt=8, max_tokens=92))  # 100 tokens asked for
+    for t in (1.0, 2.5, 5.0):  # read (as the slot rules do) at several times
+        now[0] = t
+        s._recent_demand("a")
+    assert s._recent_demand("a") == pytest.approx(50.0)  # one half-life (5 s) later: half
+    now[0] = 10.0
+    assert s._recent_demand("a") == pytest.approx(25.0)
