@@ -50,7 +50,7 @@ from common.engine.sequence import Sequence, SequenceStatus
 from common.kv.block_manager import BlockManager
 
 log = logging.getLogger("splitserve.scheduler")
-RECENT_HALF_LIFE_S = 5.0  # fair: how fast served tokens stop counting as recent (_may_take)
+RECENT_HALF_LIFE_S = 5.0  # fair: how fast tokens asked for stop counting as recent (_may_take)
 RECENT_RATIO = 4.0  # fair: asking this many times less lately, a tenant may take a slot (_may_take)
 
 Policy = Literal["fcfs", "priority", "fair", "static"]
@@ -513,9 +513,9 @@ class Scheduler:
         return slots[t] + 1 <= self._share(t, slots, t) and slots[v] - 1 >= self._share(v, slots, t)
 
     def _starved_head(self, queue: deque[Sequence], taken: list[Sequence]) -> Sequence | None:
-        """fair, every batch slot taken: the most urgent queued sequence of the tenant furthest under
-        its share among those that run fewer sequences than their share (one more would not take them
-        over it) while another tenant runs more than its own; None if there is none. Such a sequence
+        """fair, every batch slot taken: the most urgent queued sequence of the tenant running the fewest
+        sequences per unit of weight among those that may take a slot from another (`_may_take`);
+        None if there is none. Such a sequence
         starts in place of one of that other tenant's (`_make_room`), outside the round's order: the
         round decides who goes first while there is room, this only who keeps a slot when there is not."""
         if self.config.policy != "fair":

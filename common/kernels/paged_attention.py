@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.kv.kv_cache import FP8
+
 
 def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
@@ -293,9 +295,6 @@ def store_kv(
         k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
         ROW=row, ROW_PAD=_pow2(row), BLOCK_SIZE=k_cache.shape[1],
     )  # fmt: skip
-
-
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _quantized(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
