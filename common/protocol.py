@@ -19,11 +19,14 @@ from typing import Any, Literal, TypeVar, overload
 
 import msgspec
 
+from common.parallel.partition import kv_head_ranges
 from common.sampling_params import SamplingParams, TokenLogprob
 
 # 3: sampling gained penalties, logit bias, min_p, logprobs and structured-output guides; a version-2
 # peer would ignore them and sample differently, so it is refused instead
-PROTOCOL_VERSION = 3
+# 4: KV layer headers may carry a head slice, kv_done a sender rank (tensor parallelism), NIXL begins
+# the sender's agent; a version-3 receiver would ignore the slice and write it as whole blocks
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 16 << 20  # one message: a 1M-token prompt is ~5 MB of msgpack ints
 _LEN = struct.Struct(">I")
 
@@ -223,6 +226,11 @@ class AbortRequest(Message, tag="abort"):
 
 
 # --- KV transfer: what the services themselves see ---------------------------------------------------
+class TransferError(Exception):
+    """A KV transfer could not be carried out (peer unreachable, connection lost, protocol violation,
+    a tensor-parallel rank's part of it failed). kv_transfer's backends raise it and its subclasses."""
+
+
 class KVCompat(msgspec.Struct, frozen=True):
     """What two services must agree on before KV moves between them (the compatibility preflight)."""
 
@@ -236,20 +244,55 @@ class KVCompat(msgspec.Struct, frozen=True):
     layout: str = "LBSHD"  # (layer, block, slot, kv_head, head_dim), K and V separate
     kv_scales: str = ""  # fp8 KV: the per-(layer, KV head) scales' exponents (common/kv/quant.py)
     protocol_version: int = PROTOCOL_VERSION
+    # Tensor parallelism: this record is rank `tp_rank` of a service with `tp_size` ranks, whose KV shard
+    # holds the heads `kv_head_ranges(num_kv_heads, tp_size)[tp_rank]` of every block. The two sides of
+    # a transfer may differ here (heterogeneous TP): the per-rank fields are checked by `rank_problems`.
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def mismatches(self, other: KVCompat) -> list[str]:
-        """Names of the fields that differ, e.g. ['block_size (16 != 32)']."""
-        return [
+        """Names of the fields that differ, e.g. ['block_size (16 != 32)'], then what is wrong with
+        either side's rank fields."""
+        out = [
             f"{name} ({getattr(self, name)!r} != {getattr(other, name)!r})"
             for name in self.__struct_fields__
-            if getattr(self, name) != getattr(other, name)
+            if name not in RANK_FIELDS and getattr(self, name) != getattr(other, name)
         ]
+        out += self.rank_problems() + [f"peer {p}" for p in other.rank_problems()]
+        if not out and not set(self.kv_heads()) & set(other.kv_heads()):
+            # a sender only connects to the decode ranks its heads go to: the endpoint list is wrong
+            mine, theirs = _span(self.kv_heads()), _span(other.kv_heads())
+            out.append(
+                f"no KV head in common: rank {self.tp_rank} of {self.tp_size} holds heads {mine}, "
+                f"peer rank {other.tp_rank} of {other.tp_size} {theirs}"
+            )
+        return out
+
+    def kv_heads(self) -> range:
+        """The model's KV heads this rank's shard holds."""
+        return kv_head_ranges(self.num_kv_heads, self.tp_size)[self.tp_rank]
+
+    def rank_problems(self) -> list[str]:
+        """Why this record's tensor-parallel fields cannot describe a KV shard (empty when they can)."""
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            return [f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}"]
+        return []
+
+
+RANK_FIELDS = ("tp_size", "tp_rank")
+
+
+def _span(r: range) -> str:
+    return f"[{r.start}, {r.stop})"
 
 
 class KVDone(Message, tag="kv_done"):
     """Sender -> receiver, after a request's last layer write: the prompt's KV is in place, decode may
     run it. `layer_writes` is how many layer writes the sender completed for (request, fence); the
-    receiver runs the request only if as many landed."""
+    receiver runs the request only if as many landed. With tensor parallelism several prefill ranks
+    may write into one receiver (heterogeneous TP): each sends its own kv_done, `src_rank` naming it,
+    and the receiver's request is complete once all `senders` of them arrived and their layer writes
+    (summed) all landed."""
 
     request_id: str
     fence: int
@@ -257,3 +300,5 @@ class KVDone(Message, tag="kv_done"):
     num_tokens: int
     layer_writes: int
     traceparent: str | None = None
+    src_rank: int = 0
+    senders: int = 1

@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from common.kv.kv_cache import PagedKVCache
+from common.parallel.plan import HeadSlice
 from common.protocol import KVCompat, KVDone
+
+# TransferError is raised by every backend; it lives in common so that the connectors can raise it too
+from common.protocol import TransferError as TransferError
 
 
 class ReceiverOwner(Protocol):
@@ -41,10 +45,6 @@ class ReceiverOwner(Protocol):
 
     def kv_done(self, msg: KVDone) -> None:
         """The sender says every layer of the request was written; at most once per received kv_done."""
-
-
-class TransferError(Exception):
-    """A KV transfer could not be carried out (peer unreachable, connection lost, protocol violation)."""
 
 
 class PreflightError(TransferError):
@@ -125,8 +125,11 @@ class KVSender(ABC):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         traceparent: str | None = None,
+        heads: HeadSlice | None = None,
     ) -> None:
         """Copy layer `layer` (K and V) of local block `src_block_ids[i]` to remote block `dst_block_ids[i]`.
+        `heads`: only those KV heads (heterogeneous tensor parallelism: the two shards hold different
+        heads, common/parallel/plan.py); None: every head, both shards being the same heads.
 
         Returns when the source blocks may be reused. Raises PreflightError on an incompatible peer,
         TransferError when the peer cannot be reached or the connection breaks, ValueError on bad arguments.

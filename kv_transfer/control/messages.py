@@ -23,7 +23,9 @@ class KVHelloReply(Message, tag="kv_hello_reply"):
 
 
 class KVLayerHeader(Message, tag="kv_layer"):
-    """One layer's K and V for a list of destination blocks; raw bytes follow (all K, then all V)."""
+    """One layer's K and V for a list of destination blocks; raw bytes follow (all K, then all V).
+    head_count > 0: only the receiver's local KV heads head_start .. head_start + head_count of each
+    block, packed (block_size, head_count, head_dim) per block (kv_transfer/layout.py)."""
 
     request_id: str
     fence: int
@@ -31,6 +33,8 @@ class KVLayerHeader(Message, tag="kv_layer"):
     block_ids: list[int]
     nbytes: int
     traceparent: str | None = None
+    head_start: int = 0
+    head_count: int = 0  # 0: every head of the receiver's shard, the plain block layout
 
 
 # --- authentication: the first four messages on every KV control connection (control/auth.py) ---------

@@ -19,7 +19,15 @@ from typing import Any, Generic, Protocol, TypeVar
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone, Message
 from common.security.secret import InternalSecret
-from kv_transfer.base import AuthError, KVReceiver, KVSender, PreflightError, ReceiverOwner, TransferError
+from kv_transfer.base import (
+    AuthError,
+    HeadSlice,
+    KVReceiver,
+    KVSender,
+    PreflightError,
+    ReceiverOwner,
+    TransferError,
+)
 from kv_transfer.control.auth import (
     SAME_SECRET,
     AuthFailed,
@@ -116,9 +124,18 @@ class PreflightSender(KVSender, Generic[P]):
                 f"reservation was made with {want})"
             )
 
-    def _check_source(self, layer: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def _check_source(
+        self, layer: int, src_block_ids: list[int], dst_block_ids: list[int], heads: HeadSlice | None = None
+    ) -> None:
         """send_layer's arguments against our own cache: ValueError before anything is sent."""
         s = self.kv.spec
+        if heads is not None and not (
+            heads.count > 0
+            and heads.src_start >= 0
+            and heads.dst_start >= 0
+            and heads.src_start + heads.count <= s.num_kv_heads
+        ):
+            raise ValueError(f"{heads} is not a range of heads within this shard's {s.num_kv_heads}")
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError(
                 f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks"

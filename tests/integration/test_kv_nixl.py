@@ -1,5 +1,5 @@
 """The nixl KV transport (NIXL + UCX, DRAM to DRAM) over loopback: byte-exact moves, ordering, fences,
-revokes, preflight, descriptor preparation once per peer.
+revokes, preflight, descriptor preparation once per peer, head slices between tensor-parallel shards.
 
 Most tests run both agents in one process on one event loop; one runs the receiver in a spawned process.
 Shapes are tiny: a block of one layer is 256 bytes.
@@ -17,13 +17,15 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.protocol import KVDone
+from common.parallel.plan import HeadSlice, plan
+from common.protocol import KVCompat, KVDone
 from kv_transfer import Endpoint, TransferError, available_backends, make_receiver, make_sender
 from kv_transfer.backends.nixl import NixlReceiver, NixlSender  # imports no NIXL yet
 from kv_transfer.layout import block_bytes
 from tests.support.kv_helpers import (
     DST,
     MISMATCHED,
+    MODEL_KV_HEADS,
     SPEC,
     SRC,
     LoopReceiver,
@@ -33,8 +35,11 @@ from tests.support.kv_helpers import (
     assert_refused_untouched,
     compat,
     filled,
+    move_heads,
     push,
     received_in_another_process,
+    shard_compat,
+    shard_spec,
 )
 
 # UCX reads its environment when the first agent starts; spawned receivers inherit it.
@@ -45,8 +50,13 @@ pytest.importorskip("nixl_cu12", reason="the nixl backend needs the nixl-cu12 pa
 class Receiver(LoopReceiver[NixlReceiver]):
     """A NixlReceiver on the running loop that records kv_done messages."""
 
-    def __init__(self, spec: KVCacheSpec, accept: Callable[[str, int], bool] = lambda r, f: True) -> None:
-        super().__init__(NixlReceiver, spec, accept)
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        accept: Callable[[str, int], bool] = lambda r, f: True,
+        kv_compat: KVCompat | None = None,
+    ) -> None:
+        super().__init__(NixlReceiver, spec, accept, kv_compat)
 
 
 def test_layers_move_byte_exact_and_done_follows_them() -> None:
@@ -234,3 +244,44 @@ def test_backend_registry() -> None:
     asyncio.run(rx.close())
     with pytest.raises(ValueError, match="available: tcp, nixl"):
         make_sender("carrier-pigeon", kv, compat(SPEC))
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads, src_tp, dst_tp",
+    [
+        (MODEL_KV_HEADS, 1, 2),  # one sender's heads split over two receivers
+        (MODEL_KV_HEADS, 2, 1),  # two senders into one receiver, each with its own kv_done
+        (5, 2, 3),  # a slice that is part of the shard on both sides, at an offset on both
+    ],
+)
+def test_head_slices_move_between_tensor_parallel_shards(num_kv_heads: int, src_tp: int, dst_tp: int) -> None:
+    txs, rxs = asyncio.run(move_heads(NixlReceiver, NixlSender, num_kv_heads, src_tp, dst_tp))
+    routes = plan(num_kv_heads, src_tp, dst_tp)
+    for p, tx in enumerate(txs):
+        assert isinstance(tx, NixlSender)
+        # Sliced writes prepare nothing (their descriptors are made per write): the block list of each
+        # receiver is prepared at connect, ours never (no whole-block write was made).
+        assert tx.dlist_preps == {rxs[r.dst_rank].endpoint: 1 for r in routes if r.src_rank == p}
+        assert tx.stats.layers_sent == 2 * len([r for r in routes if r.src_rank == p])
+    assert sum(tx.stats.bytes_sent for tx in txs) == sum(r.rx.stats.bytes_received for r in rxs)
+
+
+def test_writes_that_do_not_fit_the_receivers_heads_are_refused_before_any_write() -> None:
+    """A WRITE cannot be refused over there: the sender checks heads against the receiver's hello."""
+
+    async def main() -> Receiver:
+        spec = shard_spec(MODEL_KV_HEADS, 2, 1)  # decode rank 1 of 2: one head
+        async with Receiver(spec, kv_compat=shard_compat(MODEL_KV_HEADS, 2, 1)) as r:
+            src = filled(shard_spec(MODEL_KV_HEADS, 1, 0))  # three heads
+            tx = NixlSender(src, shard_compat(MODEL_KV_HEADS, 1, 0))
+            with pytest.raises(ValueError, match="only head slices"):
+                await tx.send_layer(r.endpoint, "r", 1, 0, SRC, DST)  # whole blocks of different shards
+            with pytest.raises(ValueError, match="does not fit"):
+                await tx.send_layer(r.endpoint, "r", 1, 0, SRC, DST, heads=HeadSlice(1, 0, 2))
+            with pytest.raises(ValueError, match="range of heads"):
+                await tx.send_layer(r.endpoint, "r", 1, 0, SRC, DST, heads=HeadSlice(2, 0, 2))
+            await tx.close()
+            return r
+
+    r = asyncio.run(main())
+    assert r.rx.stats.layers_received == 0 and not r.kv.k.any() and not r.kv.v.any()

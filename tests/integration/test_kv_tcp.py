@@ -1,4 +1,5 @@
-"""The tcp KV transport over loopback: byte-exact moves, ordering, fences, preflight, bad headers.
+"""The tcp KV transport over loopback: byte-exact moves, ordering, fences, preflight, bad headers, head
+slices between tensor-parallel shards.
 
 The receiver serves on its own event loop in a background thread (a second loop, as in another process);
 one test runs it in a real spawned process. Shapes are tiny: a block of one layer is 256 bytes.
@@ -20,14 +21,16 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.parallel.plan import HeadSlice, plan
 from common.protocol import PROTOCOL_VERSION, KVDone, decode, frame
 from kv_transfer import Endpoint, TransferError
 from kv_transfer.backends.tcp import TcpReceiver, TcpSender
 from kv_transfer.control.messages import KVHello, KVHelloReply
-from kv_transfer.layout import block_bytes
+from kv_transfer.layout import block_bytes, slice_bytes
 from tests.support.kv_helpers import (
     DST,
     MISMATCHED,
+    MODEL_KV_HEADS,
     SPEC,
     SRC,
     Owner,
@@ -37,8 +40,11 @@ from tests.support.kv_helpers import (
     authenticated_socket,
     compat,
     filled,
+    move_heads,
     push,
     received_in_another_process,
+    shard_compat,
+    shard_spec,
 )
 
 
@@ -178,14 +184,23 @@ def test_an_oversized_frame_is_refused_before_it_is_read(receiver: ThreadReceive
     assert receiver.rx.stats.bad_messages == 1
 
 
-@pytest.mark.parametrize("nbytes_delta, block", [(-4, 3), (0, SPEC.num_blocks)])  # short payload; bad id
+@pytest.mark.parametrize(
+    "nbytes_delta, block, heads",
+    [
+        (-4, 3, (0, 0)),  # short payload
+        (0, SPEC.num_blocks, (0, 0)),  # bad id
+        (0, 3, (1, 2)),  # heads 1..3 of a 2-head shard
+        (0, 3, (0, -1)),  # a negative head count
+        (4, 3, (1, 1)),  # a long payload for a 1-head slice
+    ],
+)
 def test_bad_header_closes_connection_and_writes_nothing(
-    receiver: ThreadReceiver, nbytes_delta: int, block: int
+    receiver: ThreadReceiver, nbytes_delta: int, block: int, heads: tuple[int, int]
 ) -> None:
     sock = _raw_client(receiver.endpoint)
-    nbytes = 2 * block_bytes(receiver.kv) + nbytes_delta
+    nbytes = 2 * slice_bytes(receiver.kv, max(heads[1], 0) or SPEC.num_kv_heads) + nbytes_delta
     header = {"kind": "kv_layer", "protocol_version": PROTOCOL_VERSION, "request_id": "r", "fence": 1}
-    header.update(layer=0, block_ids=[block], nbytes=nbytes)
+    header.update(layer=0, block_ids=[block], nbytes=nbytes, head_start=heads[0], head_count=heads[1])
     body = msgpack.packb(header)
     sock.sendall(struct.pack(">I", len(body)) + body + b"\x7f" * nbytes)
     with contextlib.suppress(ConnectionResetError):  # a reset: our payload was still unread over there
@@ -225,3 +240,27 @@ def test_concurrent_sends_to_one_endpoint_do_not_interleave(receiver: ThreadRece
     assert_moved(src, receiver.kv, [0, 1, 2])
     assert receiver.rx.stats.layers_received == 3
     asyncio.run_coroutine_threadsafe(receiver.rx.wait_idle("r"), receiver.loop).result(5)
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads, src_tp, dst_tp",
+    [
+        (MODEL_KV_HEADS, 1, 2),  # one sender's heads split over two receivers
+        (MODEL_KV_HEADS, 2, 1),  # two senders into one receiver, each with its own kv_done
+        (5, 2, 3),  # a slice that is part of the shard on both sides, at an offset on both
+    ],
+)
+def test_head_slices_move_between_tensor_parallel_shards(num_kv_heads: int, src_tp: int, dst_tp: int) -> None:
+    txs, _ = asyncio.run(move_heads(TcpReceiver, TcpSender, num_kv_heads, src_tp, dst_tp))
+    assert sum(tx.stats.layers_sent for tx in txs) == 2 * len(plan(num_kv_heads, src_tp, dst_tp))
+
+
+def test_a_head_slice_past_the_senders_shard_is_refused_before_connecting() -> None:
+    async def main() -> None:
+        tx = TcpSender(filled(shard_spec(MODEL_KV_HEADS, 1, 0)), shard_compat(MODEL_KV_HEADS, 1, 0))
+        for heads in (HeadSlice(2, 0, 2), HeadSlice(0, 0, 0), HeadSlice(-1, 0, 1), HeadSlice(0, -1, 1)):
+            with pytest.raises(ValueError, match="range of heads"):
+                await tx.send_layer("tcp://127.0.0.1:1", "r", 1, 0, SRC, DST, heads=heads)
+        await tx.close()
+
+    asyncio.run(main())

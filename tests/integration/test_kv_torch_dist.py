@@ -1,5 +1,5 @@
 """The torch_dist KV transport (two-rank gloo groups, host memory) over loopback: byte-exact moves,
-ordering, fences, wait_idle, preflight, broken pairs.
+ordering, fences, wait_idle, preflight, broken pairs, head slices between tensor-parallel shards.
 
 Most tests run both sides in one process on one event loop: the two ranks' blocking group calls run on
 their pairs' threads, so a call that blocked the loop would deadlock the rendezvous. One test runs the
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.parallel.plan import plan
 from common.protocol import KVDone, frame
 from kv_transfer import (
     Endpoint,
@@ -35,6 +36,7 @@ from kv_transfer.layout import block_bytes
 from tests.support.kv_helpers import (
     DST,
     MISMATCHED,
+    MODEL_KV_HEADS,
     SPEC,
     SRC,
     LoopReceiver,
@@ -44,6 +46,7 @@ from tests.support.kv_helpers import (
     assert_refused_untouched,
     compat,
     filled,
+    move_heads,
     push,
     received_in_another_process,
 )
@@ -236,3 +239,19 @@ def test_backend_registry() -> None:
     assert isinstance(tx, TorchDistSender) and isinstance(rx, TorchDistReceiver)
     asyncio.run(tx.close())
     asyncio.run(rx.close())
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads, src_tp, dst_tp",
+    [
+        (MODEL_KV_HEADS, 1, 2),  # one sender's heads split over two receivers
+        (MODEL_KV_HEADS, 2, 1),  # two senders into one receiver, each with its own kv_done
+        (5, 2, 3),  # a slice that is part of the shard on both sides, at an offset on both
+    ],
+)
+def test_head_slices_move_between_tensor_parallel_shards(num_kv_heads: int, src_tp: int, dst_tp: int) -> None:
+    make_rx = functools.partial(TorchDistReceiver, op_timeout_s=20)
+    make_tx = functools.partial(TorchDistSender, op_timeout_s=20)
+    txs, rxs = asyncio.run(move_heads(make_rx, make_tx, num_kv_heads, src_tp, dst_tp))
+    assert sum(tx.stats.bytes_sent for tx in txs) == sum(r.rx.stats.bytes_received for r in rxs)
+    assert sum(tx.stats.layers_sent for tx in txs) == 2 * len(plan(num_kv_heads, src_tp, dst_tp))

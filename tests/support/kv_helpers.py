@@ -1,10 +1,11 @@
 """What the KV transport tests share: tiny shapes, filled caches, compat records, a receiver on the running
-loop that records kv_done messages, a receiver in a spawned process, and a hand-driven client socket
-that has passed the authentication."""
+loop that records kv_done messages, a receiver in a spawned process, a hand-driven client socket
+that has passed the authentication, and head slices moved between tensor-parallel shards."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import socket
@@ -12,14 +13,18 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, Generic, Self, TypeVar
 
+import msgspec
 import pytest
 import torch
 
 from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
+from common.parallel.partition import kv_head_ranges
+from common.parallel.plan import plan, senders_to
 from common.protocol import KVCompat, KVDone, Message, decode, frame, frame_length
 from common.security.secret import InternalSecret
 from kv_transfer import KVReceiver, KVSender, PreflightError, ReceiverOwner
 from kv_transfer.control.auth import authenticate_to_receiver
+from kv_transfer.layout import slice_bytes
 
 SPEC = KVCacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)
 SRC = [7, 3, 4, 5, 12]  # non-contiguous, unordered; 3-4-5 is one run
@@ -113,13 +118,17 @@ class LoopReceiver(Generic[R]):
     """A receiver (made by `make`) on the running loop that records kv_done messages."""
 
     def __init__(
-        self, make: MakeReceiver[R], spec: KVCacheSpec, accept: AcceptFn = lambda r, f: True
+        self,
+        make: MakeReceiver[R],
+        spec: KVCacheSpec,
+        accept: AcceptFn = lambda r, f: True,
+        kv_compat: KVCompat | None = None,  # default: compat(spec)
     ) -> None:
         self.kv = PagedKVCache(spec)
         self.layers_at_done: list[int] = []
         self.owner = Owner(accept, self._on_done)
         self.done = self.owner.done
-        self.rx = make(self.kv, compat(spec), self.owner)
+        self.rx = make(self.kv, compat(spec) if kv_compat is None else kv_compat, self.owner)
         self.endpoint = ""
 
     def _on_done(self, msg: KVDone) -> None:
@@ -211,3 +220,87 @@ def authenticated_socket(
         sock.close()
         raise
     return sock
+
+
+# --- heterogeneous tensor parallelism: head slices between shards ---------------------------------------
+MODEL_KV_HEADS = 3  # SmolLM2-135M's: over 2 ranks the shards are [2, 1] heads
+HEADS_LAYERS = [[0, 2], [1, 2]]  # the layers prefill rank p sends: [p % 2]; layer 1 of rank 0 stays empty
+
+
+def shard_spec(num_kv_heads: int, tp_size: int, tp_rank: int) -> KVCacheSpec:
+    """SPEC holding rank tp_rank's KV heads of a model with num_kv_heads."""
+    return dataclasses.replace(SPEC, num_kv_heads=len(kv_head_ranges(num_kv_heads, tp_size)[tp_rank]))
+
+
+def shard_compat(num_kv_heads: int, tp_size: int, tp_rank: int) -> KVCompat:
+    """The compat record of that rank: the model's fields (num_kv_heads: the model's), its own rank."""
+    base = compat(SPEC)
+    return msgspec.structs.replace(base, num_kv_heads=num_kv_heads, tp_size=tp_size, tp_rank=tp_rank)
+
+
+MakeSender = Callable[[PagedKVCache, KVCompat], KVSender]
+
+
+async def move_heads(
+    make_rx: MakeReceiver[R], make_tx: MakeSender, num_kv_heads: int, src_tp: int, dst_tp: int
+) -> tuple[list[KVSender], list[LoopReceiver[R]]]:
+    """Run every route of plan(num_kv_heads, src_tp, dst_tp) through one backend and check the result.
+
+    Prefill rank p (a sender over its own shard of distinct random data) sends its routes' heads of the
+    SRC blocks to DST of each decode rank, layers HEADS_LAYERS[p % 2], then one kv_done per decode rank it
+    fed; the ranks send concurrently. Each decode shard must then hold exactly those heads of those
+    blocks and layers, zeros everywhere else, and every kv_done must have reached its owner with its
+    src_rank and senders. Returns the (closed) senders and receivers for backend-specific checks."""
+    routes = plan(num_kv_heads, src_tp, dst_tp)
+    srcs = [filled(shard_spec(num_kv_heads, src_tp, p), seed=10 + p) for p in range(src_tp)]
+    txs = [make_tx(srcs[p], shard_compat(num_kv_heads, src_tp, p)) for p in range(src_tp)]
+    async with contextlib.AsyncExitStack() as stack:
+        rxs = [
+            await stack.enter_async_context(
+                LoopReceiver(
+                    make_rx,
+                    shard_spec(num_kv_heads, dst_tp, d),
+                    kv_compat=shard_compat(num_kv_heads, dst_tp, d),
+                )
+            )
+            for d in range(dst_tp)
+        ]
+
+        async def prefill_rank(p: int) -> None:
+            mine, layers = [r for r in routes if r.src_rank == p], HEADS_LAYERS[p % 2]
+            for r in mine:
+                for layer in layers:
+                    await txs[p].send_layer(rxs[r.dst_rank].endpoint, "r1", 3, layer, SRC, DST, heads=r.heads)
+            for r in mine:
+                senders = senders_to(num_kv_heads, src_tp, dst_tp, r.dst_rank)
+                done = KVDone("r1", 3, 42, 19, len(layers), src_rank=p, senders=senders)
+                await txs[p].send_done(rxs[r.dst_rank].endpoint, done)
+
+        await asyncio.gather(*(prefill_rank(p) for p in range(src_tp)))
+        for d, rx in enumerate(rxs):
+            await rx.wait_done(senders_to(num_kv_heads, src_tp, dst_tp, d))
+        for tx in txs:
+            await tx.close()
+    for d, rx in enumerate(rxs):
+        into = [r for r in routes if r.dst_rank == d]
+        want_k, want_v = torch.zeros_like(rx.kv.k), torch.zeros_like(rx.kv.v)
+        for r in into:
+            h, src = r.heads, srcs[r.src_rank]
+            theirs = slice(h.src_start, h.src_start + h.count)
+            ours = slice(h.dst_start, h.dst_start + h.count)
+            for layer in HEADS_LAYERS[r.src_rank % 2]:
+                want_k[layer, DST, :, ours] = src.k[layer, SRC, :, theirs]
+                want_v[layer, DST, :, ours] = src.v[layer, SRC, :, theirs]
+        assert torch.equal(rx.kv.k, want_k) and torch.equal(rx.kv.v, want_v), f"decode rank {d}"
+        writes = [len(HEADS_LAYERS[r.src_rank % 2]) for r in into]
+        dones = sorted(rx.done, key=lambda m: m.src_rank)
+        assert dones == [
+            KVDone("r1", 3, 42, 19, n, src_rank=r.src_rank, senders=len(into))
+            for r, n in zip(into, writes, strict=True)
+        ]
+        assert rx.layers_at_done[-1] == sum(writes)  # the last kv_done came after every layer had landed
+        nbytes = sum(
+            n * len(DST) * 2 * slice_bytes(rx.kv, r.heads.count) for r, n in zip(into, writes, strict=True)
+        )
+        assert rx.rx.stats.bytes_received == nbytes
+    return txs, rxs

@@ -1,4 +1,5 @@
-"""What both sides of the nixl backend share: agents and the block descriptor table.
+"""What both sides of the nixl backend share: agents, the block descriptor tables and the per-write
+slot descriptors of head slices.
 
 NIXL itself (`nixl_cu12`) is imported here, lazily, so that `kv_transfer` imports without it.
 """
@@ -70,3 +71,46 @@ def row_indices(num_layers: int, num_blocks: int, layer: int, block_ids: list[in
 def local_rows(kv: PagedKVCache) -> np.ndarray:
     s = kv.spec
     return block_rows(regions(kv), s.num_layers, s.num_blocks, block_bytes(kv))
+
+
+def slice_rows(
+    kv_regions: list[list[int]],
+    shape: tuple[int, int, int, int],
+    head_bytes: int,
+    layer: int,
+    block_ids: list[int],
+    start: int,
+    count: int,
+) -> np.ndarray:
+    """The (address, len, device_id) descriptors of one head-sliced layer write on one side: heads
+    start..start+count of every slot of `block_ids` of `layer`, K's blocks then V's, in block_ids order,
+    each block's slots in order, an (2*n*bs, 3) uint64 array (n = len(block_ids)); `shape` is the
+    tensors' (L, B, bs, heads), `head_bytes` one head's bytes (head_dim * element size).
+
+    Row i of the sender's array and row i of the receiver's are the same heads of the same token: in the
+    (layer, block, slot, head, dim) layout a slot's heads are one contiguous run, so a head slice of it is
+    one run too (the slots of a block are not). Made per write, never for the whole cache.
+    """
+    num_layers, num_blocks, block_size, heads = shape
+    slot = heads * head_bytes
+    ids = np.asarray(block_ids, dtype=np.uint64)
+    slots = (np.uint64(layer * num_blocks) + ids)[:, None] * np.uint64(block_size) + np.arange(
+        block_size, dtype=np.uint64
+    )
+    offsets = slots.reshape(-1) * np.uint64(slot) + np.uint64(start * head_bytes)
+    rows = np.empty((2, offsets.size, 3), dtype=np.uint64)
+    for t, (addr, size, dev) in enumerate(kv_regions):
+        if size != num_layers * num_blocks * block_size * slot:
+            raise TransferError(f"region {t} is {size} bytes, not {shape} x {head_bytes}")
+        rows[t, :, 0] = np.uint64(addr) + offsets
+        rows[t, :, 1] = count * head_bytes
+        rows[t, :, 2] = dev
+    return rows.reshape(-1, 3)
+
+
+def local_slice_rows(
+    kv: PagedKVCache, layer: int, block_ids: list[int], start: int, count: int
+) -> np.ndarray:
+    s = kv.spec
+    shape = (s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads)
+    return slice_rows(regions(kv), shape, s.head_dim * kv.k.element_size(), layer, block_ids, start, count)

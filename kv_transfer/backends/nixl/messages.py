@@ -15,14 +15,20 @@ class KVNixlHelloReply(Message, tag="kv_nixl_hello_reply"):
     regions: list[tuple[int, int, int]] = []  # (address, nbytes, device_id) of K, then V
     mem_type: str = "DRAM"  # "DRAM" or "VRAM"
     num_blocks: int = 0  # blocks per layer in the receiver's tensors (the sender checks dst ids against it)
+    # KV heads per block in the receiver's tensors (its tensor-parallel shard): where a head slice lies
+    # within a block over there. 0: not said (an older receiver), only whole blocks may be written
+    kv_heads: int = 0
     incarnation: str = ""  # the receiver process's start (a sender checks it against the endpoint's)
 
 
 class KVNixlBegin(Message, tag="kv_nixl_begin"):
-    """Sender → receiver, before the first write of a request: may I write into its blocks under `fence`?"""
+    """Sender → receiver, before the first write of a request: may I write into its blocks under `fence`?
+    `agent` is the sender's NIXL agent, the name its notifications arrive under: each sender's writes of
+    a request are counted apart (several tensor-parallel prefill ranks may write one request)."""
 
     request_id: str
     fence: int
+    agent: str = ""
 
 
 class KVNixlBeginReply(Message, tag="kv_nixl_begin_reply"):
@@ -57,3 +63,4 @@ class KVNixlLayer(Message, tag="kv_nixl_layer"):
     layer: int
     num_blocks: int
     traceparent: str | None = None
+    head_count: int = 0  # a head slice: that many heads of each block were written (0: every head)

@@ -27,7 +27,7 @@ from kv_transfer.control.endpoint import Endpoint
 from kv_transfer.control.framing import read_msg, stream_io, write_msg
 from kv_transfer.control.messages import KVHello
 from kv_transfer.control.preflight import HANDSHAKE_TIMEOUT_S, PreflightReceiver
-from kv_transfer.layout import block_bytes
+from kv_transfer.layout import block_bytes, slice_bytes
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,17 @@ class _Conn:
     writer: asyncio.StreamWriter
     peer: str
     lost: bool = False
+    agent: str = ""  # the sender's NIXL agent, named in its first KVNixlBegin: whose notifications are its
+
+
+# An open write: (request_id, fence, the sender's agent). Several senders may write one request (tensor-
+# parallel prefill ranks, each its heads): each counts its own layers and says its own KVNixlEnd.
+_Key = tuple[str, int, str]
 
 
 @dataclasses.dataclass
 class _Open:
-    """A (request, fence) the receiver allowed a sender to write: open until settled."""
+    """A (request, fence) the receiver allowed one sender to write: open until settled."""
 
     conn: _Conn
     landed: int = 0  # layer notifications received: those writes' bytes are in place
@@ -87,7 +93,7 @@ class NixlReceiver(PreflightReceiver):
         self._tasks: set[asyncio.Task[None]] = set()  # the poller and grace timers
         self._serving: set[asyncio.Task[Any]] = set()  # control connection handlers
         self._conns: set[_Conn] = set()
-        self._open: dict[tuple[str, int], _Open] = {}
+        self._open: dict[_Key, _Open] = {}
         self._settled = asyncio.Event()  # set (and replaced) whenever an _Open settles and goes away
         self._wake = asyncio.Event()  # a request opened: poll fast
         self._block_bytes = block_bytes(kv)
@@ -100,15 +106,15 @@ class NixlReceiver(PreflightReceiver):
         return str(Endpoint("nixl", self._advertise or host, port, self.incarnation))
 
     async def wait_idle(self, request_id: str) -> None:
-        """Revoke every open (request_id, fence) whose fence `may_write` now refuses, and return once each
-        is settled: no byte of it lands any more. A pair whose fence is still current (a retry reusing
-        the id) is left writing: its blocks are still its own."""
-        stale = [key for key in self._open if key[0] == request_id and not self._accepts(*key)]
+        """Revoke every open (request_id, fence) whose fence `may_write` now refuses (at every sender
+        writing it), and return once each is settled: no byte of it lands any more. A pair whose fence
+        is still current (a retry reusing the id) is left writing: its blocks are still its own."""
+        stale = [key for key in self._open if key[0] == request_id and not self._accepts(key[0], key[1])]
         for key in stale:
             op = self._open[key]
             if op.expected is None and not op.revoking and not op.conn.lost:
                 op.revoking = True
-                write_msg(op.conn.writer, KVNixlRevoke(*key))
+                write_msg(op.conn.writer, KVNixlRevoke(key[0], key[1]))
         while any(key in self._open for key in stale):
             await self._settled.wait()
 
@@ -186,6 +192,7 @@ class NixlReceiver(PreflightReceiver):
                 regions=[(a, n, d) for a, n, d in regions(self.kv)],
                 mem_type=mem_type(self.kv.k),
                 num_blocks=self.kv.spec.num_blocks,
+                kv_heads=self.kv.spec.num_kv_heads,
                 incarnation=self.incarnation,
             )
             write_msg(conn.writer, reply)
@@ -194,8 +201,13 @@ class NixlReceiver(PreflightReceiver):
 
     def _handle(self, conn: _Conn, msg: KVNixlBegin | KVNixlEnd | KVDone) -> None:
         if isinstance(msg, KVNixlBegin):
-            key = (msg.request_id, msg.fence)
-            ok = key in self._open or self._accepts(*key)  # a second begin of an open request is a no-op
+            if not msg.agent or conn.agent not in ("", msg.agent):
+                why = f"kv_nixl_begin names agent {msg.agent!r} (the connection's: {conn.agent!r})"
+                raise ProtocolError(why)
+            conn.agent = msg.agent
+            key = (msg.request_id, msg.fence, conn.agent)
+            # a second begin of an open request is a no-op
+            ok = key in self._open or self._accepts(msg.request_id, msg.fence)
             if ok and key not in self._open:
                 self._open[key] = _Open(conn)
                 self._wake.set()
@@ -203,22 +215,24 @@ class NixlReceiver(PreflightReceiver):
                 self.stats.stale_drops += 1
             write_msg(conn.writer, KVNixlBeginReply(msg.request_id, msg.fence, ok))
         elif isinstance(msg, KVNixlEnd):
-            op = self._open.get((msg.request_id, msg.fence))
+            key = (msg.request_id, msg.fence, conn.agent)
+            op = self._open.get(key)
             if op is not None and op.expected is None:
                 if msg.layers < 0:
                     raise ProtocolError(f"the sender lost track of open request {msg.request_id!r}")
                 op.expected = msg.layers
-                self._settle(msg.request_id, msg.fence)
+                self._settle(key)
         else:
             self.stats.dones_received += 1
-            op = self._open.get((msg.request_id, msg.fence))
+            key = (msg.request_id, msg.fence, conn.agent)
+            op = self._open.get(key)
             if op is None:  # nothing was written (no layers, or a stale fence): pass it on at once
                 self._notify_done(msg)
             elif op.expected is None:
                 raise ProtocolError(f"kv_done for {msg.request_id!r} before its kv_nixl_end")
             else:
                 op.done = msg
-                self._settle(msg.request_id, msg.fence)
+                self._settle(key)
 
     async def _lost(self, conn: _Conn) -> None:
         """A sender's control connection is gone. Its open requests get no KVNixlEnd any more, so nothing
@@ -233,15 +247,15 @@ class NixlReceiver(PreflightReceiver):
             if op is not None and op.conn is conn:
                 op.lost = True
                 op.done = None  # its layers may be missing: decode must not run it; the lease expires
-                self._settle(*key)
+                self._settle(key)
 
     # --- notifications ------------------------------------------------------------------------------
     async def _poll_loop(self) -> None:
         # With the progress thread off, polling is also what progresses this agent's UCX worker.
         while True:
-            for msgs in self._agent.get_new_notifs().values():
+            for agent, msgs in self._agent.get_new_notifs().items():
                 for raw in msgs:
-                    self._on_notif(raw)
+                    self._on_notif(agent, raw)
             if self._open:
                 await asyncio.sleep(self.poll_active_s)
             else:
@@ -249,29 +263,31 @@ class NixlReceiver(PreflightReceiver):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.poll_idle_s)
 
-    def _on_notif(self, raw: bytes) -> None:
+    def _on_notif(self, agent: str, raw: bytes) -> None:
         try:
             n = decode(raw, KVNixlLayer)
         except ValueError as e:
             self.stats.bad_messages += 1
             log.error("kv nixl: bad notification: %s", e)
             return
-        op = self._open.get((n.request_id, n.fence))
+        key = (n.request_id, n.fence, agent)
+        op = self._open.get(key)
         if op is None:
             # Bytes landed without a begin we allowed: a sender bug. Nothing can be undone here.
             self.stats.bad_messages += 1
             log.error("kv nixl: layer %r of %r (fence %r) was never allowed", n.layer, n.request_id, n.fence)
             return
         op.landed += 1
-        self._arrived(n.request_id, n.fence, n.layer, n.num_blocks * 2 * self._block_bytes)
-        self._settle(n.request_id, n.fence)
+        per_block = slice_bytes(self.kv, n.head_count) if n.head_count else self._block_bytes
+        self._arrived(n.request_id, n.fence, n.layer, n.num_blocks * 2 * per_block)
+        self._settle(key)
 
-    def _settle(self, request_id: str, fence: int) -> None:
-        """Close (request_id, fence) once no write of it can land any more; deliver its parked kv_done."""
-        op = self._open.get((request_id, fence))
+    def _settle(self, key: _Key) -> None:
+        """Close an open write once none of it can land any more; deliver its parked kv_done."""
+        op = self._open.get(key)
         if op is None or not op.settled:
             return
-        del self._open[(request_id, fence)]
+        del self._open[key]
         if op.done is not None:
             self._notify_done(op.done)
         self._settled.set()

@@ -1,6 +1,6 @@
 """The prefill side of the nixl backend: one control connection and one prepared descriptor list per
-receiver, a WRITE + notification per layer. The protocol and its guarantees are in
-kv_transfer/backends/nixl/__init__.py."""
+receiver (head slices: descriptors made per write instead), a WRITE + notification per layer. The
+protocol and its guarantees are in kv_transfer/backends/nixl/__init__.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,20 @@ from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
 
+import numpy as np
+
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone, encode
 from common.security.secret import InternalSecret
-from kv_transfer.backends.nixl.agent import block_rows, local_rows, make_agent, mem_type, row_indices
+from kv_transfer.backends.nixl.agent import (
+    block_rows,
+    local_rows,
+    local_slice_rows,
+    make_agent,
+    mem_type,
+    row_indices,
+    slice_rows,
+)
 from kv_transfer.backends.nixl.messages import (
     KVNixlBegin,
     KVNixlBeginReply,
@@ -23,12 +33,12 @@ from kv_transfer.backends.nixl.messages import (
     KVNixlLayer,
     KVNixlRevoke,
 )
-from kv_transfer.base import TransferError
+from kv_transfer.base import HeadSlice, TransferError
 from kv_transfer.control.endpoint import Endpoint
 from kv_transfer.control.framing import read_msg, write_msg
 from kv_transfer.control.messages import KVHello
 from kv_transfer.control.preflight import PreflightSender, drain_control
-from kv_transfer.layout import block_bytes
+from kv_transfer.layout import block_bytes, slice_bytes
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +67,9 @@ class _Peer:
     agent_name: str
     remote_dlist: Any  # nixl_prepped_dlist_handle over every (K|V, layer, block) of the receiver
     num_blocks: int
+    regions: list[list[int]]  # the receiver's K and V tensors: (address, nbytes, device_id)
+    mem_type: str
+    kv_heads: int  # KV heads per block over there; 0: not said (an older receiver), as many as ours
     reqs: dict[tuple[str, int], _Req] = dataclasses.field(default_factory=dict)
     task: asyncio.Task[None] | None = None  # reads replies and revokes
     broken: str = ""
@@ -76,7 +89,8 @@ class NixlSender(PreflightSender[_Peer]):
         self._reg = self._agent.register_memory([kv.k, kv.v])
         self._local_dlist: Any = None
         self._tasks: set[asyncio.Task[None]] = set()  # revoke answers and deferred teardowns
-        self.dlist_preps: Counter[str] = Counter()  # endpoint (or "local") -> descriptor lists prepared
+        # endpoint (or "local") -> block descriptor lists prepared; head-sliced writes prepare none
+        self.dlist_preps: Counter[str] = Counter()
         self.stale_skips = 0  # send_layer calls that wrote nothing: the receiver refused or revoked the fence
 
     async def send_layer(
@@ -88,12 +102,17 @@ class NixlSender(PreflightSender[_Peer]):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         traceparent: str | None = None,
+        heads: HeadSlice | None = None,
     ) -> None:
         s = self.kv.spec
-        self._check_source(layer, src_block_ids, dst_block_ids)
+        self._check_source(layer, src_block_ids, dst_block_ids, heads)
         peer = await self._peer(endpoint)
         # The receiver cannot check anything before the bytes land (one-sided WRITE): check for it.
         self._check_destination(peer.num_blocks, dst_block_ids)
+        if heads is not None and heads.count == s.num_kv_heads == peer.kv_heads:
+            heads = None  # both shards whole: the plain block layout
+        self._check_heads(peer, heads)
+        sliced = None if heads is None else self._slice_rows(peer, layer, src_block_ids, dst_block_ids, heads)
         req = await self._begin(endpoint, peer, request_id, fence)
         if not dst_block_ids:
             return
@@ -101,15 +120,19 @@ class NixlSender(PreflightSender[_Peer]):
             self.stale_skips += 1
             return
         # From the revoked check to inflight += 1 nothing awaits: a revoke sees every posted write.
-        notif = encode(KVNixlLayer(request_id, fence, layer, len(dst_block_ids), traceparent))
-        handle = self._agent.make_prepped_xfer(
-            "WRITE",
-            self._local(),
-            row_indices(s.num_layers, s.num_blocks, layer, src_block_ids),
-            peer.remote_dlist,
-            row_indices(s.num_layers, peer.num_blocks, layer, dst_block_ids),
-            notif_msg=notif,
-        )
+        count = 0 if heads is None else heads.count
+        notif = encode(KVNixlLayer(request_id, fence, layer, len(dst_block_ids), traceparent, count))
+        if sliced is None:
+            handle = self._agent.make_prepped_xfer(
+                "WRITE",
+                self._local(),
+                row_indices(s.num_layers, s.num_blocks, layer, src_block_ids),
+                peer.remote_dlist,
+                row_indices(s.num_layers, peer.num_blocks, layer, dst_block_ids),
+                notif_msg=notif,
+            )
+        else:  # every slot of every block: one descriptor each side, made for this WRITE only
+            handle = self._slice_xfer(endpoint, peer, *sliced, notif)
         req.inflight += 1
         req.idle.clear()
         state = "ERR"
@@ -128,7 +151,8 @@ class NixlSender(PreflightSender[_Peer]):
         if state != "DONE":
             raise TransferError(f"NIXL WRITE of layer {layer} of {request_id!r} to {endpoint} failed")
         self.stats.layers_sent += 1
-        self.stats.bytes_sent += len(dst_block_ids) * 2 * block_bytes(self.kv)
+        per_block = block_bytes(self.kv) if heads is None else slice_bytes(self.kv, heads.count)
+        self.stats.bytes_sent += len(dst_block_ids) * 2 * per_block
 
     async def send_done(self, endpoint: str, msg: KVDone) -> None:
         peer = await self._peer(endpoint)
@@ -169,7 +193,7 @@ class NixlSender(PreflightSender[_Peer]):
         if req is None:
             req = peer.reqs[key] = _Req(asyncio.get_running_loop().create_future())
             req.idle.set()
-            write_msg(peer.writer, KVNixlBegin(request_id, fence))
+            write_msg(peer.writer, KVNixlBegin(request_id, fence, self._agent.name))
             await self._drain(endpoint, peer)
         ok = await asyncio.shield(req.allowed)  # TransferError when the connection broke meanwhile
         return req if ok else None
@@ -194,6 +218,47 @@ class NixlSender(PreflightSender[_Peer]):
             self.dlist_preps["local"] += 1
         return self._local_dlist
 
+    def _check_heads(self, peer: _Peer, heads: HeadSlice | None) -> None:
+        """The heads against the receiver's blocks (from its hello reply): nothing over there stops a
+        WRITE that does not fit them."""
+        ours = self.kv.spec.num_kv_heads
+        if heads is None:
+            if peer.kv_heads not in (0, ours):
+                raise ValueError(
+                    f"the receiver's blocks hold {peer.kv_heads} KV heads and ours {ours}: "
+                    "only head slices can be written"
+                )
+        elif not peer.kv_heads:
+            raise TransferError("the receiver does not say its KV heads per block: it takes no head slices")
+        elif heads.dst_start + heads.count > peer.kv_heads:
+            raise ValueError(f"{heads} does not fit the receiver's {peer.kv_heads} KV heads")
+
+    def _slice_rows(
+        self, peer: _Peer, layer: int, src_block_ids: list[int], dst_block_ids: list[int], heads: HeadSlice
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The slot descriptors of one head-sliced layer write, ours and the receiver's: 2 * n * block_size
+        rows each (n blocks), row i of both the same heads of the same token. Only what this write moves:
+        a list over every slot of the cache would be millions of rows."""
+        s = self.kv.spec
+        mine = local_slice_rows(self.kv, layer, src_block_ids, heads.src_start, heads.count)
+        shape = (s.num_layers, peer.num_blocks, s.block_size, peer.kv_heads)
+        head_bytes = s.head_dim * self.kv.k.element_size()
+        theirs = slice_rows(
+            peer.regions, shape, head_bytes, layer, dst_block_ids, heads.dst_start, heads.count
+        )
+        return mine, theirs
+
+    def _slice_xfer(
+        self, endpoint: str, peer: _Peer, mine: np.ndarray, theirs: np.ndarray, notif: bytes
+    ) -> Any:
+        """A WRITE over unprepared descriptors (NIXL checks them against the registrations here)."""
+        try:
+            local = self._agent.get_xfer_descs(mine, mem_type(self.kv.k))
+            remote = self._agent.get_xfer_descs(theirs, peer.mem_type)
+            return self._agent.initialize_xfer("WRITE", local, remote, peer.agent_name, notif)
+        except Exception as e:  # NIXL raises its own exception types
+            raise TransferError(f"cannot make a NIXL WRITE of head slices to {endpoint}: {e}") from e
+
     async def _connect(self, endpoint: str) -> _Peer:
         ep = Endpoint.parse(endpoint, "nixl")
         hello = KVHello(compat=self.compat, sender_id=self.sender_id)
@@ -214,7 +279,8 @@ class NixlSender(PreflightSender[_Peer]):
         if reply.mem_type not in ("DRAM", "VRAM"):
             raise TransferError(f"unknown remote memory type {reply.mem_type!r}")
         regions = [list(r) for r in reply.regions]
-        rows = block_rows(regions, s.num_layers, reply.num_blocks, block_bytes(self.kv))
+        heads = reply.kv_heads or s.num_kv_heads  # an older receiver says nothing: as many as ours
+        rows = block_rows(regions, s.num_layers, reply.num_blocks, slice_bytes(self.kv, heads))
         name = self._agent.add_remote_agent(reply.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
         try:
@@ -222,7 +288,7 @@ class NixlSender(PreflightSender[_Peer]):
         except Exception:
             self._agent.remove_remote_agent(name)
             raise
-        return _Peer(reader, writer, name, dlist, reply.num_blocks)
+        return _Peer(reader, writer, name, dlist, reply.num_blocks, regions, reply.mem_type, reply.kv_heads)
 
     async def _read_loop(self, endpoint: str, peer: _Peer) -> None:
         why = "connection closed by the receiver"

@@ -21,16 +21,17 @@ from kv_transfer.control.endpoint import Endpoint
 from kv_transfer.control.framing import MAX_CONTROL_FRAME, Recv, Send
 from kv_transfer.control.messages import KVHello, KVHelloReply, KVLayerHeader
 from kv_transfer.control.preflight import HANDSHAKE_TIMEOUT_S, PreflightReceiver
-from kv_transfer.layout import byte_view, check_layer_header, layer_views
+from kv_transfer.layout import byte_view, check_layer_header, layer_views, unpack_heads
 
 log = logging.getLogger(__name__)
 
 SCRATCH = 1 << 20  # drained (stale) payloads are read through this many bytes at a time
 
 
-def _staged(kv: PagedKVCache, n: int) -> torch.Tensor:
-    """A host buffer for n blocks of K and V of one layer: (2, n, bs, n_kv, hd)."""
-    return torch.empty((2, n, *kv.k.shape[2:]), dtype=kv.k.dtype)
+def _staged(kv: PagedKVCache, n: int, heads: int = 0) -> torch.Tensor:
+    """A host buffer for n blocks of K and V of one layer: (2, n, bs, heads or n_kv, hd)."""
+    bs, n_kv, hd = kv.k.shape[2:]
+    return torch.empty((2, n, bs, heads or n_kv, hd), dtype=kv.k.dtype)
 
 
 class TcpReceiver(PreflightReceiver):
@@ -141,7 +142,11 @@ class TcpReceiver(PreflightReceiver):
             return
         self._writing[h.request_id] += 1
         try:
-            if self.kv.k.device.type == "cpu":
+            if h.head_count and h.head_count < self.kv.spec.num_kv_heads:  # some of our heads: scatter
+                staged = _staged(self.kv, len(h.block_ids), h.head_count)  # (2, n, bs, count, hd)
+                await recv_views(loop, conn, [byte_view(staged)])
+                unpack_heads(self.kv, h.layer, h.block_ids, h.head_start, staged)
+            elif self.kv.k.device.type == "cpu":  # every head of our shard: the plain block layout
                 await recv_views(loop, conn, layer_views(self.kv, h.layer, h.block_ids))
             else:
                 staged = _staged(self.kv, len(h.block_ids))  # (2, n, bs, n_kv, hd)

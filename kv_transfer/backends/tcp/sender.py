@@ -13,12 +13,12 @@ from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone, frame
 from common.security.secret import InternalSecret
 from kv_transfer.backends.tcp.sockio import send_views, socket_io
-from kv_transfer.base import TransferError
+from kv_transfer.base import HeadSlice, TransferError
 from kv_transfer.control.endpoint import Endpoint
 from kv_transfer.control.framing import MAX_CONTROL_FRAME
 from kv_transfer.control.messages import KVHello, KVHelloReply, KVLayerHeader
 from kv_transfer.control.preflight import PreflightSender
-from kv_transfer.layout import block_bytes, byte_view, layer_views
+from kv_transfer.layout import block_bytes, byte_view, layer_views, pack_heads, slice_bytes
 
 
 @dataclasses.dataclass
@@ -47,11 +47,20 @@ class TcpSender(PreflightSender[_Peer]):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         traceparent: str | None = None,
+        heads: HeadSlice | None = None,
     ) -> None:
-        self._check_source(layer, src_block_ids, dst_block_ids)
-        nbytes = len(dst_block_ids) * 2 * block_bytes(self.kv)
-        header = KVLayerHeader(request_id, fence, layer, list(dst_block_ids), nbytes, traceparent)
-        if self.kv.k.device.type == "cpu":
+        self._check_source(layer, src_block_ids, dst_block_ids, heads)
+        if heads is None:
+            nbytes = len(dst_block_ids) * 2 * block_bytes(self.kv)
+            header = KVLayerHeader(request_id, fence, layer, list(dst_block_ids), nbytes, traceparent)
+        else:
+            nbytes = len(dst_block_ids) * 2 * slice_bytes(self.kv, heads.count)
+            ids, start, count = list(dst_block_ids), heads.dst_start, heads.count
+            header = KVLayerHeader(request_id, fence, layer, ids, nbytes, traceparent, start, count)
+        if heads is not None and heads.count < self.kv.spec.num_kv_heads:
+            packed = pack_heads(self.kv, layer, src_block_ids, heads.src_start, heads.count)
+            payload = [byte_view(packed.cpu())]
+        elif self.kv.k.device.type == "cpu":  # every head of our shard: the packed slice is the blocks
             payload = layer_views(self.kv, layer, src_block_ids)
         else:
             idx = torch.tensor(src_block_ids, dtype=torch.long, device=self.kv.k.device)

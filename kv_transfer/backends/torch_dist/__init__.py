@@ -22,18 +22,21 @@ address of the control connection, so the pair takes the route the control strea
 
 Per layer:
 
-    S → R  KVLayerHeader{request_id, fence, layer, block_ids, nbytes}    on the control connection, then
+    S → R  KVLayerHeader{request_id, fence, layer, block_ids, nbytes, head_start, head_count}
+                                                                         on the control connection, then
     S ⇒ R  send of one uint8 tensor of nbytes: the layer's K blocks then V blocks (kv_transfer.layout
-           order), gathered from the source blocks into a staging buffer
+           order; head_count > 0: only those heads of each block), gathered from the source blocks
+           into a staging buffer
     S → R  KVDone{..., layer_writes}                                     after the request's headers
 
 Every group call of a pair runs on that pair's one thread (they block), in the order the headers were
 queued, so the n-th header describes the n-th message on both sides. The receiver checks the header
-(layer, ids, nbytes; a bad one closes the connection) and asks its owner `may_write(request_id, fence)`;
-then its thread receives into a staging buffer and, only if the fence was current, scatters into
-kv.k/v[layer, block_ids]. A stale layer is still received (the stream must stay in step) and dropped. The
-receiver parks each kv_done until the pair's earlier layers have landed; a layer that failed loses the
-pair (its stream is out of step), and that pair's later kv_done are never delivered (the lease expires).
+(layer, ids, heads, nbytes; a bad one closes the connection) and asks its owner
+`may_write(request_id, fence)`; then its thread receives into a staging buffer and, only if the fence
+was current, scatters into kv.k/v[layer, block_ids] (a head slice: into those blocks' heads head_start..).
+A stale layer is still received (the stream must stay in step) and dropped. The receiver parks each
+kv_done until the pair's earlier layers have landed; a layer that failed loses the pair (its stream is
+out of step), and that pair's later kv_done are never delivered (the lease expires).
 
 Fences and cancelling: as with tcp, the fence is checked when the header arrives; an accepted layer
 counts as writing until its scatter is done, and `wait_idle(request_id)` waits for those. The owner makes

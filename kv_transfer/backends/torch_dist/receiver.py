@@ -37,7 +37,7 @@ from kv_transfer.control.endpoint import Endpoint
 from kv_transfer.control.framing import read_msg, stream_io, write_msg
 from kv_transfer.control.messages import KVLayerHeader
 from kv_transfer.control.preflight import HANDSHAKE_TIMEOUT_S, PreflightReceiver
-from kv_transfer.layout import check_layer_header
+from kv_transfer.layout import check_layer_header, unpack_heads
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +221,15 @@ class TorchDistReceiver(PreflightReceiver):
         if not write:
             return
         k, v = self.kv.k, self.kv.v
-        staged = buf.view(k.dtype).view(2, len(h.block_ids), *k.shape[2:])  # (2, n, bs, n_kv, hd)
-        idx = torch.tensor(h.block_ids, dtype=torch.long, device=k.device)
-        k[h.layer].index_copy_(0, idx, staged[0].to(k.device))
-        v[h.layer].index_copy_(0, idx, staged[1].to(v.device))
+        bs, n_kv, hd = k.shape[2:]
+        if h.head_count and h.head_count < n_kv:  # some of our heads: scatter into them
+            staged = buf.view(k.dtype).view(2, len(h.block_ids), bs, h.head_count, hd)
+            unpack_heads(self.kv, h.layer, h.block_ids, h.head_start, staged)
+        else:  # every head of our shard: the plain block layout
+            staged = buf.view(k.dtype).view(2, len(h.block_ids), *k.shape[2:])  # (2, n, bs, n_kv, hd)
+            idx = torch.tensor(h.block_ids, dtype=torch.long, device=k.device)
+            k[h.layer].index_copy_(0, idx, staged[0].to(k.device))
+            v[h.layer].index_copy_(0, idx, staged[1].to(v.device))
         sync(k.device)
 
     def _landed(self, pair: _Pair, h: KVLayerHeader, write: bool, fut: asyncio.Future[Any]) -> None:

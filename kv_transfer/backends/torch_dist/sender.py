@@ -29,12 +29,12 @@ from kv_transfer.backends.torch_dist.pair import (
     p2p,
     staging_device,
 )
-from kv_transfer.base import TransferError
+from kv_transfer.base import HeadSlice, TransferError
 from kv_transfer.control.endpoint import Endpoint
 from kv_transfer.control.framing import write_msg
 from kv_transfer.control.messages import KVLayerHeader
 from kv_transfer.control.preflight import PreflightSender, drain_control
-from kv_transfer.layout import block_bytes
+from kv_transfer.layout import block_bytes, pack_heads, slice_bytes
 
 log = logging.getLogger(__name__)
 
@@ -84,21 +84,24 @@ class TorchDistSender(PreflightSender[_Peer]):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         traceparent: str | None = None,
+        heads: HeadSlice | None = None,
     ) -> None:
-        self._check_source(layer, src_block_ids, dst_block_ids)
+        self._check_source(layer, src_block_ids, dst_block_ids, heads)
         peer = await self._peer(endpoint)
         # A header the receiver refuses closes the pair with our bytes already posted: check for it.
         self._check_destination(peer.num_blocks, dst_block_ids)
         if not dst_block_ids:
             return
-        n, nbytes = len(dst_block_ids), len(dst_block_ids) * 2 * block_bytes(self.kv)
+        per_block = block_bytes(self.kv) if heads is None else slice_bytes(self.kv, heads.count)
+        nbytes = len(dst_block_ids) * 2 * per_block
         buf = peer.take(nbytes)
-        packed = self._pack(buf, layer, src_block_ids)  # a copy: the send no longer reads the cache
+        packed = self._pack(buf, layer, src_block_ids, heads)  # a copy: the send no longer reads the cache
+        start, count = (0, 0) if heads is None else (heads.dst_start, heads.count)
+        ids = list(dst_block_ids)
+        header = KVLayerHeader(request_id, fence, layer, ids, nbytes, traceparent, start, count)
         # Header and job are queued in one step of the loop: the control stream and the group's stream
         # carry layers in the same order.
-        write_msg(
-            peer.writer, KVLayerHeader(request_id, fence, layer, list(dst_block_ids), nbytes, traceparent)
-        )
+        write_msg(peer.writer, header)
         sent = peer.worker.submit(functools.partial(self._send, peer, buf[:nbytes], packed))
         sent.add_done_callback(functools.partial(peer.give, buf))
         await self._drain(endpoint, peer)
@@ -109,7 +112,7 @@ class TorchDistSender(PreflightSender[_Peer]):
             self._drop(endpoint, peer, str(e))
             raise TransferError(f"sending layer {layer} of {request_id!r} to {endpoint} failed: {e}") from e
         self.stats.layers_sent += 1
-        self.stats.bytes_sent += n * 2 * block_bytes(self.kv)
+        self.stats.bytes_sent += nbytes
 
     async def send_done(self, endpoint: str, msg: KVDone) -> None:
         peer = await self._peer(endpoint)
@@ -123,20 +126,27 @@ class TorchDistSender(PreflightSender[_Peer]):
         await join_all(self._workers, JOIN_S)
 
     # --- per layer ------------------------------------------------------------------------------------
-    def _pack(self, buf: torch.Tensor, layer: int, src_block_ids: list[int]) -> Any:
-        """Gather layer `layer` of the source blocks into buf in wire order: (2, n, bs, n_kv, hd).
-        Returns the CUDA event that marks the gather done when it runs on a device stream, else None."""
+    def _pack(self, buf: torch.Tensor, layer: int, src_block_ids: list[int], heads: HeadSlice | None) -> Any:
+        """Gather layer `layer` of the source blocks (only `heads` of each, when given) into buf in wire
+        order: (2, n, bs, n_kv or heads.count, hd). Returns the CUDA event that marks the gather done when
+        it runs on a device stream, else None."""
         k, v = self.kv.k, self.kv.v
         n = len(src_block_ids)
-        staged = buf[: n * 2 * block_bytes(self.kv)].view(k.dtype).view(2, n, *k.shape[2:])
-        idx = torch.tensor(src_block_ids, dtype=torch.long, device=k.device)
-        if staged.device != k.device:  # a CUDA cache over gloo: a synchronous copy to host
-            staged[0].copy_(k[layer, idx])
-            staged[1].copy_(v[layer, idx])
-            return None
-        torch.index_select(k[layer], 0, idx, out=staged[0])
-        torch.index_select(v[layer], 0, idx, out=staged[1])
-        if k.device.type != "cuda":
+        if heads is not None:  # pack_heads copies synchronously to a host buffer from a CUDA cache
+            bs, _, hd = k.shape[2:]
+            sliced = buf[: n * 2 * slice_bytes(self.kv, heads.count)].view(k.dtype)
+            sliced = sliced.view(2, n, bs, heads.count, hd)
+            pack_heads(self.kv, layer, src_block_ids, heads.src_start, heads.count, out=sliced)
+        else:
+            staged = buf[: n * 2 * block_bytes(self.kv)].view(k.dtype).view(2, n, *k.shape[2:])
+            idx = torch.tensor(src_block_ids, dtype=torch.long, device=k.device)
+            if staged.device != k.device:  # a CUDA cache over gloo: a synchronous copy to host
+                staged[0].copy_(k[layer, idx])
+                staged[1].copy_(v[layer, idx])
+                return None
+            torch.index_select(k[layer], 0, idx, out=staged[0])
+            torch.index_select(v[layer], 0, idx, out=staged[1])
+        if k.device.type != "cuda" or buf.device != k.device:
             return None
         event = torch.cuda.Event()
         event.record()  # on this thread's stream; the pair's thread makes its own stream wait for it
