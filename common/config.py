@@ -56,7 +56,7 @@ class EngineConfig(BaseSettings):
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto",
         description="what the KV cache stores: auto (the model dtype), a narrower float, or fp8 with a "
-        "calibrated power-of-two scale per layer and KV head (tensor_parallel_size 1 for now)",
+        "calibrated power-of-two scale per layer and KV head",
     )
     enable_prefix_caching: bool = True
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
@@ -64,7 +64,8 @@ class EngineConfig(BaseSettings):
         1,
         ge=1,
         description="ranks the model is sharded over (Megatron-style, one process each, rank 0 the engine's; "
-        "CPU/gloo only, no KV transfer); each rank uses num_threads, default cores // tensor_parallel_size",
+        "CPU/gloo only; in a service each rank moves its own KV heads, prefill and decode may differ); each "
+        "rank uses num_threads, default cores // tensor_parallel_size",
     )
 
 

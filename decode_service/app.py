@@ -33,7 +33,10 @@ def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig) -> FastAPI:
 
     @app.get("/internal/kv")
     async def kv_info() -> dict[str, Any]:
-        stats = asdict(svc.receiver.stats)
-        return {"kv_endpoint": svc.kv_endpoint, "backend": svc.kv_backend, "stats": stats}
+        ranks = {
+            str(r): asdict(s) for r, s in svc.receiver_stats().items()
+        }  # tensor parallelism: each rank's
+        stats = ranks["0"]
+        return {"kv_endpoint": svc.kv_endpoint, "backend": svc.kv_backend, "stats": stats, "ranks": ranks}
 
     return app

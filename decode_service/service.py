@@ -33,7 +33,8 @@ from common.runtime.metrics import TransportCount
 from common.runtime.service import Interrupt, Job, Service
 from common.runtime.telemetry import context_from, span_scope, tracer
 from decode_service.timeline import Timeline
-from kv_transfer import make_receiver, resolve_backend
+from kv_transfer import ReceiverStats, make_receiver, resolve_backend
+from kv_transfer.ranks import RankTransfer
 
 log = logging.getLogger(__name__)
 FRAMES = "application/x-splitserve-frames"
@@ -53,11 +54,14 @@ class Stream(Job):
 class DecodeService(Service):
     def __init__(self, cfg: ServiceConfig, engine_cfg: EngineConfig) -> None:
         self.connector = DecodeConnector(on_arrived=self._on_arrived, on_failed=self._on_failed)
-        engine = LLMEngine.from_config(engine_cfg, self.connector)
-        super().__init__(cfg, engine)
         self.kv_backend, why = resolve_backend(cfg.kv_backend)
         log.warning("decode %s: KV transfer backend %s (%s)", cfg.worker_name, self.kv_backend, why)
-        self.rank = 0  # the tensor-parallel rank whose KV shard this process holds: 0, no TP yet
+        # tensor parallelism: rank r (a worker process) receives its own KV heads on kv_port + r
+        options = {"host": cfg.host, "port": cfg.kv_port, "advertise_host": cfg.advertise_host}
+        self.connector.rank_transfer = RankTransfer("decode", self.kv_backend, options)
+        engine = LLMEngine.from_config(engine_cfg, self.connector)
+        super().__init__(cfg, engine)
+        self.rank = 0  # the tensor-parallel rank whose KV shard this process holds (the others: workers)
         self.receiver = make_receiver(
             self.kv_backend,
             engine.kv_cache,
@@ -74,15 +78,30 @@ class DecodeService(Service):
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, kv_endpoint: str = "") -> None:
-        self.kv_endpoint = await self.receiver.start()
+        # one endpoint per tensor-parallel rank, in rank order (common/parallel/plan.split_endpoints)
+        workers = self.engine.tp_workers
+        ranks = workers.endpoints if workers is not None else []
+        self.kv_endpoint = ",".join([await self.receiver.start(), *ranks])
         await super().start(self.kv_endpoint)
 
     async def stop(self) -> None:
         await super().stop()
         await self.receiver.close()
 
+    def receiver_stats(self) -> dict[int, ReceiverStats]:
+        """Every rank's receiver counters: this process's (rank 0), then the worker ranks' last report."""
+        out = {self.receiver.rank: self.receiver.stats}
+        workers = self.engine.tp_workers
+        for rank, stats in (workers.rank_stats if workers is not None else {}).items():
+            if "received" in stats:
+                out[rank] = ReceiverStats(**stats["received"])
+        return out
+
     def transfer_counters(self) -> list[TransportCount]:
-        s, backend, rank = self.receiver.stats, self.kv_backend, self.receiver.rank
+        return [c for rank, s in self.receiver_stats().items() for c in self._counters(rank, s)]
+
+    def _counters(self, rank: int, s: ReceiverStats) -> list[TransportCount]:
+        backend = self.kv_backend
         return [
             TransportCount(name, doc, backend, rank, value)
             for name, doc, value in (

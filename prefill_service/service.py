@@ -25,11 +25,13 @@ from common.connector.prefill import PrefillConnector
 from common.connector.remote_kv import OutgoingKV, TransferState
 from common.engine.api import AddRequest, Admission, Finish, TokenOutput
 from common.engine.llm_engine import LLMEngine
+from common.parallel.plan import split_endpoints
 from common.protocol import PrefillRequest, PrefillResult
 from common.runtime.metrics import TransportCount
 from common.runtime.service import Interrupt, Job, Service, error_response, msgpack_response
 from common.runtime.telemetry import context_from, span_ctx, tracer
 from kv_transfer import KVSender, SenderStats, TransferError, make_sender, resolve_backend
+from kv_transfer.ranks import RankTransfer
 from prefill_service.spans import compute_spans, fail, transfer_done
 
 log = logging.getLogger(__name__)
@@ -45,12 +47,14 @@ class Interrupted(Exception):
 class PrefillService(Service):
     def __init__(self, cfg: ServiceConfig, engine_cfg: EngineConfig) -> None:
         self.connector = PrefillConnector(self.sender_for, self._on_failed)
+        # tensor parallelism: rank r (a worker process) sends its own KV heads (kv_transfer/ranks.py)
+        self.connector.rank_transfer = RankTransfer("prefill", "", {"sender_id": cfg.worker_name})
         engine = LLMEngine.from_config(engine_cfg, self.connector)
         super().__init__(cfg, engine)
         self._compat = engine.kv_compat()
         self.senders: dict[str, KVSender] = {}  # by backend: a decode service's endpoint names its own
-        # The tensor-parallel rank whose KV shard this process sends: 0, there is no tensor parallelism
-        # yet. Its senders carry it, and the transfer's metrics, span and record take it from them.
+        # The tensor-parallel rank whose KV shard this process sends (the other ranks send their own).
+        # Its senders carry it, and the transfer's metrics, span and record take it from them.
         self.rank = 0
         # the configured backend (auto: as a decode service here would choose): its metrics read 0 from
         # the start; those of another backend a decode service names appear with its first transfer
@@ -69,16 +73,12 @@ class PrefillService(Service):
         out: list[TransportCount] = []
         for backend in dict.fromkeys([self.kv_backend, *self.senders]):  # the configured one, 0 until used
             sender = self.senders.get(backend)
-            s, rank = (sender.stats, sender.rank) if sender is not None else (SenderStats(), self.rank)
-            out += [
-                TransportCount("splitserve_kv_transfer_bytes", "KV bytes sent", backend, rank, s.bytes_sent),
-                TransportCount(
-                    "splitserve_kv_transfer_layers", "layer writes sent", backend, rank, s.layers_sent
-                ),
-                TransportCount(
-                    "splitserve_kv_transfer_dones", "kv_done notifications sent", backend, rank, s.dones_sent
-                ),
-            ]
+            s = sender.stats if sender is not None else SenderStats()
+            out += _sender_counters(backend, self.rank, s)
+        workers = self.engine.tp_workers  # the worker ranks' own senders, as they last reported
+        for rank, stats in (workers.rank_stats if workers is not None else {}).items():
+            for backend, sent in stats.get("sent", {}).items():
+                out += _sender_counters(backend, rank, SenderStats(**sent))
         return out
 
     def sender_for(self, endpoint: str) -> KVSender:
@@ -99,6 +99,7 @@ class PrefillService(Service):
     async def prefill(self, req: PrefillRequest) -> Response:
         bs = self.engine.block_manager.block_size
         try:
+            split_endpoints(req.kv_endpoint)  # one per decode rank
             self.sender_for(req.kv_endpoint)
         except ValueError as e:
             return error_response(400, f"kv_endpoint {req.kv_endpoint!r}: {e}")
@@ -215,3 +216,13 @@ class PrefillService(Service):
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _sender_counters(backend: str, rank: int, s: SenderStats) -> list[TransportCount]:
+    return [
+        TransportCount("splitserve_kv_transfer_bytes", "KV bytes sent", backend, rank, s.bytes_sent),
+        TransportCount("splitserve_kv_transfer_layers", "layer writes sent", backend, rank, s.layers_sent),
+        TransportCount(
+            "splitserve_kv_transfer_dones", "kv_done notifications sent", backend, rank, s.dones_sent
+        ),
+    ]

@@ -4,11 +4,15 @@ their leases, and the end of a request whose peer stopped renewing its own."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from common.cluster.leases import Leased, LeaseKeeper
 from common.connector.remote_kv import RemoteKV, TransferState
 from common.engine.kv_connector import KVConnector
+from common.protocol import KVCompat
+
+if TYPE_CHECKING:
+    from common.parallel.workers import TPWorkers
 
 R = TypeVar("R", bound=RemoteKV)
 
@@ -20,6 +24,14 @@ class RemoteKVConnector(KVConnector, Generic[R]):
         self.on_failed = on_failed  # the transfer cannot complete: the service ends the request
         self.requests: dict[str, R] = {}
         self.leases: LeaseKeeper | None = None  # set by the service once Redis is there
+        # tensor parallelism (bind_ranks): the worker ranks' transfer agents, and rank 0's record
+        self.ranks: TPWorkers | None = None
+        self.compat: KVCompat | None = None
+
+    def bind_ranks(self, ranks: TPWorkers | None, compat: KVCompat) -> None:
+        """This engine's preflight record (rank 0's), and its worker ranks when it has several: each
+        moves its own KV shard, driven from here."""
+        self.ranks, self.compat = ranks, compat
 
     def holders(self) -> Iterable[Leased]:
         """The requests whose leases the keeper renews and whose peers it watches."""

@@ -7,6 +7,11 @@ Worker side (the receiver's callbacks, event loop): `may_write` checks the fence
 lands, `layer_arrived` counts the writes in place, `kv_done` lets the request decode only when every
 layer write the sender made has landed; otherwise the request ends with the reason.
 Engine thread: `holds_blocks` keeps a finished request's blocks while a transfer may still write them.
+
+With tensor parallelism each rank receives its own KV heads: the worker ranks' agents
+(kv_transfer/ranks.py) open and close each reservation with rank 0's, count their own writes and
+kv_dones, and report; the request decodes once every rank's KV is complete. Several prefill ranks may
+write into one rank (heterogeneous TP): each rank waits for all of their kv_dones (`Tally`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from common.connector.base import RemoteKVConnector
 from common.connector.remote_kv import IncomingKV, TransferState
@@ -45,6 +51,12 @@ class DecodeConnector(RemoteKVConnector[IncomingKV]):
         rkv = IncomingKV(a.request_id, next(self._fences), a.block_ids, S.RESERVED)
         rkv.num_cached_tokens = a.num_cached_tokens
         self.requests[a.request_id] = rkv
+        if self.ranks is not None:  # every rank accepts the writes before the prefill can know where
+            self.ranks.attach(self._on_report)
+            errors = [e for e in await self.ranks.call("open", rkv.request_id, rkv.fence) if e]
+            if errors and rkv.open:
+                rkv.state = S.ENDED
+                self.on_failed(rkv, "; ".join(errors))
         if self.leases is not None:
             await self.leases.acquire(rkv)
         return rkv
@@ -62,6 +74,8 @@ class DecodeConnector(RemoteKVConnector[IncomingKV]):
             rkv.state = S.ENDED
             with contextlib.suppress(Exception):  # a broken transport has nothing left landing
                 await wait_idle(rkv.request_id)
+        if self.ranks is not None:  # the same on every rank (a rank that is gone writes nothing)
+            await self.ranks.call("close", rkv.request_id, rkv.fence)
         await self._forget(rkv)
 
     # --- engine thread --------------------------------------------------------------------------------
@@ -86,18 +100,39 @@ class DecodeConnector(RemoteKVConnector[IncomingKV]):
     def layer_arrived(self, request_id: str, fence: int, layer: int) -> None:
         rkv = self._current(request_id, fence)
         if rkv is not None:
-            rkv.layers_arrived += 1
+            rkv.tally.layers += 1
 
     def kv_done(self, msg: KVDone) -> None:
         rkv = self._current(msg.request_id, msg.fence)
         if rkv is None:
             log.warning("dropping kv_done for %s with stale fence %d", msg.request_id, msg.fence)
             return
-        if rkv.layers_arrived != msg.layer_writes:
+        why = rkv.tally.hear_done(msg.layer_writes, msg.senders)
+        if why is None:
+            return  # another prefill rank's kv_done is due
+        rkv.done = msg
+        self._rank_verdict(rkv, 0, why)
+
+    def _on_report(self, rank: int, msg: tuple[Any, ...]) -> None:
+        """A worker rank's agent: ("arrived", rid, fence, why), or ("gone",) when it exited."""
+        if msg[0] == "arrived":
+            rkv = self._current(msg[1], msg[2])
+            if rkv is not None:
+                self._rank_verdict(rkv, rank, msg[3])
+            return
+        for rkv in [r for r in self.requests.values() if r.open]:
+            rkv.state = S.ENDED
+            self.on_failed(rkv, f"tensor-parallel rank {rank} is gone")
+
+    def _rank_verdict(self, rkv: IncomingKV, rank: int, why: str) -> None:
+        """Rank `rank` heard every kv_done due to it: why ("") its KV is (not) complete."""
+        if why:
             # Decoding now would read blocks some layer never reached: end it, never serve it.
             rkv.state = S.ENDED
-            why = f"KV incomplete: {rkv.layers_arrived} of {msg.layer_writes} layer writes arrived"
-            self.on_failed(rkv, why)
+            self.on_failed(rkv, why if rank == 0 else f"rank {rank}: {why}")
             return
-        rkv.state = S.ARRIVED  # any later write under this fence is stale
-        self.on_arrived(rkv, msg)
+        rkv.ranks_done.add(rank)
+        world = self.ranks.world_size if self.ranks is not None else 1
+        if len(rkv.ranks_done) == world and rkv.done is not None:
+            rkv.state = S.ARRIVED  # any later write under this fence is stale
+            self.on_arrived(rkv, rkv.done)

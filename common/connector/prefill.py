@@ -8,6 +8,11 @@ the block ranges each request ships this step; `holds_blocks` keeps a finished r
 its writes are done.
 Worker side (engine thread, inside the forward pass): `save_layer(i, meta)` posts layer i's writes to
 the event loop as soon as the layer is in the cache.
+
+With tensor parallelism every rank sends its own KV heads: this connector (rank 0) sends rank 0's,
+and hands each step's writes to the worker ranks (`rank_meta`), whose agents post theirs
+(kv_transfer/ranks.py); `finish_sending` and `settle` wait for every rank. Which heads go to which
+decode rank (the decode service may have another TP size) is common/parallel/plan.py's.
 """
 
 from __future__ import annotations
@@ -17,15 +22,21 @@ import contextlib
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from opentelemetry import trace
 
 from common.connector.base import RemoteKVConnector
 from common.connector.remote_kv import OutgoingKV, TransferState
 from common.engine.scheduler import SchedulerOutput
 from common.engine.sequence import Sequence
 from common.kv.kv_cache import PagedKVCache
-from common.protocol import KVDone, PrefillRequest
+from common.parallel.plan import HeadSlice, SaveItem, plan, shard_dones, shard_writes, split_endpoints
+from common.protocol import KVCompat, KVDone, PrefillRequest, TransferError
 from common.runtime.telemetry import span_ctx, traceparent, tracer
+
+if TYPE_CHECKING:
+    from common.parallel.workers import TPWorkers
 
 S = TransferState
 _tracer = tracer(__name__)
@@ -43,6 +54,7 @@ class KVSink(Protocol):
         src_block_ids: list[int],
         dst_block_ids: list[int],
         traceparent: str | None = None,
+        heads: HeadSlice | None = None,
     ) -> None: ...
 
     async def send_done(self, endpoint: str, msg: KVDone) -> None: ...
@@ -74,18 +86,35 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
     ) -> None:
         super().__init__(on_failed)  # the decode side is gone: the service ends the request
         self.sender_for = sender_for  # the sender for a decode service's endpoint (its scheme names it)
-        self.block_size = self.num_layers = self.block_bytes = 0  # from bind()
+        self.block_size = self.num_layers = self.head_bytes = 0  # from bind()
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind(self, kv: PagedKVCache) -> None:
         s = kv.spec
         self.block_size, self.num_layers = s.block_size, s.num_layers
-        self.block_bytes = 2 * s.block_size * s.num_kv_heads * s.head_dim * kv.k.element_size()  # K and V
+        self.head_bytes = 2 * s.block_size * s.head_dim * kv.k.element_size()  # one KV head's K and V
+        self._heads = (s.num_kv_heads, 1)  # (the model's KV heads, ranks): one rank until bind_ranks
+
+    def bind_ranks(self, ranks: TPWorkers | None, compat: KVCompat) -> None:
+        super().bind_ranks(ranks, compat)
+        self._heads = (compat.num_kv_heads, compat.tp_size)
+
+    def _routes(self, endpoint: str) -> list[tuple[str, HeadSlice | None]]:
+        """Where rank 0's writes for a decode service's endpoint(s) go, and which of its heads."""
+        return shard_writes(*self._heads, 0, split_endpoints(endpoint))
+
+    def _heads_moved(self, endpoint: str) -> int:
+        """KV heads of a block every rank together writes to the decode service (with replicated
+        heads on the decode side, more than the model has)."""
+        return sum(r.heads.count for r in plan(*self._heads, len(split_endpoints(endpoint))))
 
     # --- scheduler side: event loop -------------------------------------------------------------------
     async def add(self, req: PrefillRequest, trace_ctx: Any = None) -> OutgoingKV:
         """Register where req's KV goes (before the engine sees the request) and lease our blocks."""
         self._loop = asyncio.get_running_loop()
+        split_endpoints(req.kv_endpoint)  # ValueError: a malformed list
+        if self.ranks is not None:
+            self.ranks.attach(lambda rank, msg: None)  # a prefill agent only answers calls
         rkv = OutgoingKV(req.request_id, req.fence, req.block_ids, S.HELD)
         rkv.endpoint, rkv.skip_blocks = req.kv_endpoint, req.num_cached_tokens // self.block_size
         rkv.trace_ctx, rkv.traceparent = trace_ctx, req.traceparent
@@ -100,8 +129,13 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
         write or the notification failed."""
         for w in rkv.writes:
             await asyncio.wrap_future(w)
-        msg = KVDone(rkv.request_id, rkv.fence, first_token, num_tokens, len(rkv.writes), rkv.traceparent)
-        await self.sender_for(rkv.endpoint).send_done(rkv.endpoint, msg)
+        msg = KVDone(rkv.request_id, rkv.fence, first_token, num_tokens, 0, rkv.traceparent)
+        if self.ranks is not None:  # the other ranks wait for their writes and send their kv_dones
+            errors = [e for e in await self.ranks.call("finish", rkv.request_id, rkv.endpoint, msg) if e]
+            if errors:
+                raise TransferError("; ".join(errors))
+        for done, endpoint in shard_dones(*self._heads, 0, rkv.endpoint, msg, rkv.written):
+            await self.sender_for(rkv.endpoint).send_done(endpoint, done)
         rkv.state = S.SENT
 
     def stop(self, rkv: OutgoingKV) -> None:
@@ -117,6 +151,8 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
         for w in rkv.writes:
             with contextlib.suppress(Exception):  # a failed write reads nothing any more
                 await asyncio.wrap_future(w)
+        if self.ranks is not None:
+            await self.ranks.call("settle", rkv.request_id)  # a rank that is gone reads nothing either
         rkv.released = True
         await self._forget(rkv)
 
@@ -142,6 +178,23 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
                 writes.append(LayerWrite(rkv, seq.block_table[first:last], rkv.block_ids[first:last], n))
         return SaveMeta(writes, self.num_layers - 1) if writes else None
 
+    def rank_meta(self, meta: SaveMeta) -> list[SaveItem] | None:
+        """The step's writes as the worker ranks post them (each its own heads)."""
+        if self.ranks is None:
+            return None
+        items = []
+        for w in meta.writes:
+            rkv = w.rkv
+            self._start_span(rkv)  # the ranks' writes carry the kv.transfer span too
+            items.append(SaveItem(rkv.request_id, rkv.fence, rkv.endpoint, w.src, w.dst, rkv.traceparent))
+        return items
+
+    def _start_span(self, rkv: OutgoingKV) -> None:
+        """The transfer's span starts with its first write."""
+        if rkv.span is trace.INVALID_SPAN:
+            rkv.span = _tracer.start_span("kv.transfer", context=rkv.trace_ctx)
+            rkv.traceparent = traceparent(span_ctx(rkv.span)) or rkv.traceparent
+
     # --- worker side: engine thread, inside the forward pass ------------------------------------------
     def save_layer(self, layer: int, meta: SaveMeta) -> None:
         """Layer `layer` of the step is in the cache: post its writes; the next layer computes while
@@ -156,15 +209,15 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
                 rkv.chunks[-1][1] = now
             if rkv.state is not S.HELD:
                 continue  # stopped meanwhile
-            if not rkv.writes:  # the transfer starts with its first write
-                rkv.span = _tracer.start_span("kv.transfer", context=rkv.trace_ctx)
-                rkv.traceparent = traceparent(span_ctx(rkv.span)) or rkv.traceparent
+            self._start_span(rkv)
             sender = self.sender_for(rkv.endpoint)
-            coro = sender.send_layer(
-                rkv.endpoint, rkv.request_id, rkv.fence, layer, w.src, w.dst, traceparent=rkv.traceparent
-            )
-            rkv.writes.append(asyncio.run_coroutine_threadsafe(_timed(coro, rkv.active), self._loop))
-            rkv.nbytes += len(w.dst) * self.block_bytes
+            for endpoint, heads in self._routes(rkv.endpoint):
+                coro = sender.send_layer(
+                    endpoint, rkv.request_id, rkv.fence, layer, w.src, w.dst, rkv.traceparent, heads=heads
+                )
+                rkv.writes.append(asyncio.run_coroutine_threadsafe(_timed(coro, rkv.active), self._loop))
+                rkv.written.append(endpoint)
+            rkv.nbytes += len(w.dst) * self.head_bytes * self._heads_moved(rkv.endpoint)  # every rank's
             rkv.dst_blocks.update(w.dst)
             rkv.layers.add(layer)
 

@@ -19,6 +19,8 @@ from typing import Any
 from opentelemetry import trace
 
 from common.cluster.leases import LeaseTerm
+from common.parallel.plan import Tally
+from common.protocol import KVDone
 
 
 class TransferState(StrEnum):
@@ -49,7 +51,9 @@ class IncomingKV(RemoteKV):
     """A decode service's reservation."""
 
     num_cached_tokens: int = 0  # prompt tokens this service already held (prefix cache): not sent
-    layers_arrived: int = 0  # layer writes in place
+    tally: Tally = field(default_factory=Tally)  # rank 0's layer writes in place and kv_dones heard
+    ranks_done: set[int] = field(default_factory=set)  # ranks whose KV is complete (tensor parallelism)
+    done: KVDone | None = None  # rank 0's last kv_done: the first token
 
 
 @dataclass(eq=False)
@@ -62,6 +66,7 @@ class OutgoingKV(RemoteKV):
     # Written on the engine thread while the request computes; read on the event loop only after a
     # step boundary (its first token, or a Finish command) makes them final.
     writes: list[concurrent.futures.Future[Any]] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)  # the decode rank's endpoint of each of writes
     nbytes: int = 0
     dst_blocks: set[int] = field(default_factory=set)
     layers: set[int] = field(default_factory=set)

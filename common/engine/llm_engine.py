@@ -41,7 +41,7 @@ from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
-from common.parallel.partition import shard_layouts
+from common.parallel.partition import kv_head_ranges, shard_layouts
 from common.protocol import KVCompat
 from common.sampling_params import SamplingParams
 from common.text.detokenizer import IncrementalDetokenizer
@@ -65,11 +65,15 @@ class Completion:
     finish_reason: str
 
 
-def kv_compat(model_config: ModelConfig, spec: KVCacheSpec, kv_scales: str = "") -> KVCompat:
-    """The transfer preflight's record for this model and KV cache: every field the KV bytes depend on."""
+def kv_compat(
+    model_config: ModelConfig, spec: KVCacheSpec, kv_scales: str = "", tp_size: int = 1, tp_rank: int = 0
+) -> KVCompat:
+    """The transfer preflight's record for this model and KV cache (rank `tp_rank`'s shard of
+    `tp_size`): every field the KV bytes depend on."""
+    heads = kv_head_ranges(model_config.num_kv_heads, tp_size)[tp_rank]
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (
         model_config.num_layers,
-        model_config.num_kv_heads,
+        len(heads),
         model_config.head_dim,
     ), f"KV cache spec {spec} does not match the model's shape"
     return KVCompat(
@@ -81,6 +85,17 @@ def kv_compat(model_config: ModelConfig, spec: KVCacheSpec, kv_scales: str = "")
         head_dim=model_config.head_dim,
         block_size=spec.block_size,
         kv_scales=kv_scales,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+    )
+
+
+def _heads_of(scales: KVScales | None, heads: range) -> KVScales | None:
+    """fp8 scales of some KV heads (a tensor-parallel rank's)."""
+    if scales is None:
+        return None
+    return KVScales(
+        scales.k[:, heads.start : heads.stop].clone(), scales.v[:, heads.start : heads.stop].clone()
     )
 
 
@@ -98,11 +113,10 @@ def _check_tensor_parallel(placement: Placement, connector: KVConnector | None) 
             "tensor_parallel_size > 1 runs on the CPU only for now (gloo, the torch attention backend, no "
             f"CUDA graphs); got device={placement.device}, attention_backend={placement.attention_backend}"
         )
-    if connector is not None and type(connector) is not KVConnector:
+    if connector is not None and type(connector) is not KVConnector and connector.rank_transfer is None:
         raise ValueError(
-            "tensor_parallel_size > 1 with a KV connector is not supported yet: each rank holds only its "
-            "KV heads and KV transfer (the prefill/decode split) moves one whole cache; run the prefill "
-            "and decode services with tensor_parallel_size=1"
+            "tensor_parallel_size > 1 with a KV connector needs the worker ranks' transfer agents "
+            "(connector.rank_transfer, set by the prefill and decode services)"
         )
 
 
@@ -137,13 +151,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         kv_dtype = quant.kv_dtype(config.kv_cache_dtype, dtype)
         scales: KVScales | None = None
-        if kv_dtype in FP8:
-            if tp > 1:
-                raise ValueError(
-                    f"kv_cache_dtype={config.kv_cache_dtype} needs tensor_parallel_size 1 for now (the TP "
-                    "ranks' caches hold the model dtype)"
-                )
+        if kv_dtype in FP8:  # calibrated on the whole model; with tensor parallelism each rank's
+            # cache keeps its heads' scales, and the preflight compares the whole model's
             scales = quant.calibrate(self.model, tokenizer.encode(quant.CALIBRATION_TEXT), kv_dtype)
+        self._scales_digest = scales.digest() if scales is not None else ""
 
         def kv_spec(blocks: int, kv_heads: int) -> KVCacheSpec:
             return KVCacheSpec(mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype)
@@ -159,12 +170,16 @@ class LLMEngine:
 
             t0 = time.monotonic()
             specs = [kv_spec(num_blocks, len(lay.kv_heads)) for lay in layouts]
-            self.tp_workers = TPWorkers(model, layouts, specs, threads or 1)
+            compats = [kv_compat(mc, sp, self._scales_digest, tp, r) for r, sp in enumerate(specs)]
+            transfer = connector.rank_transfer if connector is not None else None
+            rank_scales = [_heads_of(scales, lay.kv_heads) for lay in layouts]
+            self.tp_workers = TPWorkers(model, layouts, specs, threads or 1, compats, transfer, rank_scales)
             self.model = self.tp_workers.model
             log.info(
                 "tensor parallelism: %d ranks (KV heads %s, %d threads each) started in %.1f s",
                 tp, [len(lay.kv_heads) for lay in layouts], threads, time.monotonic() - t0,
             )  # fmt: skip
+        scales = _heads_of(scales, layouts[0].kv_heads)  # rank 0's (all of them without TP)
         self.kv_cache = PagedKVCache(spec, device=device, compute_dtype=dtype, scales=scales)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
@@ -181,6 +196,7 @@ class LLMEngine:
         self.connector = connector or KVConnector()
         self.speed = StepSpeed()  # recent steps' prefill and decode speed (the service publishes it)
         self.connector.bind(self.kv_cache)
+        self.connector.bind_ranks(self.tp_workers, self.kv_compat())
         scheduler = StaticBatchScheduler if config.policy == "static" else Scheduler
         self.scheduler = scheduler(
             sched_cfg, self.block_manager, tuple(mc.eos_token_ids), holds_blocks=self.connector.holds_blocks
@@ -361,10 +377,8 @@ class LLMEngine:
 
     def kv_compat(self) -> KVCompat:
         """What a peer must match before KV moves between this engine's cache and its own."""
-        if self.tp_workers is not None:
-            raise ValueError("KV transfer with tensor_parallel_size > 1 is not supported yet")
-        scales = self.kv_cache.scales
-        return kv_compat(self.model.config, self.kv_cache.spec, scales.digest() if scales else "")
+        tp = self.config.tensor_parallel_size
+        return kv_compat(self.model.config, self.kv_cache.spec, self._scales_digest, tp, 0)
 
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> StepResult:

@@ -55,7 +55,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         connector: KVConnector | None = None,
         eos_token_ids: tuple[int, ...] = (),
-        share_step: Callable[[StepInputs], None] | None = None,
+        share_step: Callable[[StepInputs, Any], None] | None = None,
     ) -> None:
         self.model = model
         self.share_step = share_step  # tensor parallelism, rank 0: sends the step to the other ranks
@@ -120,8 +120,8 @@ class ModelRunner:
         `transfer` is the connector's metadata for this step: each layer is handed to its worker side.
         Sequences that asked for prompt logprobs get this step's rows scored (seq.prompt_logprobs)."""
         step = self.prepare(out)
-        if self.share_step is not None:
-            self.share_step(step)
+        if self.share_step is not None:  # with the other ranks' share of the step's KV writes
+            self.share_step(step, self.connector.rank_meta(transfer) if transfer is not None else None)
         hidden = self.forward(step, transfer)
         result: list[Sampled | None] = [None] * len(out.scheduled)
         for i, row0, pos0, n in step.prompt_rows:
@@ -164,10 +164,11 @@ class ModelRunner:
         return hidden
 
     @torch.inference_mode()
-    def run_shard(self, step: StepInputs) -> None:
-        """A worker rank's part of the step rank 0 runs in `run`: the same forward, then the same
-        compute_logits calls (prompt rows, then sampled rows), whose gathers rank 0 collects."""
-        hidden = self.forward(step)
+    def run_shard(self, step: StepInputs, transfer: Any | None = None) -> None:
+        """A worker rank's part of the step rank 0 runs in `run`: the same forward (posting this
+        rank's KV writes, `transfer`, to its connector), then the same compute_logits calls (prompt
+        rows, then sampled rows), whose gathers rank 0 collects."""
+        hidden = self.forward(step, transfer)
         for _, row0, _, n in step.prompt_rows:
             self.model.compute_logits(hidden[row0 : row0 + n])
         if step.sample_rows:

@@ -8,6 +8,11 @@ blocks, only their KV heads). Every step rank 0 sends each worker the step's fla
 copies, pickled once, over a pipe per worker; then all ranks run the forward (whose all-reduces and
 logit gathers are the gloo collectives) and rank 0 samples.
 
+A service's engine (a KV connector: the prefill/decode split) also gives each worker a transfer
+agent (`transfer`, kv_transfer/ranks.py): the worker's own KV sender or receiver over its shard, so
+each rank moves its own KV heads. Rank 0 drives the agents over a second pipe per worker (`call`), and
+hears a decode agent's reports (`on_report`); a prefill step carries the layer writes each rank posts.
+
 The step goes over a pipe, not a gloo broadcast: an idle engine leaves its workers blocked in
 `recv`, which no collective timeout can end, and a pipe's end (rank 0 exited, even by SIGKILL) ends
 them: a worker exits on EOF, on a broken collective, or when its parent process is gone.
@@ -15,9 +20,11 @@ them: a worker exits on EOF, on a broken collective, or when its parent process 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime
 import functools
+import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -29,17 +36,19 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner, StepInputs
-from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.kv.kv_cache import KVCacheSpec, KVScales, PagedKVCache
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.parallel.collective import GlooCollective, TPRank, Unconnected, gloo_group
 from common.parallel.partition import ShardLayout
+from common.protocol import KVCompat
 
 log = logging.getLogger("splitserve.tp")
 
@@ -60,6 +69,27 @@ class WorkerSpec:
     layout: ShardLayout
     kv_spec: KVCacheSpec
     num_threads: int
+    compat: KVCompat | None = None  # this rank's transfer preflight record
+    transfer: RankTransferSpec | None = None  # a service: the rank's own KV transfer agent
+    scales: KVScales | None = None  # an fp8 cache: its heads' scales
+
+
+class RankAgent(Protocol):
+    """A worker rank's KV transfer side (kv_transfer.ranks.RankAgent)."""
+
+    endpoint: str  # a decode agent's receiver endpoint ("" for a prefill agent)
+
+    def save_layer(self, layer: int, items: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RankTransferSpec(Protocol):
+    """How a worker starts its agent (kv_transfer.ranks.RankTransfer: picklable, sent at spawn)."""
+
+    def start(
+        self, kv: PagedKVCache, compat: KVCompat, conn: multiprocessing.connection.Connection
+    ) -> RankAgent: ...
 
 
 @dataclass
@@ -67,6 +97,7 @@ class StepMessage:
     """What a worker does for one step, in this order: forget, swap out, swap in, forward."""
 
     step: StepInputs | None = None
+    save: Any = None  # the layer writes every rank posts during the forward (a prefill service)
     drop: list[str] = field(default_factory=list)  # swapped-out copies of sequences let go
     swap_out: list[tuple[str, list[int]]] = field(default_factory=list)  # (seq id, its blocks)
     swap_in: list[tuple[str, list[int]]] = field(default_factory=list)  # (seq id, the blocks it gets)
@@ -85,12 +116,23 @@ class TPWorkers:
         layouts: list[ShardLayout],
         kv_specs: list[KVCacheSpec],
         num_threads: int,
+        compats: list[KVCompat] | None = None,
+        transfer: RankTransferSpec | None = None,
+        scales: list[KVScales | None] | None = None,
     ) -> None:
         """Start ranks 1.. and build rank 0's shard of `model` (a whole model, left as it is):
-        `self.model`. Returns once every worker holds its weights and KV cache."""
+        `self.model`. Returns once every worker holds its weights and KV cache (and, with `transfer`,
+        its agent runs: a decode agent's endpoint is in `self.endpoints`)."""
         n = len(layouts)
         self.world_size = n
         self._pending = StepMessage()
+        self.endpoints: list[str] = []  # ranks 1..: their receivers' endpoints (decode agents)
+        self._controls: list[multiprocessing.connection.Connection] = []
+        self._calls = itertools.count(1)
+        self._replies: dict[tuple[int, int], asyncio.Future[str]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_report: Callable[[int, tuple[Any, ...]], None] | None = None
+        self.rank_stats: dict[int, dict[str, Any]] = {}  # rank -> its agent's last counters
         timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
         ctx = mp.get_context("spawn")
@@ -100,17 +142,22 @@ class TPWorkers:
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
         try:
             for r in range(1, n):
+                compat = compats[r] if compats is not None else None
                 spec = WorkerSpec(
-                    r, n, store.port, model.config, model.dtype, layouts[r], kv_specs[r], num_threads
-                )
+                    r, n, store.port, model.config, model.dtype, layouts[r], kv_specs[r], num_threads,
+                    compat, transfer, scales[r] if scales is not None else None,
+                )  # fmt: skip
                 ours, theirs = ctx.Pipe()
+                ctl_ours, ctl_theirs = ctx.Pipe()
                 proc = ctx.Process(
-                    target=worker_main, args=(spec, theirs), name=f"splitserve-tp{r}", daemon=True
+                    target=worker_main, args=(spec, theirs, ctl_theirs), name=f"splitserve-tp{r}", daemon=True
                 )
                 proc.start()
                 theirs.close()
+                ctl_theirs.close()
                 self._procs.append(proc)
                 self._conns.append(ours)
+                self._controls.append(ctl_ours)
             group = self._wait(lambda: gloo_group(store, 0, n, OP_TIMEOUT_S), "join the gloo group")
             self._group, self._store = group, store
             for r in range(1, n):  # one shard at a time: the whole model and one shard at most
@@ -120,7 +167,11 @@ class TPWorkers:
                 self._wait(functools.partial(_send_all, group, tensors, r), f"send rank {r} its weights")
                 del tensors
             for r, conn in enumerate(self._conns, start=1):
-                self._wait(functools.partial(_ready, conn), f"hear from rank {r}")
+                self.endpoints.append(self._wait(functools.partial(_ready, conn), f"hear from rank {r}"))
+            for r, conn in enumerate(self._controls, start=1):
+                threading.Thread(
+                    target=self._listen, args=(r, conn), name=f"splitserve-tp{r}-ctl", daemon=True
+                ).start()
             self.comm = GlooCollective(group, 0, n)  # rank 0's collectives (and their time)
             self.model = model.shard(TPRank(layouts[0], self.comm))
         except BaseException:
@@ -164,10 +215,11 @@ class TPWorkers:
     def drop(self, seq_id: str) -> None:
         self._pending.drop.append(seq_id)
 
-    def run(self, step: StepInputs | None) -> None:
-        """Send the workers this step (None: only the KV operations queued since the last one)."""
+    def run(self, step: StepInputs | None, save: Any = None) -> None:
+        """Send the workers this step (None: only the KV operations queued since the last one), with
+        the layer writes they post during it (`save`, the connector's `rank_meta`)."""
         msg, self._pending = self._pending, StepMessage()
-        msg.step = step
+        msg.step, msg.save = step, save
         if msg.is_empty:
             return
         for r, proc in enumerate(self._procs, start=1):  # a step with a rank missing would fail in gloo
@@ -190,6 +242,64 @@ class TPWorkers:
     def close(self) -> None:
         """Stop the workers (idempotent)."""
         self._finalizer()
+        for conn in self._controls:
+            conn.close()
+        self._controls.clear()
+
+    # --- the transfer agents (event loop) ---------------------------------------------------------
+    def attach(self, on_report: Callable[[int, tuple[Any, ...]], None]) -> None:
+        """Hear the agents on the running event loop: replies to `call`, and reports, which go to
+        on_report(rank, message) on the loop. Once; later calls change nothing. (Their counters,
+        `rank_stats`, are kept from the start.)"""
+        if self._loop is None:
+            self._loop, self._on_report = asyncio.get_running_loop(), on_report
+
+    async def call(self, op: str, *args: Any) -> list[str]:
+        """Ask every agent to do `op` (kv_transfer/ranks.py) and wait for all answers: the errors
+        ("" where it went well), rank 1 first. A rank that is gone answers with that."""
+        assert self._loop is not None, "attach() first"
+        call_id = next(self._calls)
+        futs = []
+        for r, conn in enumerate(self._controls, start=1):
+            fut = self._loop.create_future()
+            self._replies[(r, call_id)] = fut
+            try:
+                conn.send((call_id, op, *args))
+            except OSError as e:
+                self._replies.pop((r, call_id))
+                fut.set_result(f"rank {r} is gone: {e}")
+            futs.append(fut)
+        return list(await asyncio.gather(*futs))
+
+    def _listen(self, rank: int, conn: multiprocessing.connection.Connection) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                msg = ("gone",)
+            if msg[0] == "stats":
+                self.rank_stats[rank] = msg[1]
+                continue
+            loop = self._loop  # replies only follow calls, made on the loop once attached
+            if loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens any more
+                    loop.call_soon_threadsafe(self._heard, rank, msg)
+            if msg[0] == "gone":
+                return
+
+    def _heard(self, rank: int, msg: tuple[Any, ...]) -> None:
+        if msg[0] == "reply":
+            fut = self._replies.pop((rank, msg[1]), None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg[2])
+            return
+        if msg[0] == "gone":  # every call still waiting on this rank fails
+            for key in [k for k in self._replies if k[0] == rank]:
+                fut = self._replies.pop(key)
+                if not fut.done():
+                    fut.set_result(f"tensor-parallel rank {rank} is gone")
+        if self._on_report is not None:
+            self._on_report(rank, msg)
 
     @property
     def alive(self) -> list[int]:
@@ -202,10 +312,12 @@ def _send_all(group: Any, tensors: list[torch.Tensor], rank: int) -> None:
         group.send([t.contiguous()], rank, WEIGHTS_TAG).wait()
 
 
-def _ready(conn: multiprocessing.connection.Connection) -> None:
+def _ready(conn: multiprocessing.connection.Connection) -> str:
+    """The worker's ready message: its agent's endpoint ("" without one)."""
     kind, detail = conn.recv()
     if kind != "ready":
         raise RuntimeError(detail)
+    return str(detail)
 
 
 def _stop(procs: list[Any], conns: list[multiprocessing.connection.Connection]) -> None:
@@ -227,7 +339,11 @@ def _stop(procs: list[Any], conns: list[multiprocessing.connection.Connection]) 
 
 
 # --- the worker process -------------------------------------------------------------------------------
-def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
+def worker_main(
+    spec: WorkerSpec,
+    conn: multiprocessing.connection.Connection,
+    control: multiprocessing.connection.Connection,
+) -> None:
     """A worker rank's process: join, receive the shard, then run steps until told to stop or rank 0
     is gone. Always ends with os._exit (no interpreter teardown racing gloo's threads)."""
     _exit_with_parent()
@@ -241,9 +357,13 @@ def worker_main(spec: WorkerSpec, conn: multiprocessing.connection.Connection) -
         model = LlamaForCausalLM.empty(spec.model_config, spec.dtype, tp)
         for t in model.state_dict().values():
             group.recv([t], 0, WEIGHTS_TAG).wait()
-        kv = PagedKVCache(spec.kv_spec)
-        runner = ModelRunner(model, kv)
-        conn.send(("ready", None))
+        kv = PagedKVCache(spec.kv_spec, compute_dtype=spec.dtype, scales=spec.scales)
+        agent = None
+        if spec.transfer is not None:
+            assert spec.compat is not None
+            agent = spec.transfer.start(kv, spec.compat, control)
+        runner = ModelRunner(model, kv, connector=_AgentHook(agent) if agent is not None else None)
+        conn.send(("ready", agent.endpoint if agent is not None else ""))
         _serve(conn, runner, kv)
     except (EOFError, OSError):
         code = 0  # rank 0 closed its end: the engine is gone
@@ -270,7 +390,17 @@ def _serve(conn: multiprocessing.connection.Connection, runner: ModelRunner, kv:
         for seq_id, blocks in msg.swap_in:
             kv.copy_in(blocks, swapped.pop(seq_id))
         if msg.step is not None:
-            runner.run_shard(msg.step)
+            runner.run_shard(msg.step, msg.save)
+
+
+class _AgentHook(KVConnector):
+    """A worker runner's connector: each layer of a step with writes goes to the rank's agent."""
+
+    def __init__(self, agent: RankAgent) -> None:
+        self.agent = agent
+
+    def save_layer(self, layer: int, meta: Any) -> None:
+        self.agent.save_layer(layer, meta)
 
 
 def _exit_with_parent() -> None:

@@ -90,8 +90,8 @@ def test_two_ranks_generate_what_one_does(smollm: tuple[LlamaForCausalLM, Tokeni
         got_six = _run(two, *six)
         assert two.scheduler.stats["preempt_swap"] > 0, "the small KV budget must force swapping"
         two.block_manager.check_integrity()
-        with pytest.raises(ValueError, match="KV transfer with tensor_parallel_size > 1"):
-            two.kv_compat()
+        compat = two.kv_compat()  # rank 0's preflight record: the model's 3 KV heads, rank 0 of 2
+        assert (compat.num_kv_heads, compat.tp_size, compat.tp_rank) == (3, 2, 0)
     finally:
         two.close()
     for got, want in zip(got_three.values(), want_three.values(), strict=True):
@@ -117,7 +117,7 @@ def test_refusals(smollm: tuple[LlamaForCausalLM, Tokenizer]) -> None:
         pass
 
     model, tok = smollm
-    with pytest.raises(ValueError, match="KV connector is not supported yet"):
+    with pytest.raises(ValueError, match="needs the worker ranks' transfer agents"):
         LLMEngine(model, tok, EngineConfig(tensor_parallel_size=2), connector=Shipping())
     with pytest.raises(ValueError, match="exceeds the 9 attention heads"):
         LLMEngine(model, tok, EngineConfig(tensor_parallel_size=10))

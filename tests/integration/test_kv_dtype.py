@@ -1,5 +1,5 @@
 """The real model with a narrower KV cache (`kv_cache_dtype`): bounded logprob drift against fp32 KV,
-the same calibrated scales every time, the capacity, and what is refused."""
+the same calibrated scales every time, the capacity, and fp8 under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -44,7 +44,26 @@ def test_fp8_scales_are_calibrated_the_same_every_time_and_named_in_the_prefligh
     assert [m.split(" ")[0] for m in mismatch] == ["dtype", "kv_scales"]
 
 
-def test_fp8_kv_is_refused_where_it_is_not_read_yet(smollm) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.timeout(300)
+def test_fp8_kv_with_tensor_parallelism_keeps_each_rank_s_scales(smollm) -> None:  # type: ignore[no-untyped-def]
+    """TP 2 with an fp8 cache: scales calibrated on the whole model, each rank holding its heads' (rank
+    0: 2 of the 3), the preflight naming the whole model's; logprobs stay within fp8's drift of fp32."""
     model, tok = smollm
-    with pytest.raises(ValueError, match="needs tensor_parallel_size 1"):
-        LLMEngine(model, tok, EngineConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, num_threads=1))
+    one = _engine(smollm, "fp8_e4m3")
+    two = LLMEngine(
+        model,
+        tok,
+        EngineConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, num_threads=1, kv_cache_memory_mb=16),
+    )
+    try:
+        assert one.kv_cache.scales is not None and two.kv_cache.scales is not None
+        assert two.kv_cache.scales.k.shape == (model.config.num_layers, 2)
+        assert two.kv_cache.scales.k.equal(one.kv_cache.scales.k[:, :2])
+        assert two.kv_compat().kv_scales == one.kv_compat().kv_scales
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}]))
+        seq = prompt + one.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+        ref = prompt_logprobs(_engine(smollm, "auto"), seq)
+        drift = np.abs(np.subtract(prompt_logprobs(two, seq), ref))
+        assert np.isfinite(drift).all() and drift.mean() < 0.2, (drift.mean(), drift.max())
+    finally:
+        two.close()

@@ -15,6 +15,7 @@ from common.engine.api import Admission
 from common.engine.scheduler import SchedulerOutput
 from common.engine.sequence import Sequence
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.parallel.plan import HeadSlice
 from common.protocol import KVDone, PrefillRequest
 from common.sampling_params import SamplingParams
 
@@ -71,6 +72,57 @@ def test_kv_done_with_missing_layers_ends_the_request_instead_of_decoding_it() -
     asyncio.run(main())
 
 
+class Ranks:
+    """Rank 0's handle on 2 worker ranks (TPWorkers' transfer side), answering calls at once."""
+
+    world_size = 3
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.report: Any = None
+        self.errors = ["", ""]
+
+    def attach(self, on_report: Any) -> None:
+        self.report = on_report
+
+    async def call(self, op: str, *args: Any) -> list[str]:
+        self.calls.append((op, *args))
+        return list(self.errors)
+
+
+def test_with_tensor_parallelism_a_request_decodes_once_every_rank_has_its_kv() -> None:
+    async def main() -> None:
+        d, ranks = Decode(), Ranks()
+        d.c.ranks = ranks  # type: ignore[assignment]
+        a = await d.c.reserve(Admission("a", [5, 6], 0))
+        assert ranks.calls == [("open", "a", 1)], "every rank opens the fence before Reserved goes out"
+        assert d.c.may_write("a", 1)
+        for layer in range(2):  # two prefill ranks write into rank 0 (2 -> 3 heterogeneous TP)
+            d.c.layer_arrived("a", 1, layer)
+        d.c.kv_done(KVDone("a", 1, 9, 6, 1, src_rank=0, senders=2))
+        ranks.report(1, ("arrived", "a", 1, ""))
+        assert d.arrived == [], "rank 0 still waits for the second prefill rank's kv_done"
+        d.c.kv_done(KVDone("a", 1, 9, 6, 1, src_rank=1, senders=2))
+        assert d.arrived == [] and a.state is S.RECEIVING, "rank 2 has not reported"
+        ranks.report(2, ("arrived", "a", 1, ""))
+        assert [(r, m.first_token) for r, m in d.arrived] == [("a", 9)] and a.state is S.ARRIVED
+        await d.c.end(a, lambda rid: asyncio.sleep(0))
+        assert ranks.calls[-1] == ("close", "a", 1)
+
+        b = await d.c.reserve(Admission("b", [7], 0))
+        ranks.report(2, ("arrived", "b", 2, "KV incomplete: 0 of 1 layer writes arrived"))
+        assert d.failed == [("b", "rank 2: KV incomplete: 0 of 1 layer writes arrived")]
+        assert b.state is S.ENDED
+        c = await d.c.reserve(Admission("c", [8], 0))
+        ranks.report(1, ("gone",))
+        assert d.failed[-1] == ("c", "tensor-parallel rank 1 is gone") and c.state is S.ENDED
+        ranks.errors = ["", "rank 2: no"]
+        e = await d.c.reserve(Admission("e", [9], 0))
+        assert d.failed[-1] == ("e", "rank 2: no") and e.state is S.ENDED, "a rank that cannot open it"
+
+    asyncio.run(main())
+
+
 def test_ending_a_reservation_waits_for_landing_writes_before_the_blocks_go() -> None:
     async def main() -> None:
         d = Decode()
@@ -118,8 +170,9 @@ class Sink:
 
     async def send_layer(
         self, endpoint: str, request_id: str, fence: int, layer: int, src: list[int], dst: list[int],
-        traceparent: str | None = None,
+        traceparent: str | None = None, heads: HeadSlice | None = None,
     ) -> None:  # fmt: skip
+        assert heads is None, "one rank each side: whole blocks"
         await self.release.wait()
         self.layers.append((request_id, fence, layer, src, dst))
 
@@ -188,7 +241,7 @@ def test_writes_go_out_per_layer_and_kv_done_counts_them() -> None:
         assert meta is not None and c.holds_blocks(s)
         for layer in range(3):  # the engine thread, inside the forward pass
             await asyncio.to_thread(c.save_layer, layer, meta)
-        assert len(rkv.writes) == 3 and rkv.nbytes == 3 * 2 * c.block_bytes and rkv.layers == {0, 1, 2}
+        assert len(rkv.writes) == 3 and rkv.nbytes == 3 * 2 * c.head_bytes and rkv.layers == {0, 1, 2}
         assert rkv.chunks and rkv.chunks[0][1] >= rkv.chunks[0][0]
         sink.release.set()
         await c.finish_sending(rkv, first_token=11, num_tokens=5)

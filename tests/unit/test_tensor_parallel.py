@@ -223,8 +223,11 @@ def test_the_engine_refuses_what_tensor_parallelism_cannot_do_yet() -> None:
     cpu = Placement(torch.device("cpu"), torch.float32, "torch", cuda_graphs=False)
     _check_tensor_parallel(cpu, None)
     _check_tensor_parallel(cpu, KVConnector())  # the engine's own no-op connector
-    with pytest.raises(ValueError, match="KV connector is not supported yet"):
-        _check_tensor_parallel(cpu, Shipping())
+    with pytest.raises(ValueError, match="needs the worker ranks' transfer agents"):
+        _check_tensor_parallel(cpu, Shipping())  # a connector that cannot drive the ranks' transfers
+    shipping = Shipping()
+    shipping.rank_transfer = object()  # the services set theirs (kv_transfer.ranks.RankTransfer)
+    _check_tensor_parallel(cpu, shipping)
     gpu = Placement(torch.device("cuda"), torch.bfloat16, "triton", cuda_graphs=True)
     with pytest.raises(ValueError, match="CPU only"):
         _check_tensor_parallel(gpu, None)

@@ -88,7 +88,8 @@ def collect(counts: list[TransportCount]) -> dict[str, list[tuple[dict[str, str]
 
 
 def test_prefill_transport_counters_per_backend_and_rank() -> None:
-    service = SimpleNamespace(kv_backend="nixl", rank=0, senders={})
+    workers = SimpleNamespace(rank_stats={})
+    service = SimpleNamespace(kv_backend="nixl", rank=0, senders={}, engine=SimpleNamespace(tp_workers=None))
     before = collect(PrefillService.transfer_counters(cast(Any, service)))
     assert before["splitserve_kv_transfer_bytes"] == [({"backend": "nixl", "rank": "0"}, 0)]  # 0, not absent
     service.senders["tcp"] = SimpleNamespace(stats=SenderStats(bytes_sent=4096, layers_sent=2), rank=0)
@@ -98,3 +99,8 @@ def test_prefill_transport_counters_per_backend_and_rank() -> None:
         ({"backend": "tcp", "rank": "0"}, 4096),
     ]
     assert ({"backend": "tcp", "rank": "0"}, 2) in after["splitserve_kv_transfer_layers"]
+    # tensor parallelism: the worker ranks' senders, as their agents last reported them
+    service.engine.tp_workers = workers
+    workers.rank_stats[1] = {"sent": {"tcp": {"bytes_sent": 1024, "layers_sent": 1, "dones_sent": 1}}}
+    ranked = collect(PrefillService.transfer_counters(cast(Any, service)))
+    assert ({"backend": "tcp", "rank": "1"}, 1024) in ranked["splitserve_kv_transfer_bytes"]

@@ -1,0 +1,242 @@
+"""KV transfer on a tensor-parallel worker rank: each rank sends, or receives, its own KV shard.
+
+A service with `--tensor-parallel-size N` runs ranks 1..N-1 as worker processes
+(common/parallel/workers.py); each holds only its KV heads of every block. Rank 0 (the service
+process) keeps the requests, fences and leases; a worker rank runs a `RankAgent`: an event loop on a
+thread of its own with this backend's sender (prefill) or receiver (decode) over the rank's shard, so
+its bytes go straight between the ranks that hold them, never through rank 0.
+
+Rank 0 drives it over a control pipe with calls, each answered once ("reply", call id, error or ""):
+
+    decode:  ("open", rid, fence)      accept writes for (rid, fence) from now on
+             ("close", rid, fence)     refuse them, and answer once none is landing any more
+    prefill: ("finish", rid, done)     every layer is posted: wait for them, send this rank's kv_done
+                                       to each decode rank it wrote to, answer (error: why it failed)
+             ("settle", rid)           post nothing more for rid; answer once no write reads its blocks
+
+and an agent reports on its own: ("stats", {"sent": {backend: SenderStats fields}, "received":
+ReceiverStats fields}) each second its counters changed (rank 0 exports them, labelled by rank),
+and a decode agent ("arrived", rid, fence, why): every kv_done due to this rank
+was heard, and why ("" = every layer write landed) — rank 0 lets the request decode once all ranks
+said "". A prefill agent's writes are posted by the worker's engine thread in the forward pass
+(`save_layer`), exactly as rank 0's connector posts its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import multiprocessing.connection
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from common.kv.kv_cache import PagedKVCache
+from common.parallel.plan import SaveItem, Tally, shard_dones, shard_writes, split_endpoints
+from common.protocol import KVCompat, KVDone
+from kv_transfer import KVReceiver, KVSender, make_receiver, make_sender
+
+log = logging.getLogger("splitserve.tp.transfer")
+
+START_TIMEOUT_S = 60.0
+STATS_EVERY_S = 1.0  # how often an agent's changed counters go to rank 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTransfer:
+    """What a worker rank's agent is (picklable: it goes to the worker at spawn). role "prefill" or
+    "decode"; `options` go to make_sender / make_receiver (a receiver's `port` is rank 0's: rank r
+    listens on port + r, or any free port when it is 0)."""
+
+    role: str
+    backend: str
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def start(
+        self, kv: PagedKVCache, compat: KVCompat, conn: multiprocessing.connection.Connection
+    ) -> RankAgent:
+        return RankAgent(self, kv, compat, conn)
+
+
+class RankAgent:
+    """A worker rank's transfer side (see the module docstring)."""
+
+    def __init__(
+        self,
+        spec: RankTransfer,
+        kv: PagedKVCache,
+        compat: KVCompat,
+        conn: multiprocessing.connection.Connection,
+    ) -> None:
+        self.spec, self.kv, self.compat, self.conn = spec, kv, compat, conn
+        self.rank = compat.tp_rank
+        self.loop = asyncio.new_event_loop()
+        self._send_lock = threading.Lock()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="splitserve-tp-kv", daemon=True)
+        self._thread.start()
+        self.senders: dict[str, KVSender] = {}  # by backend: a decode service's endpoint names its own
+        self.receiver: KVReceiver | None = None
+        self.endpoint = ""
+        # prefill: every posted write of a request (with the endpoint it went to), until it is settled
+        self._writes: dict[str, list[tuple[str, concurrent.futures.Future[None]]]] = {}
+        self._stopped: set[str] = set()
+        # decode: the open (request -> fence) and their tallies
+        self._open: dict[str, int] = {}
+        self._tally: dict[tuple[str, int], Tally] = {}
+        fut = asyncio.run_coroutine_threadsafe(self._start(), self.loop)
+        fut.result(START_TIMEOUT_S)
+        self._reported: dict[str, Any] = {}
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._report_stats()))
+        threading.Thread(target=self._read_control, name="splitserve-tp-ctl", daemon=True).start()
+
+    async def _start(self) -> None:
+        opts = dict(self.spec.options)
+        if self.spec.role == "prefill":
+            return  # senders are made per backend, as decode services name them
+        if opts.get("port"):
+            opts["port"] = int(opts["port"]) + self.rank
+        self.receiver = make_receiver(self.spec.backend, self.kv, self.compat, self, rank=self.rank, **opts)
+        self.endpoint = await self.receiver.start()
+
+    async def _report_stats(self) -> None:
+        while True:
+            stats: dict[str, Any] = {
+                "sent": {b: dataclasses.asdict(x.stats) for b, x in self.senders.items()}
+            }
+            if self.receiver is not None:
+                stats["received"] = dataclasses.asdict(self.receiver.stats)
+            if stats != self._reported:
+                self._reported = stats
+                self._tell(("stats", stats))
+            await asyncio.sleep(STATS_EVERY_S)
+
+    # --- the control pipe ---------------------------------------------------------------------------
+    def _read_control(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return  # rank 0 is gone: the worker's step loop ends the process
+            self.loop.call_soon_threadsafe(self._dispatch, msg)
+
+    def _dispatch(self, msg: tuple[Any, ...]) -> None:
+        call_id, op, *args = msg
+        ops: dict[str, Callable[..., Coroutine[Any, Any, None]]] = {
+            "open": self._op_open,
+            "close": self._op_close,
+            "finish": self._op_finish,
+            "settle": self._op_settle,
+        }
+        if op not in ops:
+            self._tell(("reply", call_id, f"unknown operation {op!r}"))
+            return
+        self.loop.create_task(self._answer(call_id, ops[op](*args)))
+
+    async def _answer(self, call_id: int, coro: Any) -> None:
+        try:
+            await coro
+            error = ""
+        except Exception as e:  # the answer carries it to rank 0
+            error = f"rank {self.rank}: {e or type(e).__name__}"
+        self._tell(("reply", call_id, error))
+
+    def _tell(self, msg: tuple[Any, ...]) -> None:
+        with self._send_lock, contextlib.suppress(OSError):  # rank 0 gone: nobody to tell
+            self.conn.send(msg)
+
+    # --- prefill ------------------------------------------------------------------------------------
+    def save_layer(self, layer: int, items: list[SaveItem]) -> None:
+        """Engine thread, inside the forward pass: layer `layer` of this step is in the shard; post
+        its writes to every decode rank this rank feeds."""
+        for it in items:
+            if it.request_id in self._stopped:
+                continue
+            writes = self._writes.setdefault(it.request_id, [])
+            sender = self._sender_for(it.endpoint)
+            for endpoint, heads in self._routes(it.endpoint):
+                coro = sender.send_layer(
+                    endpoint, it.request_id, it.fence, layer, it.src, it.dst, it.traceparent, heads=heads
+                )
+                writes.append((endpoint, asyncio.run_coroutine_threadsafe(coro, self.loop)))
+
+    def _routes(self, endpoint: str) -> list[tuple[str, Any]]:
+        c = self.compat
+        return shard_writes(c.num_kv_heads, c.tp_size, self.rank, split_endpoints(endpoint))
+
+    def _sender_for(self, endpoint: str) -> KVSender:
+        """The sender for the backend the endpoint names, made on the agent's loop."""
+        backend = endpoint.split("://", 1)[0]
+        if backend not in self.senders:
+
+            async def make() -> KVSender:
+                return make_sender(backend, self.kv, self.compat, rank=self.rank, **self.spec.options)
+
+            if threading.current_thread() is self._thread:
+                raise RuntimeError(f"no {backend} sender yet: the step that posts the first write makes it")
+            self.senders[backend] = asyncio.run_coroutine_threadsafe(make(), self.loop).result(
+                START_TIMEOUT_S
+            )
+        return self.senders[backend]
+
+    async def _op_finish(self, rid: str, endpoint: str, done: KVDone) -> None:
+        writes = list(self._writes.get(rid, []))
+        for _, w in writes:
+            await asyncio.wrap_future(w)  # a failed write fails the finish: rank 0 hears why
+        c = self.compat
+        for msg, ep in shard_dones(
+            c.num_kv_heads, c.tp_size, self.rank, endpoint, done, [e for e, _ in writes]
+        ):
+            await self._sender_for(endpoint).send_done(ep, msg)
+
+    async def _op_settle(self, rid: str) -> None:
+        self._stopped.add(rid)
+        for _, w in self._writes.pop(rid, []):
+            with contextlib.suppress(Exception):  # a failed write reads nothing any more
+                await asyncio.wrap_future(w)
+        self._stopped.discard(rid)
+
+    # --- decode: rank 0's calls, and the receiver's owner ----------------------------------------
+    async def _op_open(self, rid: str, fence: int) -> None:
+        self._open[rid] = fence
+        self._tally[(rid, fence)] = Tally()
+
+    async def _op_close(self, rid: str, fence: int) -> None:
+        if self._open.get(rid) == fence:
+            del self._open[rid]
+        self._tally.pop((rid, fence), None)
+        assert self.receiver is not None
+        await self.receiver.wait_idle(rid)
+
+    def may_write(self, request_id: str, fence: int) -> bool:
+        return self._open.get(request_id) == fence
+
+    def layer_arrived(self, request_id: str, fence: int, layer: int) -> None:
+        t = self._tally.get((request_id, fence))
+        if t is not None and self.may_write(request_id, fence):
+            t.layers += 1
+
+    def kv_done(self, msg: KVDone) -> None:
+        key = (msg.request_id, msg.fence)
+        t = self._tally.get(key)
+        if t is None or not self.may_write(*key):
+            log.warning("rank %d: dropping kv_done for %s with stale fence %d", self.rank, *key)
+            return
+        why = t.hear_done(msg.layer_writes, msg.senders)
+        if why is None:
+            return
+        del self._open[msg.request_id]  # complete or not, nothing more may land under this fence
+        self._tell(("arrived", msg.request_id, msg.fence, why))
+
+    def close(self) -> None:
+        async def stop() -> None:
+            for sender in self.senders.values():
+                await sender.close()
+            if self.receiver is not None:
+                await self.receiver.close()
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)

@@ -1,0 +1,103 @@
+"""Prefill and decode services with tensor parallelism, as real processes: each rank moves its own KV
+heads (common/parallel/plan.py), prefill and decode at different TP sizes (SmolLM2-135M's 3 KV heads
+split [2, 1] over 2 ranks). Greedy tokens must be those of the one-rank, one-process engine, every
+block free afterwards on both sides. Byte-exact KV per head across re-sliced shards is checked per
+backend in test_kv_tcp.py / test_kv_nixl.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common.config import EngineConfig
+from common.engine.llm_engine import LLMEngine
+from common.parallel.plan import split_endpoints
+from common.sampling_params import SamplingParams
+from tests.integration.test_services import QUESTIONS, run_request
+from tests.support.cluster import Cluster, internal_auth
+
+pytestmark = pytest.mark.slow
+FLAGS = ("--threads", "1", "--kv-cache-mb", "32")
+MAX_TOKENS = 12
+T = TypeVar("T")
+
+
+def _decode_ranks(url: str) -> dict[str, dict[str, int]]:
+    return httpx.get(url + "/internal/kv", auth=internal_auth).json()["ranks"]  # type: ignore[no-any-return]
+
+
+def _sent_bytes(url: str) -> dict[str, float]:
+    """splitserve_kv_transfer_bytes_total by rank, from the prefill service's /metrics."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == "splitserve_kv_transfer_bytes_total" and sample.value > 0:
+                out[sample.labels["rank"]] = sample.value
+    return out
+
+
+def _wait_for(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 10.0) -> T:
+    """Worker ranks report their counters to rank 0 once a second: poll until `done`."""
+    deadline = time.monotonic() + timeout_s
+    while not done(got := read()) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    return got
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    _, tok = smollm
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    model, tok = smollm
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
+    return [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize(
+    ("backend", "prefill_tp", "decode_tp"),
+    [("tcp", 1, 2), ("tcp", 2, 1), ("nixl", 1, 2), ("nixl", 2, 1), ("torch_dist", 2, 1)],
+)
+def test_split_across_tp_sizes_matches_one_rank(  # type: ignore[no-untyped-def]
+    backend, prefill_tp, decode_tp, prompts, reference, redis_url, tmp_path
+) -> None:
+    cluster = Cluster(redis_url, str(tmp_path))
+    try:
+        prefill = cluster.start("prefill", *FLAGS, "--tensor-parallel-size", str(prefill_tp))
+        decode_ = cluster.start(
+            "decode", *FLAGS, "--kv-backend", backend, "--tensor-parallel-size", str(decode_tp)
+        )
+        info = httpx.get(decode_.url + "/internal/kv", auth=internal_auth).json()
+        endpoints = split_endpoints(info["kv_endpoint"])
+        assert len(endpoints) == decode_tp and all(e.startswith(backend + "://") for e in endpoints)
+
+        async def main() -> list[list[int]]:
+            async with httpx.AsyncClient(timeout=120, auth=internal_auth) as c:
+                outs = await asyncio.gather(
+                    *(run_request(c, decode_.url, prefill.url, p, "remote", MAX_TOKENS) for p in prompts)
+                )
+            return [t for t, _ in outs]
+
+        got = asyncio.run(main())
+        for g, want, q in zip(got, reference, QUESTIONS, strict=True):
+            assert g == want, f"TP {prefill_tp} -> {decode_tp} over {backend} differs for {q!r}"
+        for proc in (prefill, decode_):
+            h = cluster.wait_blocks_free(proc)
+            assert h["free_blocks"] == h["total_blocks"], f"{proc.role} leaked blocks: {h}"
+        # every rank moved its own heads: each decode rank received, each prefill rank sent
+        ranks = _wait_for(lambda: _decode_ranks(decode_.url), lambda r: len(r) == decode_tp)
+        for rank, st in ranks.items():
+            assert st["bytes_received"] > 0 and st["stale_drops"] == 0, (rank, st)
+        sent = _wait_for(lambda: _sent_bytes(prefill.url), lambda r: len(r) == prefill_tp)
+        assert sorted(sent) == [str(r) for r in range(prefill_tp)] and all(sent.values()), sent
+    finally:
+        cluster.stop()
