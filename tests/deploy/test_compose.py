@@ -27,8 +27,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ["-f", "compose.yaml"]
 CPU = ["-f", "compose.yaml", "-f", "compose.cpu.yaml"]
+TP = [*CPU, "-f", "compose.tp.yaml"]  # tensor parallelism per role, CPU only for now
 WORKERS = {"prefill": 8101, "decode": 8201}
 SPLITSERVE = ("router", "prefill", "decode")
+TP_WORKERS = ("prefill", "decode", "decode-1")  # compose.tp.yaml's
 OBSERVABILITY_UIS = {"jaeger": 16686, "prometheus": 9090, "grafana": 3000}
 
 
@@ -75,7 +77,7 @@ def cpu() -> dict[str, Any]:
     return config(CPU)
 
 
-@pytest.mark.parametrize("files", [GPU, CPU], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("files", [GPU, CPU, TP], ids=["gpu", "cpu", "tp"])
 def test_config_quiet_passes(files: list[str]) -> None:
     r = run_compose(files, "config", "--quiet")
     assert (r.returncode, r.stderr) == (0, ""), r.stderr
@@ -274,7 +276,7 @@ def as_printed(text: str) -> str:
     return text.replace("$", "$$")
 
 
-@pytest.mark.parametrize("files", [GPU, CPU], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("files", [GPU, CPU, TP], ids=["gpu", "cpu", "tp"])
 def test_only_the_router_is_published_beyond_loopback(files: list[str]) -> None:
     c = config(files)
     for name, s in c["services"].items():
@@ -288,11 +290,13 @@ def test_only_the_router_is_published_beyond_loopback(files: list[str]) -> None:
         else:
             assert ports == [], name  # redis, prefill, decode, otel-collector: the compose network only
     assert c["services"]["redis"]["expose"] == ["6379"]
-    assert c["services"]["decode"]["expose"] == ["8201", "8202"]
+    for name in ("decode", "decode-1"):  # decode-1: compose.tp.yaml's
+        if name in c["services"]:
+            assert c["services"][name]["expose"] == ["8201", "8202"], name
     assert c["services"]["init-secrets"]["network_mode"] == "none"
 
 
-@pytest.mark.parametrize("files", [GPU, CPU], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("files", [GPU, CPU, TP], ids=["gpu", "cpu", "tp"])
 def test_every_container_is_hardened(files: list[str]) -> None:
     c = config(files)
     for name, s in c["services"].items():
@@ -309,7 +313,7 @@ def test_every_container_is_hardened(files: list[str]) -> None:
     assert c["services"]["redis"]["user"] == "999"  # the redis image's own user
 
 
-@pytest.mark.parametrize("files", [GPU, CPU], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("files", [GPU, CPU, TP], ids=["gpu", "cpu", "tp"])
 def test_secrets_are_generated_once_and_mounted_read_only(files: list[str]) -> None:
     c = config(files)
     s = c["services"]
@@ -376,7 +380,7 @@ def test_secrets_are_generated_once_and_mounted_read_only(files: list[str]) -> N
     assert "environment" not in redis or not any("PASS" in k for k in redis["environment"])
 
 
-@pytest.mark.parametrize("files", [GPU, CPU], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("files", [GPU, CPU, TP], ids=["gpu", "cpu", "tp"])
 def test_no_secret_value_is_committed(files: list[str]) -> None:
     """Neither file carries a secret: no environment value for one, no `secrets:` a value could sit in
     (compose secrets come from a file or the environment, neither there on a fresh checkout)."""
@@ -438,7 +442,7 @@ def test_init_secrets_script_makes_and_keeps_the_secrets(tmp_path: Path) -> None
     assert (metrics / "api-keys").read_text().startswith((metrics / "key").read_text() + " ")
 
 
-@pytest.mark.parametrize("files", [GPU, CPU], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("files", [GPU, CPU, TP], ids=["gpu", "cpu", "tp"])
 def test_router_requires_api_keys(files: list[str]) -> None:
     env = config(files)["services"]["router"]["environment"]
     assert env["SPLITSERVE_ROUTER_REQUIRE_API_KEY"] == "true"
@@ -452,3 +456,44 @@ def test_router_requires_api_keys(files: list[str]) -> None:
     command = "docker compose exec router splitserve keys create --name me"
     for doc in ("compose.yaml", "docs/operations.md", "README.md"):
         assert command in (ROOT / doc).read_text(), doc
+
+
+def test_tensor_parallel_override_prefill_2_and_two_decodes_at_1() -> None:
+    """compose.tp.yaml: prefill at TP 2, decode and decode-1 at TP 1, all on the CPU image."""
+    c = config(TP)
+    s = c["services"]
+    assert set(s) == set(config(CPU)["services"]) | {"decode-1"}
+    tp = {name: s[name]["environment"]["SPLITSERVE_TENSOR_PARALLEL_SIZE"] for name in s if name in TP_WORKERS}
+    assert tp == {"prefill": "2", "decode": "1", "decode-1": "1"}
+    for name in TP_WORKERS:
+        w = s[name]
+        env = w["environment"]
+        assert w["image"] == "splitserve:cpu" and w["build"]["args"] == {"DEVICE": "cpu"}, name
+        assert "deploy" not in w or not w["deploy"].get("resources"), name  # no GPU reservation
+        assert "ipc" not in w and int(w["shm_size"]) >= 1 << 30, name
+        assert env["SPLITSERVE_KV_BACKEND"] == "tcp", name
+        role = "prefill" if name == "prefill" else "decode"
+        assert w["command"] == [role, "--port", str(WORKERS[role])], name
+    # the second decode: compose.yaml's decode under its own name, worker id and advertised host
+    d0, d1 = s["decode"], s["decode-1"]
+    assert (d1["environment"]["SPLITSERVE_ADVERTISE_HOST"], d1["environment"]["SPLITSERVE_WORKER_ID"]) == (
+        "decode-1",
+        "decode-1",
+    )
+    assert d0["environment"]["SPLITSERVE_WORKER_ID"] != d1["environment"]["SPLITSERVE_WORKER_ID"]
+    same = ("volumes", "healthcheck", "user", "read_only", "tmpfs", "cap_drop", "security_opt", "ulimits")
+    for key in same:
+        assert d1[key] == d0[key], key
+    assert {k: v["condition"] for k, v in d1["depends_on"].items()} == {
+        k: v["condition"] for k, v in d0["depends_on"].items()
+    }
+    assert d1["environment"]["SPLITSERVE_KV_PORT"] == "8202"  # its own container: no clash
+    assert s["router"]["depends_on"]["decode-1"]["condition"] == "service_healthy"
+    # the sizes come from the shell; a decode of N ranks needs no more config (same network)
+    c = config(TP, env={"PREFILL_TP": "4", "DECODE_TP": "2"})
+    tp = {name: c["services"][name]["environment"]["SPLITSERVE_TENSOR_PARALLEL_SIZE"] for name in TP_WORKERS}
+    assert tp == {"prefill": "4", "decode": "2", "decode-1": "2"}
+    # the header says why it is CPU and how to run it
+    header = (ROOT / "compose.tp.yaml").read_text()
+    assert "docker compose -f compose.yaml -f compose.cpu.yaml -f compose.tp.yaml up" in header
+    assert "CPU only for now" in header

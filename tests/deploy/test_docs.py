@@ -22,8 +22,10 @@ def test_every_setting_is_documented_as_an_environment_variable() -> None:
 
 def test_deploy_docs_name_files_that_exist() -> None:
     text = (ROOT / "docs/operations.md").read_text() + (ROOT / "helm/splitserve/README.md").read_text()
-    paths = set(re.findall(r"`((?:deploy|helm|tests)/[\w./-]+|compose(?:\.cpu)?\.yaml|Dockerfile)`", text))
-    assert {"compose.yaml", "compose.cpu.yaml", "Dockerfile", "deploy/otel-collector.yaml"} <= paths
+    named = r"`((?:deploy|helm|tests)/[\w./-]+|compose(?:\.(?:cpu|tp))?\.yaml|Dockerfile)`"
+    paths = set(re.findall(named, text))
+    compose = {"compose.yaml", "compose.cpu.yaml", "compose.tp.yaml"}
+    assert compose | {"Dockerfile", "deploy/otel-collector.yaml"} <= paths
     for p in paths:
         if "*" not in p:
             assert (ROOT / p).exists(), p

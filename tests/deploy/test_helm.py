@@ -41,6 +41,7 @@ VALUE_SETS = {
     "2p2d-rdma": "ci/2p2d-rdma-values.yaml",
     "ingress": "ci/ingress-values.yaml",
     "tls-existing-secrets": "ci/tls-existing-secrets-values.yaml",
+    "tp-cpu": "ci/tp-cpu-values.yaml",
 }
 CERT_MANAGER = {
     "tls": {"enabled": True, "certManager": {"issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"}}}
@@ -222,8 +223,10 @@ def test_schema_settings_are_config_fields() -> None:
         not {"host", "port", "redis_url", "advertise_host", "worker_id", "ssl_certfile", "ssl_keyfile"}
         & settings
     )
-    # and every setting a user may want is there (model: model.path; kv_backend: kvBackend)
-    missing = set(EngineConfig.model_fields) - {"model"} - settings
+    # and every setting a user may want is there (model: model.path; kv_backend: kvBackend;
+    # tensor_parallel_size: <role>.tensorParallelSize, which the GPU request and KV ports follow)
+    assert "tensor_parallel_size" not in settings
+    missing = set(EngineConfig.model_fields) - {"model", "tensor_parallel_size"} - settings
     assert not missing, f"add {missing} to definitions.settings in helm/splitserve/values.schema.json"
     chart_owned = {"host", "port", "redis_url", "model", "decode_urls", "prefill_urls"}
     # auth.* and tls.* set these (docs/security.md), never router.config
@@ -265,6 +268,7 @@ def test_default_render(rendered: dict[str, dict[str, str]]) -> None:
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         e = env(c)
         assert e["SPLITSERVE_HOST"] == "0.0.0.0"
+        assert e["SPLITSERVE_TENSOR_PARALLEL_SIZE"] == "1" and "SPLITSERVE_DEVICE" not in e
         # pods register their own IP and name in Redis (common/config.py ServiceConfig.advertise_host)
         assert e["SPLITSERVE_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert e["SPLITSERVE_WORKER_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}
@@ -791,14 +795,17 @@ def expected_flows(
 ) -> set[tuple[str, str, str]]:
     pods = workloads(m)
     everyone = [*SOURCES, *pods]
+    # the decode pods' KV receivers: kv, and kv-1 .. with tensor parallelism (kvPort + rank)
+    kv_ports = [p["name"] for c in pods["decode"]["containers"] for p in c["ports"] if p["name"] != "http"]
     out = {(s, "router", "http") for s in everyone if router_from is None or s == router_from}
-    out |= {("router", "prefill", "http"), ("router", "decode", "http"), ("prefill", "decode", "kv")}
+    out |= {("router", "prefill", "http"), ("router", "decode", "http")}
+    out |= {("prefill", "decode", p) for p in kv_ports}
     if "redis" in pods:
         out |= {(s, "redis", "redis") for s in ("router", "prefill", "decode")}
     if monitoring:
         out |= {("prometheus", c, "http") for c in ("router", "prefill", "decode")}
     if kv_any_port:  # the data plane: either side, any port
-        out |= {("prefill", "decode", p) for p in ("http", "kv", "other")}
+        out |= {("prefill", "decode", p) for p in ("http", *kv_ports, "other")}
         out |= {("decode", "prefill", p) for p in ("http", "other")}
     return {f for f in out if f[0] != f[1]}
 
@@ -811,6 +818,7 @@ def expected_flows(
         ("2p2d-rdma", None, True, True),
         ("ingress", "ingress-controller", False, True),
         ("tls-existing-secrets", None, False, True),
+        ("tp-cpu", None, False, False),
         ("cert-manager", None, False, True),
         ("tcp", None, False, False),
     ],
@@ -894,3 +902,90 @@ def test_a_changed_port_reaches_the_command_probes_and_service() -> None:
     assert {"name": "http", "containerPort": 9201, "protocol": "TCP"} in c["ports"]
     assert c["readinessProbe"]["httpGet"]["port"] == "http"
     assert m[("Service", f"{FULL}-decode")]["spec"]["ports"][0]["port"] == 9201
+
+
+# ---- tensor parallelism ----
+
+TP_ON_CPU = "tensor parallelism runs on CPU pods only for now: set gpus: 0"
+
+
+def test_tensor_parallel_prefill_2_decode_1_on_cpu_pods(rendered: dict[str, dict[str, str]]) -> None:
+    """ci/tp-cpu-values.yaml (linted, kubernetes-validated and flow-checked with the other value sets)."""
+    m = objects(rendered["tp-cpu"])
+    prefill, decode = container(m, "prefill"), container(m, "decode")
+    assert env(prefill)["SPLITSERVE_TENSOR_PARALLEL_SIZE"] == "2"
+    assert env(prefill)["SPLITSERVE_DEVICE"] == "cpu"  # pinned: a GPU the runtime exposes anyway is not used
+    assert env(decode)["SPLITSERVE_TENSOR_PARALLEL_SIZE"] == "1" and "SPLITSERVE_DEVICE" not in env(decode)
+    assert env(prefill)["SPLITSERVE_NUM_THREADS"] == "4"
+    for role in ("prefill", "decode"):
+        assert "nvidia.com/gpu" not in container(m, role)["resources"].get("limits", {}), role
+    assert m[("Deployment", f"{FULL}-decode")]["spec"]["replicas"] == 2
+    assert [p["name"] for p in prefill["ports"]] == ["http"]
+    assert [(p["name"], p["containerPort"]) for p in decode["ports"]] == [("http", 8201), ("kv", 8202)]
+    assert m[("ConfigMap", f"{FULL}-workers")]["data"]["SPLITSERVE_KV_BACKEND"] == "tcp"
+
+
+DECODE_TP = {"kvBackend": "tcp", "prefill": {"gpus": 0}, "decode": {"gpus": 0, "tensorParallelSize": 2}}
+
+
+def test_decode_tensor_parallel_opens_a_kv_port_per_rank(tmp_path: Path) -> None:
+    rendered = render(DECODE_TP)
+    docs = [t for p, t in sorted(rendered.items()) if p.endswith(".yaml") and t.strip()]
+    m = objects(rendered)
+    assert len(kubernetes_validate(docs, tmp_path, "decode-tp")) == len(m)
+    report = helm.lint(str(CHART), DECODE_TP, strict=True, kube_version=f"v{KUBE}", namespace=NAMESPACE)
+    assert report["errors"] == [] and not [x for x in report["messages"] if x["severity"] >= 2], report
+    c = container(m, "decode")
+    # rank r listens on kvPort + r (SPLITSERVE_KV_PORT is rank 0's; the service derives the others)
+    ports = [(p["name"], p["containerPort"]) for p in c["ports"]]
+    assert ports == [("http", 8201), ("kv", 8202), ("kv-1", 8203)]
+    e = env(c)
+    assert (e["SPLITSERVE_TENSOR_PARALLEL_SIZE"], e["SPLITSERVE_KV_PORT"]) == ("2", "8202")
+    for port in (8202, 8203):
+        admitted = {s for s in [*SOURCES, "router", "prefill", "redis"] if allowed(m, s, "decode", port)}
+        assert admitted == {"prefill"}, port
+    assert flows(m) == expected_flows(m, None, False, False)
+    # the headless Service is for DNS and scraping: KV endpoints are pod IPs from the registry
+    assert [p["name"] for p in m[("Service", f"{FULL}-decode")]["spec"]["ports"]] == ["http"]
+    # any data-plane backend: the ranks' ports are among the prefill pods' any-port flows too
+    m = objects(render({**DECODE_TP, "kvBackend": "nixl"}))
+    assert flows(m) == expected_flows(m, None, False, True)
+    # a moved kvPort moves the whole range
+    m = objects(render({**DECODE_TP, "decode": {"gpus": 0, "tensorParallelSize": 4, "kvPort": 9000}}))
+    ports = [(p["name"], p["containerPort"]) for p in container(m, "decode")["ports"]]
+    assert ports == [("http", 8201), ("kv", 9000), ("kv-1", 9001), ("kv-2", 9002), ("kv-3", 9003)]
+    assert flows(m) == expected_flows(m, None, False, False)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_tensor_parallel_with_gpus_is_refused(role: str) -> None:
+    bad = {role: {"gpus": 1, "tensorParallelSize": 2}}
+    message = f"{role}.tensorParallelSize is 2 with {role}.gpus 1: {TP_ON_CPU}"
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(bad)
+    # (a template `fail`, not the schema, so that install and template print this message; Helm's
+    # lint only logs a `fail`)
+    # an explicit CUDA device is refused the same way
+    message = f"{role}.tensorParallelSize is 2 with engine device cuda: {TP_ON_CPU}"
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render({"engine": {"device": "cuda"}, role: {"gpus": 0, "tensorParallelSize": 2}})
+
+
+def test_gpus_are_per_rank_and_tensor_parallel_values_are_checked() -> None:
+    # gpus counts per rank: at TP 1 the pod's request is gpus itself (GPU TP: gpus x tensorParallelSize)
+    m = objects(render({"prefill": {"gpus": 2, "tensorParallelSize": 1}}))
+    assert container(m, "prefill")["resources"]["limits"]["nvidia.com/gpu"] == 2
+    # a per-role device wins over the CPU pin (and is not set twice)
+    m = objects(render({"prefill": {"gpus": 0, "tensorParallelSize": 2, "engine": {"device": "cpu"}}}))
+    names = [x["name"] for x in container(m, "prefill")["env"]]
+    assert names.count("SPLITSERVE_DEVICE") == 1
+    with pytest.raises(helm.HelmValuesError, match="/decode/tensorParallelSize"):
+        render({"decode": {"tensorParallelSize": 0}})
+    with pytest.raises(helm.HelmValuesError, match="/prefill/tensorParallelSize"):
+        render({"prefill": {"tensorParallelSize": "2"}})
+    with pytest.raises(helm.HelmValuesError, match="tensor_parallel_size"):  # the chart owns it
+        render({"prefill": {"engine": {"tensor_parallel_size": 2}}})
+    with pytest.raises(helm.HelmRenderError, match="decode.port 8203 falls in the KV ports 8202-8203"):
+        render({**DECODE_TP, "decode": {"gpus": 0, "tensorParallelSize": 2, "port": 8203}})
+    with pytest.raises(helm.HelmRenderError, match="past 65535"):
+        render({**DECODE_TP, "decode": {"gpus": 0, "tensorParallelSize": 2, "kvPort": 65535}})

@@ -8,9 +8,35 @@ in Redis, where the router and the other role find it.
 {{- $role := .role -}}
 {{- $c := index $root.Values $role -}}
 {{- $ctx := dict "root" $root "component" $role -}}
+{{- /*
+Tensor parallelism: tensorParallelSize ranks, one process each, in this one pod (rank 0 the service,
+1.. its worker processes). `gpus` is per rank: the pod requests gpus x tensorParallelSize. TP > 1 runs
+on the CPU only for now (the engine refuses a CUDA device), so it needs gpus 0, and its pods are pinned
+to the CPU (SPLITSERVE_DEVICE=cpu, unless <role>.engine.device says otherwise). A decode rank r
+receives KV on kvPort + r: container ports kv (rank 0), kv-1 .. kv-<N-1>.
+*/ -}}
+{{- $tp := int ($c.tensorParallelSize | default 1) -}}
+{{- $device := get ($c.engine | default dict) "device" | default (get ($root.Values.engine | default dict) "device") | default "" -}}
+{{- if gt $tp 1 -}}
+{{- if gt (int $c.gpus) 0 -}}
+{{- fail (printf "%s.tensorParallelSize is %d with %s.gpus %d: tensor parallelism runs on CPU pods only for now: set gpus: 0 (or tensorParallelSize: 1 on GPUs)" $role $tp $role (int $c.gpus)) -}}
+{{- end -}}
+{{- if eq $device "cuda" -}}
+{{- fail (printf "%s.tensorParallelSize is %d with engine device cuda: tensor parallelism runs on CPU pods only for now: set gpus: 0 and device cpu (or auto)" $role $tp) -}}
+{{- end -}}
+{{- if eq $role "decode" -}}
+{{- $last := add (int $c.kvPort) (sub $tp 1) -}}
+{{- if gt (int $last) 65535 -}}
+{{- fail (printf "decode.kvPort %d + decode.tensorParallelSize %d - 1 = %d: past 65535 (rank r listens on kvPort + r)" (int $c.kvPort) $tp (int $last)) -}}
+{{- end -}}
+{{- if and (ge (int $c.port) (int $c.kvPort)) (le (int $c.port) (int $last)) -}}
+{{- fail (printf "decode.port %d falls in the KV ports %d-%d (rank r listens on decode.kvPort + r, decode.tensorParallelSize %d): move one" (int $c.port) (int $c.kvPort) (int $last) $tp) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- $res := deepCopy ($c.resources | default dict) -}}
 {{- $limits := deepCopy (get $res "limits" | default dict) -}}
-{{- if gt (int $c.gpus) 0 }}{{- $_ := set $limits "nvidia.com/gpu" (int $c.gpus) -}}{{- end -}}
+{{- if gt (int $c.gpus) 0 }}{{- $_ := set $limits "nvidia.com/gpu" (mul (int $c.gpus) $tp) -}}{{- end -}}
 {{- if $c.rdma.enabled }}{{- $_ := set $limits $c.rdma.resourceName (int $c.rdma.count) -}}{{- end -}}
 {{- if $limits }}{{- $_ := set $res "limits" $limits -}}{{- end -}}
 apiVersion: apps/v1
@@ -74,6 +100,11 @@ spec:
             - name: kv
               containerPort: {{ $c.kvPort }}
               protocol: TCP
+            {{- range $r := untilStep 1 $tp 1 }}
+            - name: kv-{{ $r }}
+              containerPort: {{ add (int $c.kvPort) $r }}
+              protocol: TCP
+            {{- end }}
             {{- end }}
           envFrom:
             - configMapRef:
@@ -81,6 +112,12 @@ spec:
           env:
             - name: SPLITSERVE_HOST
               value: "0.0.0.0"
+            - name: SPLITSERVE_TENSOR_PARALLEL_SIZE
+              value: {{ $tp | quote }}
+            {{- if and (gt $tp 1) (not (hasKey ($c.engine | default dict) "device")) }}
+            - name: SPLITSERVE_DEVICE
+              value: cpu
+            {{- end }}
             {{- if eq $role "decode" }}
             - name: SPLITSERVE_KV_PORT
               value: {{ $c.kvPort | quote }}
