@@ -83,7 +83,12 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--model", default=None)
     b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="batching, peer-hf")
-    b.add_argument("--kv-cache-mb", type=int, default=None, help="batching, peer-hf: KV cache size (1024)")
+    b.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=None,
+        help="batching, peer-hf: KV cache size (1024); tp: the split services' (32)",
+    )
     b.add_argument("--out", default="bench/out", help="folder for result JSON and plots")
     b.add_argument(
         "--rounds",
@@ -106,7 +111,7 @@ def add_bench_parser(sub: Any) -> None:
     x.add_argument("--sessions", type=int, default=4, help="prefix: chat sessions run at once")
     x.add_argument("--turns", type=int, default=6, help="prefix: questions per session")
     x.add_argument(
-        "--answer-tokens", type=int, default=16, help="prefix, fairness, kv-dtype: tokens per answer"
+        "--answer-tokens", type=int, default=16, help="prefix, fairness, kv-dtype, tp: tokens per answer"
     )
     x.add_argument(
         "--system-notes",
@@ -128,6 +133,12 @@ def add_bench_parser(sub: Any) -> None:
         "--fair-bulk", type=int, default=0,
         help="fairness: the fair-share service's --fair-bulk-prefill-tokens (default 0: unbounded)",
     )  # fmt: skip
+    t = b.add_argument_group("tp")
+    t.add_argument(
+        "--no-splits",
+        action="store_true",
+        help="tp: only the engines (TP=1 against TP=2), not the services split at TP 1->2 and 2->1",
+    )
     o = b.add_argument_group("soak")
     o.add_argument("--concurrency", type=int, default=8, help="soak: requests in flight at once")
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")
@@ -135,6 +146,12 @@ def add_bench_parser(sub: Any) -> None:
     k.add_argument("--mib", type=int, default=64, help="transfer: MiB of KV moved per repetition")
     k.add_argument(
         "--reps", type=int, default=None, help="transfer: best of this many per side per round (3)"
+    )
+    k.add_argument(
+        "--tp-pairs",
+        default="1:2,2:1",
+        help="transfer: prefill:decode tensor-parallel sizes moving the model's KV shards head by head, "
+        "next to the 1:1 baseline ('' for none)",
     )
     k.add_argument("--backend", default="nixl", help="overlap: KV transfer backend")
     k.add_argument("--prompt-tokens", type=int, default=2048, help="overlap: prompt length")

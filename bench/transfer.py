@@ -16,17 +16,31 @@ the median of the per-round ratios (ratio_min, ratio_max: nixl_vs_memcpy's sprea
 payload per second. UCX_NET_DEVICES=lo unless set. UCX_PROTO_INFO=y (run once, nixl 1.5.1) shows the
 WRITEs (ucp_put) going over `cma/memory`, zero-copy (process_vm_writev, one kernel copy) at every size,
 and the notifications and control active messages over `tcp/lo`.
+
+Tensor parallelism across the split (`--tp-pairs`, default 1:2,2:1, next to the 1:1 baseline; '' for
+none), on tcp and nixl where each imports: KV shaped like SmolLM2-135M's (30 layers, 3 KV heads,
+head_dim 64, block_size 16; fp32), about `--mib` MiB of it per transfer over every head, on shuffled,
+never adjacent block ids. Prefill TP P, decode TP D: P senders in this process (on one event loop),
+each over its own shard (common.parallel.partition.kv_head_ranges: TP 2 is [2, 1] heads), D receiver
+processes, each over its own; every route of `plan(3, P, D)` moves layer by layer (`heads=` its slice,
+None when the route is both shards whole), all layers posted at once, then each prefill rank's
+kv_done to every decode rank it fed. Timed as above, per rank: from the first send_layer to the last
+kv_done a prefill rank sent (sender ranks) or a decode rank heard (receiver ranks), the total to the
+last of all; best of `--reps` per side and round, the pairs alternating in `--rounds` rounds of their
+own after the sides above; each decode shard's blocks are checked against the heads sent to them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import multiprocessing as mp
 import os
 import random
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -40,6 +54,8 @@ from tqdm import tqdm
 import kv_transfer
 from bench.rounds import alternate, load_avg, median, ratio_stats
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.parallel.partition import kv_head_ranges
+from common.parallel.plan import Route, plan, senders_to
 from common.protocol import KVCompat, KVDone
 
 T = TypeVar("T")
@@ -81,7 +97,7 @@ class _Owner:
         pass
 
     def kv_done(self, msg: KVDone) -> None:
-        self.conn.send(("done", msg.request_id, time.perf_counter()))
+        self.conn.send(("done", msg.request_id, time.perf_counter(), msg.src_rank))
 
 
 async def _serve(backend: str, spec: KVCacheSpec, compat: KVCompat, conn: Connection) -> None:
@@ -112,7 +128,7 @@ def checksum(kv: PagedKVCache, ids: list[int]) -> float:
 
 class RemoteReceiver:
     """A `backend` receiver in a spawned process. Pipe: parent -> ("sum", ids) | ("stop",);
-    child -> ("endpoint", ep) | ("done", request_id, perf_counter) | ("sum", x) | ("error", why)."""
+    child -> ("endpoint", ep) | ("done", request_id, perf_counter, src_rank) | ("sum", x) | ("error", why)."""
 
     def __init__(self, backend: str, spec: KVCacheSpec, compat: KVCompat) -> None:
         ctx = mp.get_context("spawn")
@@ -135,9 +151,18 @@ class RemoteReceiver:
         return tuple(msg[1:])
 
     def done_at(self, request_id: str) -> float:
-        rid, t = self._expect("done")
+        rid, t, _ = self._expect("done")
         assert rid == request_id, f"kv_done for {rid!r}, expected {request_id!r}"
         return float(t)
+
+    def dones_at(self, request_id: str, n: int) -> dict[int, float]:
+        """The next `n` kv_dones, all for `request_id`: sender's tensor-parallel rank -> when it was heard."""
+        out: dict[int, float] = {}
+        for _ in range(n):
+            rid, t, src_rank = self._expect("done")
+            assert rid == request_id, f"kv_done for {rid!r}, expected {request_id!r}"
+            out[int(src_rank)] = float(t)
+        return out
 
     def checksum(self, ids: list[int]) -> float:
         self.conn.send(("sum", ids))
@@ -303,6 +328,274 @@ class RawSocket:
             self.proc.join()
 
 
+# --- tensor parallelism across the split: prefill TP P -> decode TP D, head slices ------------------
+MODEL_LAYERS, MODEL_KV_HEADS, MODEL_HEAD_DIM = 30, 3, 64  # SmolLM2-135M's KV shape
+MODEL_BLOCK = 16  # the services' default block_size
+TP_BACKENDS = ("tcp", "nixl")
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    """ "1:2,2:1" -> [(1, 1), (1, 2), (2, 1)]: the 1:1 baseline first, then each pair once, in order."""
+    pairs = [(1, 1)]
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        src, _, dst = part.partition(":")
+        pair = (int(src), int(dst))
+        if min(pair) < 1:
+            raise ValueError(f"--tp-pairs: {part!r} is not prefill:decode with sizes of at least 1")
+        if pair not in pairs:
+            pairs.append(pair)
+    return pairs
+
+
+def model_spec(mib: int, heads: int = MODEL_KV_HEADS) -> KVCacheSpec:
+    """A cache of `heads` of the model's KV heads, twice as many blocks as move per layer (of about
+    `mib` MiB over every head)."""
+    whole = KVCacheSpec(MODEL_LAYERS, 1, MODEL_BLOCK, MODEL_KV_HEADS, MODEL_HEAD_DIM)
+    per_layer = max(1, mib * 2**20 // whole.bytes_per_block)
+    return KVCacheSpec(MODEL_LAYERS, 2 * per_layer, MODEL_BLOCK, heads, MODEL_HEAD_DIM)
+
+
+def shard_compat(spec: KVCacheSpec, tp_size: int, tp_rank: int) -> KVCompat:
+    """Rank tp_rank of tp_size's record: the model's fields (num_kv_heads: the model's), its own rank."""
+    dtype = str(spec.dtype).removeprefix("torch.")
+    return KVCompat(
+        "bench", "-", dtype, spec.num_layers, MODEL_KV_HEADS, spec.head_dim, spec.block_size,
+        tp_size=tp_size, tp_rank=tp_rank,
+    )  # fmt: skip
+
+
+def shard_of(full: PagedKVCache, heads: range) -> PagedKVCache:
+    """A cache holding `heads` of every block of `full` (a rank's shard, contiguous like a service's)."""
+    kv = PagedKVCache(dataclasses.replace(full.spec, num_kv_heads=len(heads)))
+    kv.k.copy_(full.k[:, :, :, heads.start : heads.stop])
+    kv.v.copy_(full.v[:, :, :, heads.start : heads.stop])
+    return kv
+
+
+class PairSide:
+    """Prefill TP `src_tp` -> decode TP `dst_tp` over `backend`: a sender per prefill rank (on `loop`)
+    over its shard of `full`, a receiver process per decode rank over an empty shard; connected and
+    warmed up by one transfer. `once()`: seconds from the first send_layer to the last kv_done, in
+    total and per rank."""
+
+    def __init__(
+        self,
+        backend: str,
+        src_tp: int,
+        dst_tp: int,
+        full: PagedKVCache,
+        src_ids: list[int],
+        dst_ids: list[int],
+        loop: LoopThread,
+    ) -> None:
+        self.backend, self.src_tp, self.dst_tp, self.loop = backend, src_tp, dst_tp, loop
+        self.src_ids, self.dst_ids = src_ids, dst_ids
+        self.routes: list[Route] = plan(MODEL_KV_HEADS, src_tp, dst_tp)
+        self.srcs = [shard_of(full, h) for h in kv_head_ranges(MODEL_KV_HEADS, src_tp)]
+        self.rxs: list[RemoteReceiver] = []
+        self.txs: list[kv_transfer.KVSender] = []
+        self.sent = 0
+        try:
+            for d, heads in enumerate(kv_head_ranges(MODEL_KV_HEADS, dst_tp)):
+                spec = dataclasses.replace(full.spec, num_kv_heads=len(heads))
+                self.rxs.append(RemoteReceiver(backend, spec, shard_compat(spec, dst_tp, d)))
+            self.txs = loop.call(self._make())
+            self.once()
+        except BaseException:
+            self.close()
+            raise
+
+    async def _make(self) -> list[kv_transfer.KVSender]:
+        return [
+            kv_transfer.make_sender(
+                self.backend, kv, shard_compat(kv.spec, self.src_tp, p), rank=p, sender_id=f"bench-p{p}"
+            )
+            for p, kv in enumerate(self.srcs)
+        ]
+
+    def writes(self, p: int, d: int | None = None) -> tuple[int, int]:
+        """(layer writes, bytes) of prefill rank p (to decode rank d, or to all) per transfer."""
+        routes = [r for r in self.routes if r.src_rank == p and d in (None, r.dst_rank)]
+        per_head = 2 * len(self.src_ids) * MODEL_BLOCK * MODEL_HEAD_DIM * self.srcs[0].k.element_size()
+        return len(routes) * MODEL_LAYERS, sum(r.heads.count for r in routes) * MODEL_LAYERS * per_head
+
+    def dst_writes(self, d: int) -> tuple[int, int]:
+        """(layer writes, bytes) decode rank d receives per transfer."""
+        per = [self.writes(p, d) for p in range(self.src_tp)]
+        return sum(w for w, _ in per), sum(b for _, b in per)
+
+    async def _post(self, rid: str) -> float:
+        async def rank(p: int) -> None:
+            mine = [r for r in self.routes if r.src_rank == p]
+            await asyncio.gather(
+                *[
+                    self.txs[p].send_layer(
+                        self.rxs[r.dst_rank].endpoint,
+                        rid,
+                        1,
+                        lay,
+                        self.src_ids,
+                        self.dst_ids,
+                        heads=None if r.full else r.heads,
+                    )
+                    for r in mine
+                    for lay in range(MODEL_LAYERS)
+                ]
+            )
+            for r in mine:
+                senders = senders_to(MODEL_KV_HEADS, self.src_tp, self.dst_tp, r.dst_rank)
+                done = KVDone(rid, 1, 0, 0, MODEL_LAYERS, src_rank=p, senders=senders)
+                await self.txs[p].send_done(self.rxs[r.dst_rank].endpoint, done)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(rank(p) for p in range(self.src_tp)))
+        return t0
+
+    def once(self) -> dict[str, float]:
+        """One transfer: "total", "src<p>" (to prefill rank p's last kv_done heard) and "dst<d>" (to the
+        last kv_done decode rank d heard), in seconds."""
+        rid = f"r{self.sent}"
+        self.sent += 1
+        t0 = self.loop.call(self._post(rid))
+        out: dict[str, float] = {}
+        for d, rx in enumerate(self.rxs):
+            heard = rx.dones_at(rid, senders_to(MODEL_KV_HEADS, self.src_tp, self.dst_tp, d))
+            out[f"dst{d}"] = max(heard.values()) - t0
+            for p, t in heard.items():
+                out[f"src{p}"] = max(out.get(f"src{p}", 0.0), t - t0)
+        out["total"] = max(out[f"dst{d}"] for d in range(self.dst_tp))
+        return out
+
+    def check(self) -> None:
+        """Each decode shard's blocks hold exactly the heads the routes into it carried."""
+        for d, rx in enumerate(self.rxs):
+            want = 0.0
+            for r in (r for r in self.routes if r.dst_rank == d):
+                h, src = r.heads, self.srcs[r.src_rank]
+                heads = slice(h.src_start, h.src_start + h.count)
+                want += float(src.k[:, self.src_ids, :, heads].double().sum())
+                want += float(src.v[:, self.src_ids, :, heads].double().sum())
+            got = rx.checksum(self.dst_ids)
+            assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (
+                f"{self.backend} TP {self.src_tp}->{self.dst_tp}, decode rank {d}: checksum {got} != {want}"
+            )
+
+    def close(self) -> None:
+        try:
+            for tx in self.txs:
+                self.loop.call(tx.close())
+        finally:
+            for rx in self.rxs:
+                rx.close()
+
+
+def pair_name(backend: str, pair: tuple[int, int]) -> str:
+    return f"{backend}_tp_{pair[0]}_{pair[1]}"
+
+
+def run_tp_pairs(args: argparse.Namespace, pairs: list[tuple[int, int]]) -> dict[str, Any]:
+    """Every pair on every backend of TP_BACKENDS that imports here, alternating in rounds; the JSON
+    keys for them (see the module docstring)."""
+    reps, rounds = args.reps or 3, args.rounds
+    spec = model_spec(args.mib)
+    per_layer = spec.num_blocks // 2
+    rng = random.Random(args.seed + 1)
+    src_ids = rng.sample(range(0, spec.num_blocks, 2), per_layer)  # shuffled, never adjacent
+    dst_ids = rng.sample(range(0, spec.num_blocks, 2), per_layer)
+    full = PagedKVCache(spec)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    full.k.copy_(torch.randn(full.k.shape, generator=g))
+    full.v.copy_(torch.randn(full.v.shape, generator=g))
+    out: dict[str, Any] = {
+        "tp_pairs": [f"{p}:{d}" for p, d in pairs],
+        "tp_shape": {
+            "layers": MODEL_LAYERS,
+            "kv_heads": MODEL_KV_HEADS,
+            "head_dim": MODEL_HEAD_DIM,
+            "block_size": MODEL_BLOCK,
+            "blocks": per_layer,
+            "dtype": "float32",
+        },
+        "tp_bytes": per_layer * spec.bytes_per_block,
+    }
+    available = kv_transfer.available_backends()
+    sides: dict[str, PairSide] = {}
+    skipped: dict[str, str] = {}
+    loop = LoopThread()
+    try:
+        for backend in TP_BACKENDS:
+            if backend not in available:
+                out[f"{backend}_tp_skipped"] = "its library does not import here"
+                continue
+            for pair in pairs:
+                name = pair_name(backend, pair)
+                tqdm.write(f"[bench transfer] setting up {name}", file=sys.stderr)
+                try:
+                    sides[name] = PairSide(backend, *pair, full, src_ids, dst_ids, loop)
+                except Exception as e:  # reported, not fatal
+                    skipped[name] = f"{type(e).__name__}: {e}"
+
+        def best_of(name: str) -> dict[str, float]:
+            if name in skipped:
+                return {}
+            try:
+                runs = [sides[name].once() for _ in range(reps)]
+            except Exception as e:  # a pair that fails mid-way is reported, not fatal
+                skipped[name] = f"{type(e).__name__}: {e}"
+                return {}
+            return {k: min(r[k] for r in runs) for k in runs[0]}
+
+        bar = tqdm(total=rounds * len(sides), desc="transfer tp pairs", unit="side", leave=False)
+
+        def side(name: str) -> dict[str, float]:
+            bar.update(1)
+            return best_of(name)
+
+        per_round = alternate({name: partial(side, name) for name in sides}, rounds)
+        bar.close()
+        for name, s in sides.items():
+            if name not in skipped:
+                s.check()
+    finally:
+        for s in sides.values():
+            s.close()
+        loop.close()
+    gb_s_rounds: dict[str, list[float]] = {}
+    for backend in TP_BACKENDS:
+        for pair in pairs:
+            name = pair_name(backend, pair)
+            if name in skipped:
+                out[f"{name}_skipped"] = skipped[name]
+                continue
+            if name not in sides:
+                continue
+            s, results = sides[name], per_round[name]
+            gb_s = [out["tp_bytes"] / r["total"] / 1e9 for r in results]
+            gb_s_rounds[name] = [round(x, 3) for x in gb_s]
+            out[f"{name}_gb_s"] = round(median(gb_s), 3)
+            ranks = []
+            for p in range(pair[0]):
+                writes, nbytes = s.writes(p)
+                rate = median([nbytes / r[f"src{p}"] / 1e9 for r in results])
+                ranks.append({"rank": p, "gb_s": round(rate, 3), "layer_writes": writes, "bytes": nbytes})
+            out[f"{name}_prefill_ranks"] = ranks
+            ranks = []
+            for d in range(pair[1]):
+                writes, nbytes = s.dst_writes(d)
+                rate = median([nbytes / r[f"dst{d}"] / 1e9 for r in results])
+                ranks.append({"rank": d, "gb_s": round(rate, 3), "layer_writes": writes, "bytes": nbytes})
+            out[f"{name}_decode_ranks"] = ranks
+            base = pair_name(backend, (1, 1))
+            if pair != (1, 1) and base in gb_s_rounds:  # per-round ratios against the 1:1 baseline
+                ratio = ratio_stats(gb_s, [out["tp_bytes"] / r["total"] / 1e9 for r in per_round[base]])
+                out[f"{name}_vs_1_1"], out[f"{name}_vs_1_1_spread"] = (
+                    ratio["median"],
+                    [ratio["min"], ratio["max"]],
+                )
+    out["tp_gb_s_rounds"] = gb_s_rounds
+    return out
+
+
 # --- the scenario ---------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # read when the first agent starts; children inherit it
@@ -386,5 +679,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # load-independent: what one transfer moves
     out["layers"], out["blocks"] = LAYERS, per_layer * 2 * LAYERS
     out["rounds"], out["reps"], out["torch_threads"] = rounds, reps, torch.get_num_threads()
+    pairs = parse_pairs(getattr(args, "tp_pairs", "") or "")
+    if len(pairs) > 1:  # the 1:1 baseline alone is no comparison
+        out |= run_tp_pairs(args, pairs)
+        load_after = load_avg()
     out["load_before"], out["load_after"] = load_before, load_after
     return out
