@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from common.engine.api import Admission, Command, TokenOutput
@@ -33,6 +34,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.steps = 0
+        # A step that raised leaves the engine in an unknown state (a half-run step, a tensor-parallel
+        # rank gone): `failure` says why, and `on_fatal(why)` runs on the engine thread. A service
+        # exits there, so that its peers' leases and the routers' migration take over its requests.
+        self.failure: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -51,6 +57,8 @@ class AsyncEngine:
         """Run cmd on the engine thread between steps; its result (an output it caused, also delivered
         to the request's listener first), or its exception."""
         assert self._loop is not None, "start() first"
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
         fut: asyncio.Future[TokenOutput | None] = self._loop.create_future()
         self._commands.put((cmd, fut))
         return await fut
@@ -95,13 +103,29 @@ class AsyncEngine:
                 continue
             try:
                 result = engine.step()
-            except Exception:
+            except Exception as e:
                 log.exception("engine step failed")
-                raise
+                self._fail(f"engine step failed: {e!r}")
+                return  # logged; the thread ends with it
             self.steps += 1
             events: list[EngineEvent] = [*result.admitted, *result.outputs]
             if events:
                 loop.call_soon_threadsafe(self._deliver, events)
+
+    def _fail(self, why: str) -> None:
+        """No step runs any more: every waiting command fails with why, and so does any later one."""
+        self.failure = why
+        loop = self._loop
+        assert loop is not None
+        while True:
+            try:
+                job = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                loop.call_soon_threadsafe(self._settle, job[1], None, RuntimeError(why))
+        if self.on_fatal is not None:
+            self.on_fatal(why)
 
     def _apply(self, cmd: Command, fut: asyncio.Future[TokenOutput | None]) -> None:
         assert self._loop is not None

@@ -133,13 +133,17 @@ class TPWorkers:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_report: Callable[[int, tuple[Any, ...]], None] | None = None
         self.rank_stats: dict[int, dict[str, Any]] = {}  # rank -> its agent's last counters
+        # A worker that exits while the engine runs (killed, crashed): on_lost(rank) runs on the
+        # listening thread (a service exits: the engine cannot step without the rank). Not on close().
+        self.on_lost: Callable[[int], None] | None = None
+        self._closing = {"set": False}
         timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timeout, wait_for_workers=False)
         ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._conns: list[multiprocessing.connection.Connection] = []
         # close() and the interpreter's exit (or this object's collection) stop the workers
-        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns)
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._closing)
         try:
             for r in range(1, n):
                 compat = compats[r] if compats is not None else None
@@ -285,6 +289,8 @@ class TPWorkers:
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens any more
                     loop.call_soon_threadsafe(self._heard, rank, msg)
             if msg[0] == "gone":
+                if self.on_lost is not None and not self._closing["set"]:
+                    self.on_lost(rank)
                 return
 
     def _heard(self, rank: int, msg: tuple[Any, ...]) -> None:
@@ -320,7 +326,10 @@ def _ready(conn: multiprocessing.connection.Connection) -> str:
     return str(detail)
 
 
-def _stop(procs: list[Any], conns: list[multiprocessing.connection.Connection]) -> None:
+def _stop(
+    procs: list[Any], conns: list[multiprocessing.connection.Connection], closing: dict[str, bool]
+) -> None:
+    closing["set"] = True  # the workers' exits from here on are ours
     stop = pickle.dumps(None)
     for conn in conns:
         with contextlib.suppress(OSError):  # that worker is gone already

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,6 +39,7 @@ from common.security.secret import InternalSecret
 log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 ABORT_WAIT_S = 30.0  # /internal/abort waits this long for the request to be gone
+ENGINE_FAILED_EXIT = 70  # the exit status of a service whose engine failed (EX_SOFTWARE)
 M = TypeVar("M", bound=Message)
 
 
@@ -156,7 +158,21 @@ class Service:
             except Exception:
                 log.exception("could not deregister; the registration expires by itself")
 
+    def _engine_failed(self, why: str) -> None:
+        """The engine cannot step any more (a step raised, a tensor-parallel rank exited): exit now, as
+        if killed. Crash-only on purpose: a decode service's streams break and the routers migrate its
+        requests, a prefill's calls fail into the transfer-failure policy, the peers' leases expire,
+        and the supervisor (compose, Kubernetes, `splitserve up`) starts a fresh process."""
+        log.critical("%s: %s; exiting so that its requests move elsewhere", self.cfg.worker_name, why)
+        logging.shutdown()
+        os._exit(ENGINE_FAILED_EXIT)
+
     async def start(self, kv_endpoint: str = "") -> None:
+        self.aengine.on_fatal = self._engine_failed
+        if self.engine.tp_workers is not None:
+            self.engine.tp_workers.on_lost = lambda rank: self._engine_failed(
+                f"tensor-parallel rank {rank} exited"
+            )
         self.aengine.start()
         if not self.cfg.redis_url:
             return

@@ -7,11 +7,13 @@ backend in test_kv_tcp.py / test_kv_nixl.py."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -99,5 +101,32 @@ def test_split_across_tp_sizes_matches_one_rank(  # type: ignore[no-untyped-def]
             assert st["bytes_received"] > 0 and st["stale_drops"] == 0, (rank, st)
         sent = _wait_for(lambda: _sent_bytes(prefill.url), lambda r: len(r) == prefill_tp)
         assert sorted(sent) == [str(r) for r in range(prefill_tp)] and all(sent.values()), sent
+    finally:
+        cluster.stop()
+
+
+def _tp_workers(pid: int) -> list[psutil.Process]:
+    """The service's tensor-parallel worker processes (spawned children, not the resource tracker)."""
+    kids = psutil.Process(pid).children()
+    return [
+        p
+        for p in kids
+        if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())
+    ]
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_rank_that_dies_takes_its_service_down_loudly(role, redis_url, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL a worker rank: its service cannot step without it, so it exits at once (status 70),
+    naming the rank, instead of accepting requests it would hang on; the supervisor restarts it and the
+    routers move its requests (the chaos suite covers a service that dies)."""
+    cluster = Cluster(redis_url, str(tmp_path))
+    try:
+        proc = cluster.start(role, *FLAGS, "--tensor-parallel-size", "2")
+        (worker,) = _tp_workers(proc.popen.pid)
+        worker.send_signal(signal.SIGKILL)
+        code = proc.popen.wait(timeout=30)
+        assert code == 70, proc.log_tail()
+        assert "tensor-parallel rank 1 exited" in proc.log_tail(), proc.log_tail()
     finally:
         cluster.stop()
