@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import tempfile
@@ -32,7 +31,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.loadgen import arrival_offsets
+from bench.loadgen import arrival_offsets, sse_chunks
 from bench.rounds import alternate, load_avg, spread
 from bench.serving import Stack
 from bench.workload import QUESTIONS
@@ -73,10 +72,7 @@ async def send(client: httpx.AsyncClient, url: str, tenant: str, text: str, max_
             if resp.status_code != 200:
                 r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 if any(c.get("text") for c in chunk.get("choices", [])):
                     now = time.perf_counter()
                     r.ttft = r.ttft if r.ttft is not None else now - r.sent

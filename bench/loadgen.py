@@ -10,6 +10,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,13 @@ class Result:
         if self.error or self.ttft is None or self.e2e is None or self.output_tokens < 2:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+async def sse_chunks(resp: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI streaming response, as they arrive (the final [DONE] left out)."""
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
 
 
 def make_specs(
@@ -112,11 +120,8 @@ async def send(client: httpx.AsyncClient, url: str, spec: Spec, timeout_s: float
                 if resp.status_code != 200:
                     res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                     return res
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
+                async for chunk in sse_chunks(resp):
                     now = time.perf_counter()
-                    chunk: dict[str, Any] = json.loads(line[6:])
                     if "error" in chunk:
                         res.error = str(chunk["error"].get("message", chunk["error"]))[:200]
                         return res

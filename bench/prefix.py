@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import tempfile
@@ -35,6 +34,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from bench.loadgen import sse_chunks
 from bench.rounds import alternate, load_avg, ratio_keys, ratio_stats
 from bench.serving import Stack
 from bench.workload import QUESTIONS
@@ -118,10 +118,7 @@ async def chat_turn(client: httpx.AsyncClient, url: str, s: Session, t: int, max
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk: dict[str, Any] = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     res.error = str(chunk["error"])[:200]
                     return res

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
+from tqdm import tqdm
 
 T = TypeVar("T")
 
@@ -18,14 +19,19 @@ def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def alternate(sides: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
+def alternate(sides: dict[str, Callable[[], T]], rounds: int, progress: str = "") -> dict[str, list[T]]:
     """Call every side once per round, `rounds` times; the order reverses every other round (A B, B A, ...)
-    so that no side always runs right after another. Returns each side's results, in round order."""
+    so that no side always runs right after another. Returns each side's results, in round order.
+    `progress`: a progress bar with this label, a tick per side run."""
     out: dict[str, list[T]] = {name: [] for name in sides}
     names = list(sides)
-    for i in range(rounds):
-        for name in names if i % 2 == 0 else reversed(names):
-            out[name].append(sides[name]())
+    with tqdm(
+        total=rounds * len(names), desc=progress, unit="side", leave=False, disable=not progress
+    ) as bar:
+        for i in range(rounds):
+            for name in names if i % 2 == 0 else reversed(names):
+                out[name].append(sides[name]())
+                bar.update(1)
     return out
 
 

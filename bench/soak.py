@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import tempfile
 import threading
@@ -30,7 +29,7 @@ import numpy as np
 import psutil
 from tqdm import tqdm
 
-from bench.loadgen import make_specs
+from bench.loadgen import make_specs, sse_chunks
 from bench.serving import Stack
 from common.cluster.redis_server import RedisServer
 from common.cluster.state import ClusterState
@@ -65,10 +64,7 @@ async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any], hang_up
                     out.status, out.error = "failed", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                     return out
                 out.accepted = True
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
+                async for event in sse_chunks(r):
                     if "error" in event:
                         out.status, out.error = "failed", str(event["error"].get("message"))[:200]
                         return out

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.loadgen import sse_chunks
 from bench.rounds import alternate, load_avg, spread
 from bench.workload import QUESTIONS
 from common.config import EngineConfig
@@ -240,10 +240,7 @@ async def ask(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens
             if resp.status_code != 200:
                 res["error"] = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk: dict[str, Any] = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     res["error"] = str(chunk["error"])[:200]
                     return res

@@ -545,14 +545,7 @@ def run_tp_pairs(args: argparse.Namespace, pairs: list[tuple[int, int]]) -> dict
                 return {}
             return {k: min(r[k] for r in runs) for k in runs[0]}
 
-        bar = tqdm(total=rounds * len(sides), desc="transfer tp pairs", unit="side", leave=False)
-
-        def side(name: str) -> dict[str, float]:
-            bar.update(1)
-            return best_of(name)
-
-        per_round = alternate({name: partial(side, name) for name in sides}, rounds)
-        bar.close()
+        per_round = alternate({name: partial(best_of, name) for name in sides}, rounds, "transfer tp pairs")
         for name, s in sides.items():
             if name not in skipped:
                 s.check()
@@ -642,14 +635,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 skipped[name] = f"{type(e).__name__}: {e}"
                 return math.nan
 
-        bar = tqdm(total=rounds * len(timed), desc="transfer", unit="side", leave=False)
-
-        def side(name: str) -> float:
-            bar.update(1)
-            return best_of(name)
-
-        per_round = alternate({name: partial(side, name) for name in timed}, rounds)
-        bar.close()
+        per_round = alternate({name: partial(best_of, name) for name in timed}, rounds, "transfer")
         for name, b in backends.items():
             if name not in skipped:
                 b.check()

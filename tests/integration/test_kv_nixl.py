@@ -24,6 +24,7 @@ from kv_transfer.backends.nixl import NixlReceiver, NixlSender  # imports no NIX
 from kv_transfer.layout import block_bytes
 from tests.support.kv_helpers import (
     DST,
+    HEAD_SLICE_CASES,
     MISMATCHED,
     MODEL_KV_HEADS,
     SPEC,
@@ -246,14 +247,7 @@ def test_backend_registry() -> None:
         make_sender("carrier-pigeon", kv, compat(SPEC))
 
 
-@pytest.mark.parametrize(
-    "num_kv_heads, src_tp, dst_tp",
-    [
-        (MODEL_KV_HEADS, 1, 2),  # one sender's heads split over two receivers
-        (MODEL_KV_HEADS, 2, 1),  # two senders into one receiver, each with its own kv_done
-        (5, 2, 3),  # a slice that is part of the shard on both sides, at an offset on both
-    ],
-)
+@pytest.mark.parametrize("num_kv_heads, src_tp, dst_tp", HEAD_SLICE_CASES)
 def test_head_slices_move_between_tensor_parallel_shards(num_kv_heads: int, src_tp: int, dst_tp: int) -> None:
     txs, rxs = asyncio.run(move_heads(NixlReceiver, NixlSender, num_kv_heads, src_tp, dst_tp))
     routes = plan(num_kv_heads, src_tp, dst_tp)

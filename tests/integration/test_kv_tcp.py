@@ -29,6 +29,7 @@ from kv_transfer.control.messages import KVHello, KVHelloReply
 from kv_transfer.layout import block_bytes, slice_bytes
 from tests.support.kv_helpers import (
     DST,
+    HEAD_SLICE_CASES,
     MISMATCHED,
     MODEL_KV_HEADS,
     SPEC,
@@ -242,14 +243,7 @@ def test_concurrent_sends_to_one_endpoint_do_not_interleave(receiver: ThreadRece
     asyncio.run_coroutine_threadsafe(receiver.rx.wait_idle("r"), receiver.loop).result(5)
 
 
-@pytest.mark.parametrize(
-    "num_kv_heads, src_tp, dst_tp",
-    [
-        (MODEL_KV_HEADS, 1, 2),  # one sender's heads split over two receivers
-        (MODEL_KV_HEADS, 2, 1),  # two senders into one receiver, each with its own kv_done
-        (5, 2, 3),  # a slice that is part of the shard on both sides, at an offset on both
-    ],
-)
+@pytest.mark.parametrize("num_kv_heads, src_tp, dst_tp", HEAD_SLICE_CASES)
 def test_head_slices_move_between_tensor_parallel_shards(num_kv_heads: int, src_tp: int, dst_tp: int) -> None:
     txs, _ = asyncio.run(move_heads(TcpReceiver, TcpSender, num_kv_heads, src_tp, dst_tp))
     assert sum(tx.stats.layers_sent for tx in txs) == 2 * len(plan(num_kv_heads, src_tp, dst_tp))

@@ -35,8 +35,8 @@ from kv_transfer.control.messages import KVLayerHeader
 from kv_transfer.layout import block_bytes
 from tests.support.kv_helpers import (
     DST,
+    HEAD_SLICE_CASES,
     MISMATCHED,
-    MODEL_KV_HEADS,
     SPEC,
     SRC,
     LoopReceiver,
@@ -241,14 +241,7 @@ def test_backend_registry() -> None:
     asyncio.run(rx.close())
 
 
-@pytest.mark.parametrize(
-    "num_kv_heads, src_tp, dst_tp",
-    [
-        (MODEL_KV_HEADS, 1, 2),  # one sender's heads split over two receivers
-        (MODEL_KV_HEADS, 2, 1),  # two senders into one receiver, each with its own kv_done
-        (5, 2, 3),  # a slice that is part of the shard on both sides, at an offset on both
-    ],
-)
+@pytest.mark.parametrize("num_kv_heads, src_tp, dst_tp", HEAD_SLICE_CASES)
 def test_head_slices_move_between_tensor_parallel_shards(num_kv_heads: int, src_tp: int, dst_tp: int) -> None:
     make_rx = functools.partial(TorchDistReceiver, op_timeout_s=20)
     make_tx = functools.partial(TorchDistSender, op_timeout_s=20)

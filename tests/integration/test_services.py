@@ -11,8 +11,6 @@ import httpx
 import msgspec
 import pytest
 
-from common.config import EngineConfig
-from common.engine.llm_engine import LLMEngine
 from common.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -27,17 +25,11 @@ from common.protocol import (
     encode,
 )
 from common.sampling_params import SamplingParams
+from tests.integration.conftest import MAX_TOKENS, QUESTIONS
 from tests.support.cluster import Cluster, internal_auth
 
 pytestmark = pytest.mark.slow
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name three colors.",
-    "Write a haiku about the sea.",
-    "How many legs does a spider have?",
-]
-MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module", params=["nixl", "tcp", "torch_dist"])
@@ -52,19 +44,6 @@ def services(request, tmp_path_factory, redis_url):  # type: ignore[no-untyped-d
         yield cluster, prefill, decode_
     finally:
         cluster.stop()
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    _, tok = smollm
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
-
-
-@pytest.fixture(scope="module")
-def reference(smollm, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    model, tok = smollm
-    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
-    return [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids for p in prompts]
 
 
 async def run_request(

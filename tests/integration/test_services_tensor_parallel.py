@@ -17,16 +17,13 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.config import EngineConfig
-from common.engine.llm_engine import LLMEngine
 from common.parallel.plan import split_endpoints
-from common.sampling_params import SamplingParams
-from tests.integration.test_services import QUESTIONS, run_request
+from tests.integration.conftest import MAX_TOKENS, QUESTIONS
+from tests.integration.test_services import run_request
 from tests.support.cluster import Cluster, internal_auth
 
 pytestmark = pytest.mark.slow
 FLAGS = ("--threads", "1", "--kv-cache-mb", "32")
-MAX_TOKENS = 12
 T = TypeVar("T")
 
 
@@ -50,19 +47,6 @@ def _wait_for(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float
     while not done(got := read()) and time.monotonic() < deadline:
         time.sleep(0.3)
     return got
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    _, tok = smollm
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
-
-
-@pytest.fixture(scope="module")
-def reference(smollm, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    model, tok = smollm
-    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
-    return [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids for p in prompts]
 
 
 @pytest.mark.parametrize(

@@ -224,6 +224,12 @@ def authenticated_socket(
 
 # --- heterogeneous tensor parallelism: head slices between shards ---------------------------------------
 MODEL_KV_HEADS = 3  # SmolLM2-135M's: over 2 ranks the shards are [2, 1] heads
+# (model KV heads, prefill TP, decode TP) every backend's head-slice test moves
+HEAD_SLICE_CASES = [
+    (MODEL_KV_HEADS, 1, 2),  # one sender's heads split over two receivers
+    (MODEL_KV_HEADS, 2, 1),  # two senders into one receiver, each with its own kv_done
+    (5, 2, 3),  # a slice that is part of the shard on both sides, at an offset on both
+]
 HEADS_LAYERS = [[0, 2], [1, 2]]  # the layers prefill rank p sends: [p % 2]; layer 1 of rank 0 stays empty
 
 
