@@ -46,6 +46,11 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
+    @property
+    def stopping(self) -> bool:
+        """stop() was called."""
+        return self._stop.is_set()
+
     def stop(self) -> None:
         self._stop.set()
         self._commands.put(None)  # wake the thread

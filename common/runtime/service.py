@@ -163,6 +163,9 @@ class Service:
         if killed. Crash-only on purpose: a decode service's streams break and the routers migrate its
         requests, a prefill's calls fail into the transfer-failure policy, the peers' leases expire,
         and the supervisor (compose, Kubernetes, `splitserve up`) starts a fresh process."""
+        if self.aengine.stopping:  # shutting down anyway (stop() closes the ranks after the thread)
+            log.warning("%s: %s while stopping", self.cfg.worker_name, why)
+            return
         log.critical("%s: %s; exiting so that its requests move elsewhere", self.cfg.worker_name, why)
         logging.shutdown()
         os._exit(ENGINE_FAILED_EXIT)
@@ -233,6 +236,7 @@ class Service:
         if self.state is not None:
             await self.state.close()
         self.aengine.stop()
+        self.engine.close()  # the tensor-parallel worker ranks, if any
 
     # --- requests in progress ---------------------------------------------------------------------
     def open_job(self, job: Job) -> None:
