@@ -90,38 +90,11 @@ class DecodeService(Service):
 
     def receiver_stats(self) -> dict[int, ReceiverStats]:
         """Every rank's receiver counters: this process's (rank 0), then the worker ranks' last report."""
-        out = {self.receiver.rank: self.receiver.stats}
-        workers = self.engine.tp_workers
-        for rank, stats in (workers.rank_stats if workers is not None else {}).items():
-            if "received" in stats:
-                out[rank] = ReceiverStats(**stats["received"])
-        return out
+        return rank_receiver_stats(self.receiver.rank, self.receiver.stats, self.engine.tp_workers)
 
     def transfer_counters(self) -> list[TransportCount]:
-        return [c for rank, s in self.receiver_stats().items() for c in self._counters(rank, s)]
-
-    def _counters(self, rank: int, s: ReceiverStats) -> list[TransportCount]:
-        backend = self.kv_backend
-        return [
-            TransportCount(name, doc, backend, rank, value)
-            for name, doc, value in (
-                ("splitserve_kv_transfer_bytes", "KV bytes received and written", s.bytes_received),
-                ("splitserve_kv_transfer_layers", "layer writes received", s.layers_received),
-                ("splitserve_kv_transfer_dones", "kv_done notifications received", s.dones_received),
-                ("splitserve_kv_transfer_stale_drops", "layers dropped: stale fence", s.stale_drops),
-                (
-                    "splitserve_kv_transfer_preflight_refusals",
-                    "senders refused: incompatible",
-                    s.preflight_refusals,
-                ),
-                ("splitserve_kv_transfer_bad_messages", "malformed transfer messages", s.bad_messages),
-                (
-                    "splitserve_kv_transfer_auth_failures",
-                    "KV connections refused: the peer did not prove the internal secret",
-                    s.auth_failures,
-                ),
-            )
-        ]
+        ranks = rank_receiver_stats(self.receiver.rank, self.receiver.stats, self.engine.tp_workers)
+        return [c for rank, s in ranks.items() for c in _receiver_counters(self.kv_backend, rank, s)]
 
     # --- the connector's news (event loop) ----------------------------------------------------------
     def _on_arrived(self, rkv: IncomingKV, done: KVDone) -> None:
@@ -242,3 +215,36 @@ class DecodeService(Service):
         self.metrics.requests.labels(role="decode", outcome=outcome).inc()
         self.close_job(job)
         job.tl.close(self.metrics, job.req, self.cfg.worker_name, job.error)
+
+
+def rank_receiver_stats(rank: int, stats: ReceiverStats, workers: Any) -> dict[int, ReceiverStats]:
+    """This process's receiver counters (its rank's) and the worker ranks' as they last reported them
+    (`workers`: the engine's TPWorkers, None without tensor parallelism)."""
+    out = {rank: stats}
+    for r, reported in (workers.rank_stats if workers is not None else {}).items():
+        if "received" in reported:
+            out[r] = ReceiverStats(**reported["received"])
+    return out
+
+
+def _receiver_counters(backend: str, rank: int, s: ReceiverStats) -> list[TransportCount]:
+    return [
+        TransportCount(name, doc, backend, rank, value)
+        for name, doc, value in (
+            ("splitserve_kv_transfer_bytes", "KV bytes received and written", s.bytes_received),
+            ("splitserve_kv_transfer_layers", "layer writes received", s.layers_received),
+            ("splitserve_kv_transfer_dones", "kv_done notifications received", s.dones_received),
+            ("splitserve_kv_transfer_stale_drops", "layers dropped: stale fence", s.stale_drops),
+            (
+                "splitserve_kv_transfer_preflight_refusals",
+                "senders refused: incompatible",
+                s.preflight_refusals,
+            ),
+            ("splitserve_kv_transfer_bad_messages", "malformed transfer messages", s.bad_messages),
+            (
+                "splitserve_kv_transfer_auth_failures",
+                "KV connections refused: the peer did not prove the internal secret",
+                s.auth_failures,
+            ),
+        )
+    ]

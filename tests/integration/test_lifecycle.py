@@ -33,6 +33,7 @@ from common.engine.scheduler import SchedulerOutput
 from common.engine.sequence import Sequence
 from common.kv.kv_cache import PagedKVCache
 from common.model.llama import LlamaForCausalLM
+from common.parallel.plan import HeadSlice
 from common.protocol import KVDone, PrefillRequest
 from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
@@ -61,8 +62,9 @@ class CopySender:
 
     async def send_layer(
         self, endpoint: str, request_id: str, fence: int, layer: int, src: list[int], dst: list[int],
-        traceparent: str | None = None,
+        traceparent: str | None = None, heads: HeadSlice | None = None,
     ) -> None:  # fmt: skip
+        assert heads is None, "one rank each side: whole blocks"
         if not self.owner.may_write(request_id, fence):
             return  # a stale fence: nothing is written
         self.sent.append((layer, dst))
