@@ -83,13 +83,14 @@ class RankAgent:
         # prefill: every posted write of a request (with the endpoint it went to), until it is settled
         self._writes: dict[str, list[tuple[str, concurrent.futures.Future[None]]]] = {}
         self._stopped: set[str] = set()
+        self._route_cache: dict[str, list[tuple[str, Any]]] = {}  # endpoint list -> this rank's routes
         # decode: the open (request -> fence) and their tallies
         self._open: dict[str, int] = {}
         self._tally: dict[tuple[str, int], Tally] = {}
         fut = asyncio.run_coroutine_threadsafe(self._start(), self.loop)
         fut.result(START_TIMEOUT_S)
         self._reported: dict[str, Any] = {}
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._report_stats()))
+        self._stats_task = asyncio.run_coroutine_threadsafe(self._report_stats(), self.loop)
         threading.Thread(target=self._read_control, name="splitserve-tp-ctl", daemon=True).start()
 
     async def _start(self) -> None:
@@ -163,22 +164,31 @@ class RankAgent:
                 writes.append((endpoint, asyncio.run_coroutine_threadsafe(coro, self.loop)))
 
     def _routes(self, endpoint: str) -> list[tuple[str, Any]]:
-        c = self.compat
-        return shard_writes(c.num_kv_heads, c.tp_size, self.rank, split_endpoints(endpoint))
+        """Where this rank's writes for a decode service's endpoint(s) go (worked out once per list)."""
+        if endpoint not in self._route_cache:
+            c = self.compat
+            eps = split_endpoints(endpoint)
+            self._route_cache[endpoint] = shard_writes(c.num_kv_heads, c.tp_size, self.rank, eps)
+        return self._route_cache[endpoint]
 
     def _sender_for(self, endpoint: str) -> KVSender:
-        """The sender for the backend the endpoint names, made on the agent's loop."""
+        """The sender for the backend the endpoint names, made on the agent's loop (from the engine
+        thread: handed over and waited for; on the loop itself, a finish with no write before it)."""
         backend = endpoint.split("://", 1)[0]
         if backend not in self.senders:
+            opts = {
+                **self.spec.options,
+                "sender_id": f"{self.spec.options.get('sender_id', '')}/tp{self.rank}",
+            }
 
             async def make() -> KVSender:
-                return make_sender(backend, self.kv, self.compat, rank=self.rank, **self.spec.options)
+                return make_sender(backend, self.kv, self.compat, rank=self.rank, **opts)
 
             if threading.current_thread() is self._thread:
-                raise RuntimeError(f"no {backend} sender yet: the step that posts the first write makes it")
-            self.senders[backend] = asyncio.run_coroutine_threadsafe(make(), self.loop).result(
-                START_TIMEOUT_S
-            )
+                self.senders[backend] = make_sender(backend, self.kv, self.compat, rank=self.rank, **opts)
+            else:
+                fut = asyncio.run_coroutine_threadsafe(make(), self.loop)
+                self.senders[backend] = fut.result(START_TIMEOUT_S)
         return self.senders[backend]
 
     async def _op_finish(self, rid: str, endpoint: str, done: KVDone) -> None:
@@ -232,6 +242,7 @@ class RankAgent:
 
     def close(self) -> None:
         async def stop() -> None:
+            self._stats_task.cancel()
             for sender in self.senders.values():
                 await sender.close()
             if self.receiver is not None:
