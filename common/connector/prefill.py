@@ -112,11 +112,13 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
     async def add(self, req: PrefillRequest, trace_ctx: Any = None) -> OutgoingKV:
         """Register where req's KV goes (before the engine sees the request) and lease our blocks."""
         self._loop = asyncio.get_running_loop()
-        split_endpoints(req.kv_endpoint)  # ValueError: a malformed list
         if self.ranks is not None:
             self.ranks.attach(lambda rank, msg: None)  # a prefill agent only answers calls
         rkv = OutgoingKV(req.request_id, req.fence, req.block_ids, S.HELD)
         rkv.endpoint, rkv.skip_blocks = req.kv_endpoint, req.num_cached_tokens // self.block_size
+        # once per request, not per layer write: the pairs rank 0 writes, and every rank's bytes a block
+        rkv.routes = self._routes(req.kv_endpoint)
+        rkv.block_bytes = self.head_bytes * self._heads_moved(req.kv_endpoint)
         rkv.trace_ctx, rkv.traceparent = trace_ctx, req.traceparent
         self.requests[req.request_id] = rkv
         if self.leases is not None:
@@ -211,13 +213,13 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
                 continue  # stopped meanwhile
             self._start_span(rkv)
             sender = self.sender_for(rkv.endpoint)
-            for endpoint, heads in self._routes(rkv.endpoint):
+            for endpoint, heads in rkv.routes:
                 coro = sender.send_layer(
                     endpoint, rkv.request_id, rkv.fence, layer, w.src, w.dst, rkv.traceparent, heads=heads
                 )
                 rkv.writes.append(asyncio.run_coroutine_threadsafe(_timed(coro, rkv.active), self._loop))
                 rkv.written.append(endpoint)
-            rkv.nbytes += len(w.dst) * self.head_bytes * self._heads_moved(rkv.endpoint)  # every rank's
+            rkv.nbytes += len(w.dst) * rkv.block_bytes  # every rank's
             rkv.dst_blocks.update(w.dst)
             rkv.layers.add(layer)
 

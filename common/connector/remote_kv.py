@@ -62,6 +62,8 @@ class OutgoingKV(RemoteKV):
 
     endpoint: str = ""  # the decode service's KV endpoint
     skip_blocks: int = 0  # leading destination blocks the decode service already holds
+    routes: list[tuple[str, Any]] = field(default_factory=list)  # rank 0's (decode endpoint, heads) pairs
+    block_bytes: int = 0  # K and V bytes of one block of one layer, every rank's heads together
     first_chunk: bool = True  # the first chunk also ships prefix blocks this service had cached
     # Written on the engine thread while the request computes; read on the event loop only after a
     # step boundary (its first token, or a Finish command) makes them final.
