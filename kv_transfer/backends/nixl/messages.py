@@ -16,7 +16,7 @@ class KVNixlHelloReply(Message, tag="kv_nixl_hello_reply"):
     mem_type: str = "DRAM"  # "DRAM" or "VRAM"
     num_blocks: int = 0  # blocks per layer in the receiver's tensors (the sender checks dst ids against it)
     # KV heads per block in the receiver's tensors (its tensor-parallel shard): where a head slice lies
-    # within a block over there. 0: not said (an older receiver), only whole blocks may be written
+    # within a block over there
     kv_heads: int = 0
     incarnation: str = ""  # the receiver process's start (a sender checks it against the endpoint's)
 

@@ -69,7 +69,7 @@ class _Peer:
     num_blocks: int
     regions: list[list[int]]  # the receiver's K and V tensors: (address, nbytes, device_id)
     mem_type: str
-    kv_heads: int  # KV heads per block over there; 0: not said (an older receiver), as many as ours
+    kv_heads: int  # KV heads per block over there (its shard's)
     reqs: dict[tuple[str, int], _Req] = dataclasses.field(default_factory=dict)
     task: asyncio.Task[None] | None = None  # reads replies and revokes
     broken: str = ""
@@ -222,15 +222,12 @@ class NixlSender(PreflightSender[_Peer]):
         """The heads against the receiver's blocks (from its hello reply): nothing over there stops a
         WRITE that does not fit them."""
         ours = self.kv.spec.num_kv_heads
-        if heads is None:
-            if peer.kv_heads not in (0, ours):
-                raise ValueError(
-                    f"the receiver's blocks hold {peer.kv_heads} KV heads and ours {ours}: "
-                    "only head slices can be written"
-                )
-        elif not peer.kv_heads:
-            raise TransferError("the receiver does not say its KV heads per block: it takes no head slices")
-        elif heads.dst_start + heads.count > peer.kv_heads:
+        if heads is None and peer.kv_heads != ours:
+            raise ValueError(
+                f"the receiver's blocks hold {peer.kv_heads} KV heads and ours {ours}: "
+                "only head slices can be written"
+            )
+        if heads is not None and heads.dst_start + heads.count > peer.kv_heads:
             raise ValueError(f"{heads} does not fit the receiver's {peer.kv_heads} KV heads")
 
     def _slice_rows(
@@ -278,9 +275,10 @@ class NixlSender(PreflightSender[_Peer]):
         s = self.kv.spec
         if reply.mem_type not in ("DRAM", "VRAM"):
             raise TransferError(f"unknown remote memory type {reply.mem_type!r}")
+        if reply.kv_heads < 1:
+            raise TransferError(f"the receiver says {reply.kv_heads} KV heads per block")
         regions = [list(r) for r in reply.regions]
-        heads = reply.kv_heads or s.num_kv_heads  # an older receiver says nothing: as many as ours
-        rows = block_rows(regions, s.num_layers, reply.num_blocks, slice_bytes(self.kv, heads))
+        rows = block_rows(regions, s.num_layers, reply.num_blocks, slice_bytes(self.kv, reply.kv_heads))
         name = self._agent.add_remote_agent(reply.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
         try:
