@@ -147,11 +147,12 @@ def alive_decodes(redis_url: str) -> set[str]:
 
 
 def refuses_new_work(p: Proc) -> bool:
-    """A draining service takes no new work: a new connection is refused (the listener closed), or a
-    request on an open one gets a retryable 503 `draining`."""
+    """A draining service takes no new work: a new connection is refused (the listener closed), a
+    connection accepted just as the server shut down is closed with no response, or a request on an
+    open one gets a retryable 503 `draining`."""
     try:
         r = httpx.get(p.url + "/health", timeout=5)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
         return True
     return r.status_code == 503 and r.json()["status"] == "draining"
 
