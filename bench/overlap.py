@@ -26,6 +26,11 @@ tell the two costs apart: compute_streamed_ms (its step() alone: the compute slo
 and the receiver sharing the cores and the GIL) and tail_ms (step() end -> kv_done received: the part of the
 transfer the compute did not hide). compute_slowdown = compute_streamed_ms / compute_ms (per round, from
 the same round's two runs; ratio_min/ratio_max its spread) is what streaming costs the compute itself.
+On a shared 2-core machine a prefill's wall time moves by ±10 % between rounds, far more than the
+transfer (~0.5 % of it), so two load-independent figures say what the wall clock cannot:
+transfer_hidden_fraction = 1 - tail / transfer (how much of the transfer was over when the compute ended)
+and helper_cpu_ms (CPU time the sender's event-loop thread and the receiver process used from t0 to t2,
+per mode: the work streaming adds, taken from the cores the prefill computes on).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
+import psutil
 import torch
 from tqdm import tqdm
 
@@ -67,6 +73,12 @@ class Prefill:
         self.thread = threading.Thread(target=self.loop.run_forever, name="kv-sender-loop", daemon=True)
         self.thread.start()
         self.sender: KVSender = self._call(self._make(backend, engine.kv_compat()))
+        self._loop_clock = time.pthread_getcpuclockid(self.thread.ident or 0)
+        self._rx_proc = psutil.Process(rx.proc.pid)
+
+    def _helper_cpu_s(self) -> float:
+        rx = self._rx_proc.cpu_times()
+        return time.clock_gettime(self._loop_clock) + rx.user + rx.system
 
     async def _make(self, backend: str, compat: Any) -> KVSender:
         return make_sender(backend, self.engine.kv_cache, compat, sender_id="bench-prefill")
@@ -74,8 +86,9 @@ class Prefill:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
 
-    def once(self, rid: str, prompt: list[int], streamed: bool) -> tuple[float, float, float]:
-        """One prefill of `prompt` whose KV ends up at the receiver: (t0, t1, t2) as in the module doc."""
+    def once(self, rid: str, prompt: list[int], streamed: bool) -> tuple[float, float, float, float]:
+        """One prefill of `prompt` whose KV ends up at the receiver: (t0, t1, t2) as in the module doc, and
+        the CPU seconds the loop thread and the receiver process used from t0 to t2."""
         params = SamplingParams(max_tokens=1, ignore_eos=True)
         req = PrefillRequest(rid, prompt, params, self.rx.endpoint, self.dst_ids, fence=1)
         rkv = self._call(self.connector.add(req))
@@ -83,6 +96,7 @@ class Prefill:
             self.connector.stop(rkv)  # it holds the blocks but ships nothing by itself
         self.engine.add_request(prompt, params, rid, remote_kv="send")
         try:
+            c0 = self._helper_cpu_s()
             t0 = time.perf_counter()
             result = self.engine.step()
             t1 = time.perf_counter()
@@ -98,11 +112,12 @@ class Prefill:
                 done = KVDone(rid, 1, token, len(prompt), self.num_layers)
                 self._call(self.sender.send_done(self.rx.endpoint, done))
             t2 = self.rx.done_at(rid)
+            cpu = self._helper_cpu_s() - c0
             self.last_src = list(src_ids)
         finally:
             self._call(self.connector.settle(rkv))
             self.engine.finish(rid, "sent")
-        return t0, t1, t2
+        return t0, t1, t2, cpu
 
     def _post(self, rid: str, layer: int, src_ids: list[int]) -> Future[None]:
         coro = self.sender.send_layer(self.rx.endpoint, rid, 1, layer, src_ids, self.dst_ids)
@@ -141,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bar = tqdm(total=2 * (rounds + 1), desc=f"overlap {args.backend}", unit="prefill")
     todo = {"seq": iter(enumerate(prompts[0::2])), "str": iter(enumerate(prompts[1::2]))}
 
-    def once(mode: str) -> tuple[float, float, float]:
+    def once(mode: str) -> tuple[float, float, float, float]:
         assert side is not None
         i, prompt = next(todo[mode])
         times = side.once(f"{mode}{i}", prompt, streamed=mode == "str")
@@ -168,9 +183,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "streamed": [],
         "busy": [],
         "tail": [],
+        "cpu_seq": [],
+        "cpu_str": [],
     }
-    for (t0, t1, t2), (s0, s1, s2) in zip(per_round["seq"], per_round["str"], strict=True):
+    for (t0, t1, t2, c_seq), (s0, s1, s2, c_str) in zip(per_round["seq"], per_round["str"], strict=True):
         for k, v in {
+            "cpu_seq": c_seq,
+            "cpu_str": c_str,
             "compute": t1 - t0,
             "transfer": t2 - t1,
             "sequential": t2 - t0,
@@ -186,6 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ]
     )
     slowdown = ratio_stats(t["busy"], t["compute"], digits=4)
+    transfer_hidden = spread([max(0.0, 1 - tl / x) for tl, x in zip(t["tail"], t["transfer"], strict=True)])
     kv_bytes = spec.num_layers * 2 * n * spec.num_kv_heads * spec.head_dim * engine.kv_cache.k.element_size()
 
     def ms(k: str) -> float:
@@ -207,6 +227,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_min": slowdown["min"],
         "ratio_max": slowdown["max"],
         "ratio_iqr": slowdown["iqr"],
+        "transfer_hidden_fraction": transfer_hidden["median"],
+        "transfer_hidden_fraction_min": transfer_hidden["min"],
+        "helper_cpu_ms_sequential": ms("cpu_seq"),
+        "helper_cpu_ms_streamed": ms("cpu_str"),
         "compute_streamed_ms": ms("busy"),
         "tail_ms": ms("tail"),
         "transfer_gb_s": round(kv_bytes / median(t["transfer"]) / 1e9, 3),
