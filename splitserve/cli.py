@@ -33,6 +33,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.runtime.allocator import tune
+
+    tune()  # before any thread starts: see common/runtime/allocator.py
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 

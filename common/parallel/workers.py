@@ -49,6 +49,7 @@ from common.model.llama import LlamaForCausalLM
 from common.parallel.collective import GlooCollective, TPRank, Unconnected, gloo_group
 from common.parallel.partition import ShardLayout
 from common.protocol import KVCompat
+from common.runtime.allocator import tune as tune_allocator
 
 log = logging.getLogger("splitserve.tp")
 
@@ -355,6 +356,7 @@ def worker_main(
 ) -> None:
     """A worker rank's process: join, receive the shard, then run steps until told to stop or rank 0
     is gone. Always ends with os._exit (no interpreter teardown racing gloo's threads)."""
+    tune_allocator()  # before any thread: see common/runtime/allocator.py
     _exit_with_parent()
     code = 0
     try:
