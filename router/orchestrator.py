@@ -184,6 +184,7 @@ class Generation:
         self._stream: DecodeStream | None = None
         self._prefill: Worker | None = None  # set while a prefill call is in flight
         self._recorded = False
+        self._owning: asyncio.Task[None] | None = None  # adding it to this router's owned set
         self._closed = False
         self._traceparent: str | None = None  # the root span's, for the decode service
         # A decode service holding the prompt: another choice of the same request ran its prefill there.
@@ -509,6 +510,8 @@ class Generation:
             await self._record(state, finish_reason=finish_reason, output_tokens=output_tokens, error=error)
             if self.o.owners is not None and self._recorded:
                 try:
+                    if self._owning is not None:
+                        await self._owning  # never raises: see _own
                     await self.o.owners.disown(self.id)
                 except Exception as e:  # Redis away: a sweep after this router's death is refused
                     log.warning("request %s: could not drop it from this router's set: %r", self.id, e)
@@ -671,11 +674,22 @@ class Generation:
                 prefill_prefix_hit_blocks=self.route.prefill_hit, **self.owner,
             )  # fmt: skip
             self._recorded = True
-            if self.o.owners is not None:  # ended by another router if this one dies first
-                await self.o.owners.own(self.id)
         except Exception:
             self.o.metrics.state_errors.inc()
             log.exception("request %s: could not create its record", self.id)
+            return
+        if self.o.owners is not None:  # ended by another router if this one dies first
+            # One Redis round trip fewer before the first token: the set is written while the request is
+            # placed, and close() waits for it before taking the id out again.
+            self._owning = asyncio.get_running_loop().create_task(self._own(), name=f"own-{self.id}")
+
+    async def _own(self) -> None:
+        assert self.o.owners is not None
+        try:
+            await self.o.owners.own(self.id)
+        except Exception:
+            self.o.metrics.state_errors.inc()
+            log.exception("request %s: could not add it to this router's owned set", self.id)
 
     async def _record_route(self) -> None:
         if self.o.records is None or not self._recorded or self.route is None:
