@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil
 
 from bench.loadgen import Result, Spec, arrival_offsets, make_specs, run_load, send, summarize
 from common.cluster.redis_server import RedisServer
@@ -181,6 +182,19 @@ def _create_key(redis_url: str) -> str:
     return asyncio.run(create())
 
 
+IDLE_S = 5.0
+
+
+def _cpu_s(procs: dict[str, psutil.Process], over_s: float = 0.0) -> dict[str, float]:
+    """Each process's CPU seconds (user + system) so far; with over_s, its CPU per second over that
+    long (the caller sends nothing meanwhile)."""
+    before = {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
+    if not over_s:
+        return before
+    time.sleep(over_s)
+    return {k: (sum(p.cpu_times()[:2]) - before[k]) / over_s for k, p in procs.items()}
+
+
 async def _generate_direct(
     client: httpx.AsyncClient, decode_url: str, msg: GenerateRequest, auth: httpx.Auth
 ) -> None:
@@ -291,9 +305,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if name == "split":
                 out["prompt_tokens_p50"] = int(np.median([s.prompt_tokens for s in specs]))
                 out["output_tokens_p50"] = int(np.median([s.max_tokens for s in specs]))
+        routers = {
+            k: psutil.Process(stack.by_url[u].pid)
+            for k, u in (("open", urls["colocated"]), ("auth", auth_url))
+        }
+        idle = _cpu_s(routers, IDLE_S)  # background work (registry, KV index, heartbeats) per second
+        t0, cpu0 = time.monotonic(), _cpu_s(routers)
         times = asyncio.run(
             router_overhead(urls["colocated"], auth_url, api_key, decode_url, tok, args.overhead_n)
         )
+        busy, cpu1 = time.monotonic() - t0, _cpu_s(routers)
+        # each router served n + 3 one-token requests meanwhile: its CPU less its background rate's share
+        router_cpu = {k: (cpu1[k] - cpu0[k] - idle[k] * busy) / (args.overhead_n + 3) for k in routers}
         features = asyncio.run(feature_cost(urls["colocated"], args.feature_rounds))
         plot(runs, PLOT)
     finally:
@@ -319,6 +342,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "router_overhead_auth_ms": round(p50["auth"] - p50["direct"], 2),
         "auth_overhead_ms": round(p50["auth"] - p50["open"], 2),
         "router_overhead_iqr_ms": [round(float(x), 2) for x in np.percentile(open_extra, [25, 75])],
+        # load-independent: the router process's CPU (user + system) per one-token request
+        "router_cpu_ms_per_request": round(router_cpu["open"] * 1000, 2),
+        "router_cpu_ms_per_request_auth": round(router_cpu["auth"] * 1000, 2),
+        "router_idle_cpu_fraction": round(idle["open"], 4),  # of one core, with no request in flight
         "router_overhead_auth_iqr_ms": [round(float(x), 2) for x in np.percentile(auth_extra, [25, 75])],
         "errors": len(errs),
         "first_error": errs[0] if errs else None,
