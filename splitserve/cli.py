@@ -35,7 +35,11 @@ def _generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from common.runtime.allocator import tune
 
-    tune()  # before any thread starts: see common/runtime/allocator.py
+    try:
+        tune()  # before any thread starts: see common/runtime/allocator.py
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
