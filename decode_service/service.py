@@ -90,11 +90,19 @@ class DecodeService(Service):
 
     def receiver_stats(self) -> dict[int, ReceiverStats]:
         """Every rank's receiver counters: this process's (rank 0), then the worker ranks' last report."""
-        return rank_receiver_stats(self.receiver.rank, self.receiver.stats, self.engine.tp_workers)
+        out = {self.receiver.rank: self.receiver.stats}
+        workers = self.engine.tp_workers
+        for rank, reported in (workers.rank_stats if workers is not None else {}).items():
+            if "received" in reported:
+                out[rank] = ReceiverStats(**reported["received"])
+        return out
 
     def transfer_counters(self) -> list[TransportCount]:
-        ranks = rank_receiver_stats(self.receiver.rank, self.receiver.stats, self.engine.tp_workers)
-        return [c for rank, s in ranks.items() for c in _receiver_counters(self.kv_backend, rank, s)]
+        return [
+            c
+            for rank, s in self.receiver_stats().items()
+            for c in _receiver_counters(self.kv_backend, rank, s)
+        ]
 
     # --- the connector's news (event loop) ----------------------------------------------------------
     def _on_arrived(self, rkv: IncomingKV, done: KVDone) -> None:
@@ -215,16 +223,6 @@ class DecodeService(Service):
         self.metrics.requests.labels(role="decode", outcome=outcome).inc()
         self.close_job(job)
         job.tl.close(self.metrics, job.req, self.cfg.worker_name, job.error)
-
-
-def rank_receiver_stats(rank: int, stats: ReceiverStats, workers: Any) -> dict[int, ReceiverStats]:
-    """This process's receiver counters (its rank's) and the worker ranks' as they last reported them
-    (`workers`: the engine's TPWorkers, None without tensor parallelism)."""
-    out = {rank: stats}
-    for r, reported in (workers.rank_stats if workers is not None else {}).items():
-        if "received" in reported:
-            out[r] = ReceiverStats(**reported["received"])
-    return out
 
 
 def _receiver_counters(backend: str, rank: int, s: ReceiverStats) -> list[TransportCount]:

@@ -28,6 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import multiprocessing.connection
 import threading
@@ -83,7 +84,6 @@ class RankAgent:
         # prefill: every posted write of a request (with the endpoint it went to), until it is settled
         self._writes: dict[str, list[tuple[str, concurrent.futures.Future[None]]]] = {}
         self._stopped: set[str] = set()
-        self._route_cache: dict[str, list[tuple[str, Any]]] = {}  # endpoint list -> this rank's routes
         # decode: the open (request -> fence) and their tallies
         self._open: dict[str, int] = {}
         self._tally: dict[tuple[str, int], Tally] = {}
@@ -157,19 +157,12 @@ class RankAgent:
                 continue
             writes = self._writes.setdefault(it.request_id, [])
             sender = self._sender_for(it.endpoint)
-            for endpoint, heads in self._routes(it.endpoint):
+            c = self.compat
+            for endpoint, heads in _routes(c.num_kv_heads, c.tp_size, self.rank, it.endpoint):
                 coro = sender.send_layer(
                     endpoint, it.request_id, it.fence, layer, it.src, it.dst, it.traceparent, heads=heads
                 )
                 writes.append((endpoint, asyncio.run_coroutine_threadsafe(coro, self.loop)))
-
-    def _routes(self, endpoint: str) -> list[tuple[str, Any]]:
-        """Where this rank's writes for a decode service's endpoint(s) go (worked out once per list)."""
-        if endpoint not in self._route_cache:
-            c = self.compat
-            eps = split_endpoints(endpoint)
-            self._route_cache[endpoint] = shard_writes(c.num_kv_heads, c.tp_size, self.rank, eps)
-        return self._route_cache[endpoint]
 
     def _sender_for(self, endpoint: str) -> KVSender:
         """The sender for the backend the endpoint names, made on the agent's loop (from the engine
@@ -251,3 +244,10 @@ class RankAgent:
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(stop(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@functools.lru_cache(maxsize=64)
+def _routes(num_kv_heads: int, tp_size: int, rank: int, endpoint: str) -> list[tuple[str, Any]]:
+    """Where a rank's writes for a decode service's endpoint list go: worked out once per list, not per
+    layer write (bounded: a restarted decode service advertises a new list)."""
+    return shard_writes(num_kv_heads, tp_size, rank, split_endpoints(endpoint))

@@ -36,19 +36,10 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's <malloc.
 KEEP_BYTES = 1 << 30
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
-_applied: str | None = None
-
 
 def tune() -> str:
-    """Apply the settings once per process; returns what was done. An unknown SPLITSERVE_MALLOC is a
+    """Apply the settings (again: harmless); returns what was done. An unknown SPLITSERVE_MALLOC is a
     ValueError naming it (the `splitserve` command prints it and exits 2)."""
-    global _applied
-    if _applied is None:
-        _applied = _tune()
-    return _applied
-
-
-def _tune() -> str:
     choice = os.environ.get(ENV, "keep").strip().lower()
     if choice == "system":
         return f"glibc malloc defaults ({ENV}=system)"

@@ -312,6 +312,7 @@ def test_a_stranger_is_disconnected_and_the_receiver_stays_usable(backend: str, 
 def test_auth_failures_are_exported_with_the_decode_services_transfer_counters() -> None:
     receiver = SimpleNamespace(stats=ReceiverStats(auth_failures=3), rank=0)
     service = SimpleNamespace(kv_backend="tcp", receiver=receiver, engine=SimpleNamespace(tp_workers=None))
+    service.receiver_stats = lambda: DecodeService.receiver_stats(cast(Any, service))
     counters = {c.name: c for c in DecodeService.transfer_counters(cast(Any, service))}
     c = counters["splitserve_kv_transfer_auth_failures"]  # /metrics: ..._auth_failures_total{backend,rank}
     assert (c.value, c.backend, c.rank) == (3, "tcp", 0)

@@ -60,23 +60,12 @@ def test_a_freed_large_block_is_reused_without_faulting_its_pages_in_again() -> 
 def test_a_choice_made_elsewhere_is_left_alone() -> None:
     got = child(GLIBC_TUNABLES="glibc.malloc.arena_max=2")
     assert "untouched" in got["said"], got
-
-
-def test_an_unknown_setting_is_a_clear_error() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_MALLOC"}
-    r = subprocess.run(
-        [sys.executable, "-c", "from common.runtime.allocator import tune; tune()"],
-        env={**env, "SPLITSERVE_MALLOC": "jemalloc"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode != 0 and "SPLITSERVE_MALLOC='jemalloc'" in r.stderr, r.stderr
+    assert min(got["faults"][-3:]) > 10_000, got  # glibc's own thresholds: every step faults again
 
 
 def test_the_command_refuses_an_unknown_setting_with_a_clear_error() -> None:
     env = {k: v for k, v in os.environ.items() if k != "SPLITSERVE_MALLOC"}
-    r = subprocess.run(
+    r = subprocess.run(  # tune() raises a ValueError naming it; the command prints it and exits 2
         [sys.executable, "-m", "splitserve", "--help"],
         env={**env, "SPLITSERVE_MALLOC": "tcmalloc"},
         capture_output=True,
