@@ -81,10 +81,18 @@ def complete(router_url: str, prompt: str, max_tokens: int = 8) -> httpx.Respons
     return r
 
 
-WANTED = {
-    "splitserve-router": {"router.route", "router.decode_reserve", "router.prefill"},
+WANTED = {  # every span the test reads: the router's server span ends after its answer is sent, so
+    # it can be exported after the client has the response (a CI run checked before it arrived)
+    "splitserve-router": {"POST /v1/completions", "router.route", "router.decode_reserve", "router.prefill"},
     "splitserve-prefill": {"prefill", "prefill.queue", "prefill.compute", "prefill.chunk", "kv.transfer"},
-    "splitserve-decode": {"kv.receive", "decode", "decode.queue", "decode.kv_wait", "decode.generate"},
+    "splitserve-decode": {
+        "kv.receive",
+        "decode",
+        "decode.queue",
+        "decode.kv_wait",
+        "decode.generate",
+        "decode.first_step",
+    },
 }
 
 
