@@ -48,14 +48,36 @@ def hit(route: str, name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def index_events_applied(router_url: str) -> float:
+    text = httpx.get(f"{router_url}/metrics", timeout=10).text
+    m = re.search(r"^splitserve_router_kv_index_events_applied (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def settle_index(router_url: str, before: float, quiet_s: float = 0.5, timeout_s: float = 20) -> None:
+    """Wait until the router's KV index has applied new events and none came for `quiet_s` (the services
+    flush every 0.1 s and the router polls every 0.05 s; a loaded CI machine can take longer)."""
+    deadline = time.monotonic() + timeout_s
+    last, since = index_events_applied(router_url), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = index_events_applied(router_url)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif last > before and time.monotonic() - since >= quiet_s:
+            return
+    raise AssertionError(f"the router's KV index did not settle: {before} -> {last} events applied")
+
+
 def test_a_chats_next_turn_goes_where_its_history_is(stack, smollm) -> None:  # type: ignore[no-untyped-def]
     cluster, router = stack
     model, tok = smollm
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why do stars twinkle?"}]
+    applied_before = index_events_applied(router.url)
     first, answer = chat(router.url, messages)
     assert first.headers["x-splitserve-route"].startswith("split")
     rec1 = get_json(f"{router.url}/v1/requests/{first.headers['x-request-id']}")
-    time.sleep(0.6)  # the services' KV events reach the router's index (flush 0.1 s, poll 0.05 s)
+    settle_index(router.url, applied_before)  # the services' KV events reach the router's index
 
     messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And planets?"}]
     second, text = chat(router.url, messages)

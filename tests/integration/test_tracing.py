@@ -218,8 +218,19 @@ def test_metrics_exposed_and_move(stack) -> None:  # type: ignore[no-untyped-def
     # new text first: a prompt that starts like an earlier one would be prefilled where that one's KV is
     # (prefix-aware routing), and the prefill service's figures would not move
     complete(router.url, "(metrics) " + LONG, max_tokens=8)
-    time.sleep(0.3)  # the decode stream's end is counted just after the router's answer
-    after = {p.role: scrape(p.url) for p in (prefill, decode_, router)}
+    # the decode stream's end is counted just after the router's answer: wait for it, not a fixed time
+    deadline = time.monotonic() + 10
+    while True:
+        after = {p.role: scrape(p.url) for p in (prefill, decode_, router)}
+        moved = all(
+            after[role].get(name, 0) > before[role].get(name, 0)
+            for role in ("prefill", "decode")
+            for name in SERVICE_MOVES + ["splitserve_itl_seconds_count", "splitserve_tpot_seconds_count"]
+            if role == "decode" or not name.startswith(("splitserve_itl", "splitserve_tpot"))
+        ) and all(after["router"].get(n, 0) > before["router"].get(n, 0) for n in ROUTER_MOVES)
+        if moved or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     for role in ("prefill", "decode"):
         for name in SERVICE_NAMES + SERVICE_MOVES:
             assert name in after[role], f"{role} /metrics lacks {name}"
