@@ -15,7 +15,10 @@ order reversed every other round so that outside load lands on all alike, each s
 the median of the per-round ratios (ratio_min, ratio_max: nixl_vs_memcpy's spread). GB/s = 1e9 bytes of
 payload per second. UCX_NET_DEVICES=lo unless set. UCX_PROTO_INFO=y (run once, nixl 1.5.1) shows the
 WRITEs (ucp_put) going over `cma/memory`, zero-copy (process_vm_writev, one kernel copy) at every size,
-and the notifications and control active messages over `tcp/lo`.
+and the notifications and control active messages over `tcp/lo`. So one more baseline, `cma_blocks`, is
+that kernel path alone: the same blocks put into another process's cache with process_vm_writev from
+one thread, one call per block, as UCX does; `nixl_vs_cma_blocks` is what NIXL and UCX cost over it, and
+`cma_blocks_vs_memcpy` the most any cma transport can reach against the memcpy baseline here.
 
 Tensor parallelism across the split (`--tp-pairs`, default 1:2,2:1, next to the 1:1 baseline; '' for
 none), on tcp and nixl where each imports: KV shaped like SmolLM2-135M's (30 layers, 3 KV heads,
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import dataclasses
 import math
 import multiprocessing as mp
@@ -328,6 +332,84 @@ class RawSocket:
             self.proc.join()
 
 
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def _cma_target(spec: KVCacheSpec, conn: Connection) -> None:
+    """Hold a cache like the receivers' (every page touched) for the parent's process_vm_writev; pipe:
+    parent -> ("sum", ids) | ("stop",); child -> ("cache", pid, k address, v address) | ("sum", x)."""
+    torch.set_num_threads(1)
+    kv = PagedKVCache(spec)
+    kv.k.fill_(0.0), kv.v.fill_(0.0)
+    conn.send(("cache", os.getpid(), kv.k.data_ptr(), kv.v.data_ptr()))
+    while True:
+        try:
+            cmd = conn.recv()
+        except EOFError:
+            return
+        if cmd[0] != "sum":
+            return
+        conn.send(("sum", checksum(kv, cmd[1])))
+
+
+class CmaBlocks:
+    """The kernel path NIXL's WRITEs take here, without NIXL or UCX: the same scattered K and V blocks
+    written into a cache in another process with process_vm_writev, one call per 256 KiB block and one
+    thread, as UCX's `cma` transport does (strace of a nixl transfer: one single-iovec call per block).
+    `nixl_vs_cma_blocks` is then what NIXL + UCX cost over the copy they ask the kernel for."""
+
+    def __init__(self, src: PagedKVCache, src_ids: list[int], dst_ids: list[int]) -> None:
+        self.src, self.src_ids, self.dst_ids = src, src_ids, dst_ids
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.process_vm_writev.restype = ctypes.c_ssize_t
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_cma_target, args=(src.spec, child), daemon=True)
+        self.proc.start()
+        child.close()
+        try:
+            assert self.conn.poll(120), "the cma target process did not start"
+            _, self.pid, k_addr, v_addr = self.conn.recv()
+            nbytes = src.k[0, 0].numel() * src.k.element_size()
+            nb = src.spec.num_blocks
+            self.calls = [
+                (_IoVec(s_t[lay, s].data_ptr(), nbytes), _IoVec(d_addr + (lay * nb + d) * nbytes, nbytes))
+                for lay in range(LAYERS)
+                for s, d in zip(src_ids, dst_ids, strict=True)
+                for s_t, d_addr in ((src.k, k_addr), (src.v, v_addr))
+            ]
+            self.once()  # fails here, with the kernel's reason, where cma is not allowed (ptrace scope)
+        except BaseException:
+            self.close()
+            raise
+
+    def once(self) -> float:
+        write, pid = self.libc.process_vm_writev, self.pid
+        t0 = time.perf_counter()
+        for local, remote in self.calls:
+            if write(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != local.iov_len:
+                err = ctypes.get_errno()
+                raise OSError(err, f"process_vm_writev: {os.strerror(err)}")
+        return time.perf_counter() - t0
+
+    def check(self) -> None:
+        self.conn.send(("sum", self.dst_ids))
+        assert self.conn.poll(60), "the cma target process stalled"
+        got, want = float(self.conn.recv()[1]), checksum(self.src, self.src_ids)
+        assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), f"cma_blocks: checksum {got} != {want}"
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("stop",))
+                self.proc.join(10)
+        finally:
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+
+
 # --- tensor parallelism across the split: prefill TP P -> decode TP D, head slices ------------------
 MODEL_LAYERS, MODEL_KV_HEADS, MODEL_HEAD_DIM = 30, 3, 64  # SmolLM2-135M's KV shape
 MODEL_BLOCK = 16  # the services' default block_size
@@ -609,6 +691,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     backends: dict[str, BackendSide] = {}
     loop = LoopThread()
     raw: RawSocket | None = None
+    cma: CmaBlocks | None = None
     try:
         available = kv_transfer.available_backends()
         for backend in kv_transfer.BACKENDS:
@@ -623,6 +706,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raw = RawSocket(nbytes)
         timed: dict[str, Callable[[], float]] = {name: side.once for name, side in backends.items()}
         timed |= {"memcpy": memcpy.contiguous, "memcpy_blocks": memcpy.blocks, "raw_socket": raw.once}
+        try:
+            cma = CmaBlocks(src, src_ids, dst_ids)
+            timed["cma_blocks"] = cma.once
+        except Exception as e:  # no cma here (ptrace scope, not Linux): reported, not fatal
+            skipped["cma_blocks"] = f"{type(e).__name__}: {e}"
 
         def best_of(name: str) -> float:  # a backend that fails mid-way is reported, not fatal
             if name in skipped:
@@ -639,9 +727,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, b in backends.items():
             if name not in skipped:
                 b.check()
+        if cma is not None:
+            cma.check()
     finally:
         for b in backends.values():
             b.close()
+        if cma is not None:
+            cma.close()
         if raw is not None:
             raw.close()
         loop.close()
@@ -654,12 +746,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out[f"{backend}_gb_s"] = round(median(gb_s[backend]), 3)
     for name in ("memcpy", "memcpy_blocks", "raw_socket"):
         out[f"{name}_gb_s"] = round(median(gb_s[name]), 3)
+    if "cma_blocks" in skipped:
+        out["cma_blocks_skipped"] = skipped["cma_blocks"]
+    else:
+        out["cma_blocks_gb_s"] = round(median(gb_s["cma_blocks"]), 3)
     ratio: dict[str, Any] = {"median": None, "min": None, "max": None, "iqr": None}
     if "nixl" in gb_s:
         ratio = ratio_stats(gb_s["nixl"], gb_s["memcpy"])
         blocks = ratio_stats(gb_s["nixl"], gb_s["memcpy_blocks"])
         out["nixl_vs_memcpy"], out["nixl_vs_memcpy_blocks"] = ratio["median"], blocks["median"]
         out["nixl_vs_memcpy_blocks_min"], out["nixl_vs_memcpy_blocks_max"] = blocks["min"], blocks["max"]
+        if "cma_blocks" in gb_s:  # what NIXL + UCX cost over the kernel copy they use
+            cma_r = ratio_stats(gb_s["nixl"], gb_s["cma_blocks"])
+            out["nixl_vs_cma_blocks"] = cma_r["median"]
+            out["nixl_vs_cma_blocks_min"], out["nixl_vs_cma_blocks_max"] = cma_r["min"], cma_r["max"]
+            out["cma_blocks_vs_memcpy"] = ratio_stats(gb_s["cma_blocks"], gb_s["memcpy"])["median"]
     out |= {"ratio_min": ratio["min"], "ratio_max": ratio["max"], "ratio_iqr": ratio["iqr"]}
     out["gb_s_rounds"] = {name: [round(x, 3) for x in xs] for name, xs in gb_s.items()}
     # load-independent: what one transfer moves
