@@ -23,7 +23,7 @@ from opentelemetry import trace
 
 from common.cluster.owners import RouterOwnership
 from common.cluster.record_writer import RecordWriter
-from common.cluster.records import RequestState
+from common.cluster.records import OwnedSet, RequestState
 from common.cluster.state import ClusterState
 from common.protocol import (
     ErrorFrame,
@@ -184,7 +184,6 @@ class Generation:
         self._stream: DecodeStream | None = None
         self._prefill: Worker | None = None  # set while a prefill call is in flight
         self._recorded = False
-        self._owning: asyncio.Task[None] | None = None  # adding it to this router's owned set
         self._closed = False
         self._traceparent: str | None = None  # the root span's, for the decode service
         # A decode service holding the prompt: another choice of the same request ran its prefill there.
@@ -507,14 +506,11 @@ class Generation:
             state = {"finished": RequestState.FINISHED, "failed": RequestState.FAILED}.get(
                 outcome, RequestState.CANCELLED
             )
-            await self._record(state, finish_reason=finish_reason, output_tokens=output_tokens, error=error)
-            if self.o.owners is not None and self._recorded:
-                try:
-                    if self._owning is not None:
-                        await self._owning  # never raises: see _own
-                    await self.o.owners.disown(self.id)
-                except Exception as e:  # Redis away: a sweep after this router's death is refused
-                    log.warning("request %s: could not drop it from this router's set: %r", self.id, e)
+            # it leaves this router's owned set in the same write
+            owned = self.o.owners.owned_set if self.o.owners is not None else None
+            await self._record(
+                state, leave=owned, finish_reason=finish_reason, output_tokens=output_tokens, error=error
+            )
 
     # ---- decode service --------------------------------------------------------------------------
 
@@ -667,29 +663,19 @@ class Generation:
     async def _create_record(self) -> None:
         if self.o.records is None or self.route is None:
             return
+        # with the record, the request joins this router's owned set: ended by another router if this
+        # one dies first (one script, one round trip)
+        owned = self.o.owners.owned_set if self.o.owners is not None else None
         try:
             await self.o.records.create(
-                self.id, model=self.model, prompt_tokens=len(self.prompt_ids), router_id=self.o.router_id,
-                route=self.route.record, prefix_hit_blocks=self.route.prefix_hit,
+                self.id, owned_by=owned, model=self.model, prompt_tokens=len(self.prompt_ids),
+                router_id=self.o.router_id, route=self.route.record, prefix_hit_blocks=self.route.prefix_hit,
                 prefill_prefix_hit_blocks=self.route.prefill_hit, **self.owner,
             )  # fmt: skip
             self._recorded = True
         except Exception:
             self.o.metrics.state_errors.inc()
             log.exception("request %s: could not create its record", self.id)
-            return
-        if self.o.owners is not None:  # ended by another router if this one dies first
-            # One Redis round trip fewer before the first token: the set is written while the request is
-            # placed, and close() waits for it before taking the id out again.
-            self._owning = asyncio.get_running_loop().create_task(self._own(), name=f"own-{self.id}")
-
-    async def _own(self) -> None:
-        assert self.o.owners is not None
-        try:
-            await self.o.owners.own(self.id)
-        except Exception:
-            self.o.metrics.state_errors.inc()
-            log.exception("request %s: could not add it to this router's owned set", self.id)
 
     async def _record_route(self) -> None:
         if self.o.records is None or not self._recorded or self.route is None:
@@ -703,13 +689,13 @@ class Generation:
         except Exception:
             log.exception("request %s: could not record the route", self.id)
 
-    async def _record(self, new: RequestState, **fields: Any) -> None:
-        """A transition of the router's (MIGRATING, the end); one that Redis cannot take now is retried
-        by the record writer until it lands."""
+    async def _record(self, new: RequestState, leave: OwnedSet | None = None, **fields: Any) -> None:
+        """A transition of the router's (MIGRATING, the end; `leave`: see RecordWriter.transition); one
+        that Redis cannot take now is retried by the record writer until it lands."""
         if self.o.records is None or not self._recorded:
             return
         try:
-            await self.o.records.transition(self.id, new, **fields)
+            await self.o.records.transition(self.id, new, leave=leave, **fields)
         except Exception:
             self.o.metrics.state_errors.inc()
             log.exception("request %s: could not record %s", self.id, new.name)

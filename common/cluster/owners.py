@@ -4,13 +4,16 @@
     router:{id}        "1" with a TTL, refreshed every interval: this router process is alive
     owned:{id}         set of the ids of the live requests this router accepted
 
-A router adds each request it accepts to its set (refreshing its own key in the same transaction,
-so an owned set never exists without a live key behind it, even right after Redis restarted empty)
-and removes it once the request's end is recorded. Every router sweeps: a router id whose key has
-expired belongs to a process that stopped without ending its requests (SIGKILL, OOM, a lost node);
-each of its requests still live moves to FAILED with the reason, and its set goes. The decode and
-prefill services free those requests' KV on their own — the router's streams to them closed when
-it died. Two routers sweeping the same set is harmless: a transition is atomic, the second refused.
+A router adds each request it accepts to its set in the script that creates the request's record
+(`RequestRecords.create(owned_by=...)`, which refreshes the router's key too, so an owned set never
+exists without a live key behind it, even right after Redis restarted empty), and takes it out in
+the script that writes the request's end (`transition(leave=...)`): no round trips of their own, and
+a record write kept for a Redis that is away (RecordWriter) takes the set along when it lands. Every
+router sweeps: a router id whose key has expired belongs to a process that stopped without ending
+its requests (SIGKILL, OOM, a lost node); each of its requests still live moves to FAILED with the
+reason, and its set goes. The decode and prefill services free those requests' KV on their own — the
+router's streams to them closed when it died. Two routers sweeping the same set is harmless: a
+transition is atomic, the second refused.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from common.cluster.records import IllegalTransition, RequestRecords, RequestState, UnknownRequest
+from common.cluster.records import IllegalTransition, OwnedSet, RequestRecords, RequestState, UnknownRequest
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +44,16 @@ class RouterOwnership:
         self.interval_s, self.ttl_ms = interval_s, int(ttl_s * 1000)
         self.swept = 0  # requests this router ended for a dead one (a metric)
         self._task: asyncio.Task[None] | None = None
+        # this router's set, for the record writes that join and leave it
+        self.owned_set = OwnedSet(
+            self._owned_key(router_id), self._alive_key(router_id), f"{prefix}routers", router_id, self.ttl_ms
+        )
 
     def _alive_key(self, router_id: str) -> str:
         return f"{self.prefix}router:{router_id}"
 
     def _owned_key(self, router_id: str) -> str:
         return f"{self.prefix}owned:{router_id}"
-
-    async def own(self, request_id: str) -> None:
-        async with self.redis.pipeline(transaction=True) as p:
-            p.set(self._alive_key(self.router_id), "1", px=self.ttl_ms)
-            p.sadd(f"{self.prefix}routers", self.router_id)
-            p.sadd(self._owned_key(self.router_id), request_id)
-            await p.execute()
-
-    async def disown(self, request_id: str) -> None:
-        await self.redis.srem(self._owned_key(self.router_id), request_id)
 
     async def heartbeat(self) -> None:
         await self.redis.set(self._alive_key(self.router_id), "1", px=self.ttl_ms)

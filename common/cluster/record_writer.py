@@ -24,6 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from common.cluster.records import (
     TERMINAL,
     IllegalTransition,
+    OwnedSet,
     RequestRecords,
     RequestState,
     UnknownRequest,
@@ -50,17 +51,24 @@ class RecordWriter:
     def pending(self) -> int:
         return sum(len(q) for q in self._pending.values())
 
-    async def create(self, request_id: str, **fields: Any) -> None:
+    async def create(self, request_id: str, owned_by: OwnedSet | None = None, **fields: Any) -> None:
+        """`owned_by`: the router's set the request joins with its record (RequestRecords.create)."""
         if self.restore_lost:
             self._created[request_id] = fields
-        await self._write(request_id, "create", lambda: self.records.create(request_id, **fields))
+        await self._write(
+            request_id, "create", lambda: self.records.create(request_id, owned_by=owned_by, **fields)
+        )
 
-    async def transition(self, request_id: str, state: RequestState, **fields: Any) -> None:
+    async def transition(
+        self, request_id: str, state: RequestState, leave: OwnedSet | None = None, **fields: Any
+    ) -> None:
+        """`leave`: at the end, the router's set the request leaves (RequestRecords.transition), even
+        when the end is refused, restored or written from a live state."""
         end = state in TERMINAL
 
         async def write() -> None:
             try:
-                await self.records.transition(request_id, state, **fields)
+                await self.records.transition(request_id, state, leave=leave, **fields)
             except UnknownRequest:
                 created = self._created.get(request_id)
                 if created is None or not end:

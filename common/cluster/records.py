@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, cast
 
@@ -77,11 +78,18 @@ RECORD_FIELDS: dict[str, type] = {
     "transfer_backend": str,  # nixl, tcp, torch_dist
 }
 
-# KEYS[1] record. ARGV: new_state, ttl_s (0 = none), n, n allowed current states ("" = no record),
-# then field/value pairs. Returns {1, ts} on success, {0, current_state_or_""} when refused.
+# KEYS[1] record, then a router's owned set, liveness key and routers set (OwnedSet) when the write
+# joins or leaves it. ARGV: new_state, ttl_s (0 = none), n, n allowed current states ("" = no record),
+# k, k owned-set arguments, then field/value pairs. k = 3 (request id, router id, liveness TTL in ms):
+# once the move is made, the request joins the set and the router's key is refreshed; k = 1 (request
+# id): the request leaves the set, whether or not the move is made (its end is this router's to write
+# either way: restored or refused, it is no longer the router's to watch). Returns {1, ts} on success,
+# {0, current_state_or_""} when refused.
 _TRANSITION_LUA = """
 local cur = redis.call('HGET', KEYS[1], 'state') or ''
 local n = tonumber(ARGV[3])
+local k = tonumber(ARGV[4 + n])
+if k == 1 then redis.call('SREM', KEYS[2], ARGV[5 + n]) end
 local ok = false
 for i = 4, 3 + n do if ARGV[i] == cur then ok = true end end
 if not ok then return {0, cur} end
@@ -92,8 +100,13 @@ local entry = '["' .. ARGV[1] .. '",' .. ts .. ']'
 local hist = redis.call('HGET', KEYS[1], 'history')
 if hist and hist ~= '[]' then hist = string.sub(hist, 1, -2) .. ',' .. entry .. ']'
 else hist = '[' .. entry .. ']' end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 't_' .. ARGV[1], ts, 'history', hist, unpack(ARGV, 4 + n))
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 't_' .. ARGV[1], ts, 'history', hist, unpack(ARGV, 5 + n + k))
 if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+if k == 3 then
+  redis.call('SET', KEYS[3], '1', 'PX', ARGV[7 + n])
+  redis.call('SADD', KEYS[4], ARGV[6 + n])
+  redis.call('SADD', KEYS[2], ARGV[5 + n])
+end
 return {1, ts}
 """
 
@@ -116,6 +129,28 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
+
+
+@dataclass(frozen=True)
+class OwnedSet:
+    """A router's set of the live requests it accepted (common/cluster/owners.py). A request joins it in
+    the script that creates its record and leaves it in the one that writes its end: no round trip
+    of its own, and a write the RecordWriter retries takes the set along."""
+
+    key: str  # owned:{router id}
+    alive_key: str  # router:{router id}, refreshed whenever a request joins
+    routers_key: str  # routers
+    router_id: str
+    ttl_ms: int  # the liveness key's
+
+    def join(self, request_id: str) -> tuple[list[str], list[str | int]]:
+        return [self.key, self.alive_key, self.routers_key], [request_id, self.router_id, self.ttl_ms]
+
+    def leave(self, request_id: str) -> tuple[list[str], list[str | int]]:
+        return [self.key], [request_id]
+
+
+_NOT_OWNED: tuple[list[str], list[str | int]] = ([], [])
 
 
 class IllegalTransition(ValueError):
@@ -144,28 +179,40 @@ class RequestRecords:
     def key(self, request_id: str) -> str:
         return f"{self.prefix}req:{request_id}"
 
-    async def create(self, request_id: str, **fields: Any) -> float:
-        """New record in QUEUED; returns its timestamp. DuplicateRequest if the id exists."""
-        ok, ts = await self._apply(request_id, S.QUEUED, [""], fields)
+    async def create(self, request_id: str, owned_by: OwnedSet | None = None, **fields: Any) -> float:
+        """New record in QUEUED; returns its timestamp. DuplicateRequest if the id exists. With
+        owned_by, the request joins that router's owned set in the same script (not if refused)."""
+        owned = owned_by.join(request_id) if owned_by is not None else _NOT_OWNED
+        ok, ts = await self._apply(request_id, S.QUEUED, [""], fields, owned)
         if not ok:
             raise DuplicateRequest(f"request {request_id!r} already exists (state {ts})")
         return float(ts)
 
-    async def transition(self, request_id: str, new_state: RequestState | str, **fields: Any) -> float:
+    async def transition(
+        self, request_id: str, new_state: RequestState | str, leave: OwnedSet | None = None, **fields: Any
+    ) -> float:
         """Move to new_state, recording t_<state> and a history entry, and set fields, atomically.
 
         Returns the transition's timestamp. IllegalTransition if the table forbids the move (the record
-        is left untouched); UnknownRequest if there is no record.
+        is left untouched); UnknownRequest if there is no record. With leave (an end only), the request
+        leaves that router's owned set in the same script, refused or not.
         """
         new = RequestState(new_state)
+        assert leave is None or new in TERMINAL, f"a request leaves its router's set at its end, not {new}"
         allowed_from = [s.value for s, targets in TRANSITIONS.items() if new in targets]
-        return await self._move(request_id, new, allowed_from, fields)
+        owned = leave.leave(request_id) if leave is not None else _NOT_OWNED
+        return await self._move(request_id, new, allowed_from, fields, owned)
 
     async def _move(
-        self, request_id: str, new: RequestState, allowed_from: list[str], fields: Mapping[str, Any]
+        self,
+        request_id: str,
+        new: RequestState,
+        allowed_from: list[str],
+        fields: Mapping[str, Any],
+        owned: tuple[list[str], list[str | int]] = _NOT_OWNED,
     ) -> float:
         """_apply, with a refusal raised as what it means."""
-        ok, value = await self._apply(request_id, new, allowed_from, fields)
+        ok, value = await self._apply(request_id, new, allowed_from, fields, owned)
         if ok:
             return float(value)
         if value == "":
@@ -173,11 +220,25 @@ class RequestRecords:
         raise IllegalTransition(request_id, RequestState(value), new)
 
     async def _apply(
-        self, request_id: str, new: RequestState, allowed_from: list[str], fields: Mapping[str, Any]
+        self,
+        request_id: str,
+        new: RequestState,
+        allowed_from: list[str],
+        fields: Mapping[str, Any],
+        owned: tuple[list[str], list[str | int]],
     ) -> tuple[bool, str]:
         ttl = self.ttl_s if new in TERMINAL else 0
-        args = [new.value, ttl, len(allowed_from), *allowed_from, *_pairs(fields)]
-        ok, value = await self._transition(keys=[self.key(request_id)], args=args)
+        owned_keys, owned_args = owned
+        args = [
+            new.value,
+            ttl,
+            len(allowed_from),
+            *allowed_from,
+            len(owned_args),
+            *owned_args,
+            *_pairs(fields),
+        ]
+        ok, value = await self._transition(keys=[self.key(request_id), *owned_keys], args=args)
         return bool(ok), str(value)
 
     async def end(self, request_id: str, state: RequestState, **fields: Any) -> float:

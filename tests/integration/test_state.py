@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from common.cluster.leases import LeaseKeeper, LeaseTerm
-from common.cluster.records import IllegalTransition, RequestState, UnknownRequest
+from common.cluster.records import DuplicateRequest, IllegalTransition, RequestState, UnknownRequest
 from common.cluster.registry import Heartbeat
 from common.cluster.state import ClusterState
 
@@ -281,6 +281,7 @@ def test_lease_keeper_renews_ours_and_reports_a_silent_peer_once(redis_url: str)
 
 def test_record_writes_wait_for_redis_and_land_in_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A dedicated server, stopped and started again empty under the writer."""
+    from common.cluster.owners import RouterOwnership
     from common.cluster.record_writer import RecordWriter
     from common.cluster.redis_server import RedisServer
     from tests.support.cluster import free_port
@@ -291,16 +292,18 @@ def test_record_writes_wait_for_redis_and_land_in_order(tmp_path) -> None:  # ty
         store = ClusterState.from_url(redis.url)
         router = RecordWriter(store.records, restore_lost=True)
         service = RecordWriter(store.records)
+        owned = RouterOwnership(store.redis, store.prefix, "router-0", store.records).owned_set
         try:
-            await router.create("a", route="split", prompt_tokens=3)
+            await router.create("a", owned_by=owned, route="split", prompt_tokens=3)
             await router.create("b", route="local:short_prompt")
             await service.transition("a", S.RESERVED, decode_id="d0")
             redis.stop()
             await service.transition("a", S.DECODING)  # Redis away: kept, in order
-            await router.transition("a", S.FINISHED, output_tokens=4, finish_reason="length")
-            await router.create("c", route="split")  # a new request while Redis is away
-            await router.transition("c", S.FAILED, error="client went away")
-            assert router.pending == 3 and service.pending == 1
+            await router.transition("a", S.FINISHED, leave=owned, output_tokens=4, finish_reason="length")
+            await router.create("c", owned_by=owned, route="split")  # a new request while Redis is away
+            await router.transition("c", S.FAILED, leave=owned, error="client went away")
+            await router.create("e", owned_by=owned, route="split")  # ...still live when Redis is back
+            assert router.pending == 4 and service.pending == 1
             redis.start()  # empty: a and b are gone
             async with asyncio.timeout(10):
                 while router.pending or service.pending:
@@ -312,6 +315,10 @@ def test_record_writes_wait_for_redis_and_land_in_order(tmp_path) -> None:  # ty
             assert [s for s, _ in a["history"]] == [S.FINISHED]  # what Redis kept of it
             assert c is not None and [s for s, _ in c["history"]] == [S.QUEUED, S.FAILED]
             assert await store.records.get("b") is None  # lost, and never ended: nothing to write
+            # the owned set came along with the writes: c joined and left, e (live) is in it
+            assert await store.redis.smembers(owned.key) == {"e"}
+            assert await store.redis.exists(owned.alive_key)
+            assert await store.redis.smembers(owned.routers_key) == {"router-0"}
             # an end refused from a live state (the states between were lost): written from there
             await router.create("d", route="split")
             await router.transition("d", S.FINISHED)
@@ -342,9 +349,7 @@ def test_a_sentinel_url_finds_the_master(tmp_path) -> None:  # type: ignore[no-u
     master = RedisServer().start()
     port = free_port()
     conf = tmp_path / "sentinel.conf"
-    conf.write_text(
-        f"port {port}\nbind 127.0.0.1\nsentinel monitor splitserve 127.0.0.1 {master.port} 1\n"
-    )
+    conf.write_text(f"port {port}\nbind 127.0.0.1\nsentinel monitor splitserve 127.0.0.1 {master.port} 1\n")
     sentinel = subprocess.Popen(
         [find_redis_server_binary(), str(conf), "--sentinel"], stdout=subprocess.DEVNULL, cwd=tmp_path
     )
@@ -384,8 +389,7 @@ def test_a_dead_routers_live_requests_are_failed_by_another_router(redis_url: st
         dead = RouterOwnership(store.redis, store.prefix, "router-a", store.records, ttl_s=0.3)
         alive = RouterOwnership(store.redis, store.prefix, "router-b", store.records, ttl_s=5)
         for rid in ("live", "ended", "expired"):
-            await store.records.create(rid, router_id="router-a")
-            await dead.own(rid)
+            await store.records.create(rid, owned_by=dead.owned_set, router_id="router-a")
         await store.records.transition("live", S.RESERVED, decode_id="decode-0")
         await store.records.transition("ended", S.CANCELLED)
         await store.redis.delete(store.records.key("expired"))  # a record that has gone meanwhile
@@ -399,12 +403,23 @@ def test_a_dead_routers_live_requests_are_failed_by_another_router(redis_url: st
         assert not await store.redis.exists(f"{store.prefix}owned:router-a")
         assert await store.redis.smembers(f"{store.prefix}routers") == set()
         assert await alive.sweep() == 0  # nothing twice
-        # A router owns, then disowns once the end is recorded: nothing left to sweep after it.
-        await store.records.create("r2", router_id="router-b")
-        await alive.own("r2")
-        await store.records.transition("r2", S.CANCELLED)
-        await alive.disown("r2")
+        # A request joins its router's set with its record and leaves it with its end: nothing left to
+        # sweep after it.
+        await store.records.create("r2", owned_by=alive.owned_set, router_id="router-b")
+        assert await store.redis.smembers(f"{store.prefix}owned:router-b") == {"r2"}
+        assert await store.redis.pttl(f"{store.prefix}router:router-b") > 0  # refreshed with it
+        await store.records.transition("r2", S.CANCELLED, leave=alive.owned_set)
         assert await store.redis.smembers(f"{store.prefix}owned:router-b") == set()
         assert await store.redis.smembers(f"{store.prefix}routers") == {"router-b"}
+        # A refused create joins nothing (the id is someone else's record); a refused end still leaves.
+        with pytest.raises(DuplicateRequest):
+            await store.records.create("r2", owned_by=alive.owned_set)
+        assert await store.redis.smembers(f"{store.prefix}owned:router-b") == set()
+        await store.records.create("r3", owned_by=alive.owned_set)
+        await store.records.transition("r3", S.FAILED, error="swept meanwhile")
+        with pytest.raises(IllegalTransition):
+            await store.records.transition("r3", S.CANCELLED, leave=alive.owned_set)
+        assert await store.redis.smembers(f"{store.prefix}owned:router-b") == set()
+        assert (await store.records.get("r3"))["state"] is S.FAILED  # type: ignore[index]
 
     run_with_store(redis_url, body)
