@@ -130,6 +130,18 @@ def checksum(kv: PagedKVCache, ids: list[int]) -> float:
     return float(kv.k[:, ids].double().sum() + kv.v[:, ids].double().sum())
 
 
+def stop_child(proc: Any, conn: Connection) -> None:
+    """Ask a helper process to stop, and kill it if it has not within 10 s."""
+    try:
+        if proc.is_alive():
+            conn.send(("stop",))
+            proc.join(10)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
 class RemoteReceiver:
     """A `backend` receiver in a spawned process. Pipe: parent -> ("sum", ids) | ("stop",);
     child -> ("endpoint", ep) | ("done", request_id, perf_counter, src_rank) | ("sum", x) | ("error", why)."""
@@ -173,14 +185,7 @@ class RemoteReceiver:
         return float(self._expect("sum")[0])
 
     def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.conn.send(("stop",))
-                self.proc.join(10)
-        finally:
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
+        stop_child(self.proc, self.conn)
 
 
 # --- the sides: each set up once, then timed in rounds -----------------------------------------------
@@ -400,14 +405,7 @@ class CmaBlocks:
         assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), f"cma_blocks: checksum {got} != {want}"
 
     def close(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.conn.send(("stop",))
-                self.proc.join(10)
-        finally:
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join()
+        stop_child(self.proc, self.conn)
 
 
 # --- tensor parallelism across the split: prefill TP P -> decode TP D, head slices ------------------
