@@ -33,6 +33,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "fairness": "fairness",
     "kv-dtype": "kv_dtype",
     "tp": "tp",
+    "matmul": "matmul",
 }
 
 
@@ -73,7 +74,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | kv-dtype | tp | all",
+        "prefix | fairness | kv-dtype | tp | matmul | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(
