@@ -345,8 +345,7 @@ def _cma_target(spec: KVCacheSpec, conn: Connection) -> None:
     """Hold a cache like the receivers' (every page touched) for the parent's process_vm_writev; pipe:
     parent -> ("sum", ids) | ("stop",); child -> ("cache", pid, k address, v address) | ("sum", x)."""
     torch.set_num_threads(1)
-    kv = PagedKVCache(spec)
-    kv.k.fill_(0.0), kv.v.fill_(0.0)
+    kv = PagedKVCache(spec)  # zero-filled: every page touched
     conn.send(("cache", os.getpid(), kv.k.data_ptr(), kv.v.data_ptr()))
     while True:
         try:
@@ -398,10 +397,14 @@ class CmaBlocks:
                 raise OSError(err, f"process_vm_writev: {os.strerror(err)}")
         return time.perf_counter() - t0
 
-    def check(self) -> None:
-        self.conn.send(("sum", self.dst_ids))
+    def target_checksum(self, ids: list[int]) -> float:
+        """checksum() of blocks `ids` of the other process's cache."""
+        self.conn.send(("sum", ids))
         assert self.conn.poll(60), "the cma target process stalled"
-        got, want = float(self.conn.recv()[1]), checksum(self.src, self.src_ids)
+        return float(self.conn.recv()[1])
+
+    def check(self) -> None:
+        got, want = self.target_checksum(self.dst_ids), checksum(self.src, self.src_ids)
         assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), f"cma_blocks: checksum {got} != {want}"
 
     def close(self) -> None:

@@ -45,7 +45,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     16 takes 24-35 % less time. One row (a gemv) and prefill chunks keep F.linear, which was as fast or
     faster there. The sums run in another order, so results differ from F.linear in the last bits.
     """
-    if x.dim() == 2 and 1 < x.shape[0] <= FEW_ROWS and x.dtype == torch.float32 and not x.is_cuda:
+    if x.dim() == 2 and 1 < x.shape[0] <= FEW_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
         y = torch.mm(weight, x.t()).t().contiguous()
         return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)

@@ -48,10 +48,15 @@ def hit(route: str, name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def index_events_applied(router_url: str) -> float:
+def kv_index_figures(router_url: str) -> dict[str, float]:
+    """The router's KV index health from /metrics: {events_applied, resyncs, errors, ...}."""
     text = httpx.get(f"{router_url}/metrics", timeout=10).text
-    m = re.search(r"^splitserve_router_kv_index_events_applied (\S+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+    found = re.finditer(r"^splitserve_router_kv_index_(\w+) (\S+)$", text, re.MULTILINE)
+    return {m.group(1): float(m.group(2)) for m in found}
+
+
+def index_events_applied(router_url: str) -> float:
+    return kv_index_figures(router_url).get("events_applied", 0.0)
 
 
 def settle_index(router_url: str, before: float, quiet_s: float = 0.5, timeout_s: float = 20) -> None:
@@ -111,8 +116,5 @@ def test_a_chats_next_turn_goes_where_its_history_is(stack, smollm) -> None:  # 
     reused = re.search(r'splitserve_router_prefix_blocks_total\{kind="reused",role="decode"\} (\S+)', metrics)
     assert reused is not None and float(reused.group(1)) >= decode_hit, metrics[-2000:]
     # the index's own health: it loaded each worker's snapshot and applied their events
-    index = {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r"^splitserve_router_kv_index_(\w+) (\S+)$", metrics, re.MULTILINE)
-    }
+    index = kv_index_figures(router.url)
     assert index["events_applied"] > 0 and index["resyncs"] >= 2 and index["errors"] == 0, index
