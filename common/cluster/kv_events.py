@@ -13,10 +13,13 @@ flush (its last event wins), so an entry's s and r are disjoint and apply in any
 `KVEventPublisher` runs in a prefill or decode service: every interval_s it drains the block manager's
 events into one stream entry, and every snapshot_s (or sooner when needed) writes the whole hash set.
 `KVIndex` runs in the router: per worker, the snapshot's hashes plus every stream entry after it, read
-with one non-blocking XREAD per poll. An entry whose seq is not the next one (the stream was trimmed
-past the reader, an entry was lost, the worker restarted) makes the reader sync again from the
-snapshot. The index is approximate by design: it lags by a poll or two, and keeps its last state while
-Redis is away. No torch and no engine imports: the router imports this module.
+with one blocking XREAD across all workers (XREAD BLOCK, 1 s by default): it returns as soon as an
+entry arrives, so an idle router sends about one XREAD a second instead of polling; reads are at least
+poll_s apart, so workers that publish often are read in batches. An entry whose seq is not the next
+one (the stream was trimmed past the reader, an entry was lost, the worker restarted) makes the reader
+sync again from the snapshot. The index is approximate by design: it lags by up to poll_s behind a
+busy worker, and keeps its last state while Redis is away. No torch and no engine imports: the router
+imports this module.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import math
 import sys
 import time
 from array import array
@@ -222,10 +226,26 @@ class _Tracked:
 class KVIndex:
     """The router's approximate view of every worker's prefix cache (see the module docstring).
 
-    `set_workers` says which workers to track (the registry's view); `poll` (or the task `start` runs,
-    every poll_s) reads their events; `matched_blocks` answers from memory, on the request path.
+    `set_workers` says which workers to track (the registry's view); `poll` (or the task `start` runs)
+    reads their events; `matched_blocks` answers from memory, on the request path.
     A worker that needs a sync is synced at most every resync_s (a snapshot older than the stream's
     tail cannot help until the next one is written).
+
+    The task reads with XREAD BLOCK block_s: it wakes when an entry arrives, or after block_s, or
+    sooner when a worker's sync comes due; reads are at least poll_s apart (entries that come often
+    are read in batches), and a failed one is retried after poll_s. block_s = 0 reads without
+    blocking, every poll_s. A worker that set_workers adds while a read is blocked is synced and read
+    after that read, so within block_s (at once when there was nothing to read: that wait ends when
+    set_workers adds one).
+
+    The blocking read goes through `redis`'s own pool, the one the request path uses (records, API
+    keys, leases). That cannot starve it: this index is one task that sends one command at a time, so
+    it holds at most one connection of that pool, now for up to block_s rather than ~1 ms a poll; the
+    pool (redis-py's ConnectionPool, as `common.cluster.state.connect` builds it) opens another for
+    anyone else, up to max_connections (100 or more unless the URL sets it). A client of its own
+    would have to rebuild the pool's settings (TLS, unix socket, Sentinel) to save that one
+    connection. The pool's socket timeout, when set (unset by default), bounds every reply, a blocked
+    XREAD's included: block_s is kept to half of it.
     """
 
     def __init__(
@@ -235,14 +255,20 @@ class KVIndex:
         poll_s: float = 0.05,
         resync_s: float = 0.5,
         count: int = 256,
+        block_s: float = 1.0,
     ) -> None:
+        assert block_s >= 0, block_s
+        socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+        if socket_timeout:  # past it the client gives up on the read and drops the connection
+            block_s = min(block_s, socket_timeout / 2)
         self.redis, self.prefix = redis, prefix
-        self.poll_s, self.resync_s, self.count = poll_s, resync_s, count
+        self.poll_s, self.resync_s, self.count, self.block_s = poll_s, resync_s, count, block_s
         self.workers: dict[str, _Tracked] = {}
         self.events_applied = 0  # hashes added or removed from stream entries
         self.resyncs = 0  # snapshots loaded
         self.lag_s = 0.0  # age of the newest entry in the last poll that read any (Redis' clock vs ours)
         self.errors = 0  # polls that failed on Redis
+        self._added = asyncio.Event()  # set_workers added a worker: ends poll's wait when none is synced
         self._task: asyncio.Task[None] | None = None
 
     # --- the request path: memory only -----------------------------------------------------------
@@ -272,6 +298,7 @@ class KVIndex:
             tracked = self.workers.get(worker_id)
             if tracked is None or tracked.incarnation != incarnation:
                 tracked = _Tracked(incarnation, block_size)
+                self._added.set()
             current[worker_id] = tracked
         self.workers = current
 
@@ -280,6 +307,8 @@ class KVIndex:
         self._task = asyncio.create_task(self._run(), name="kv-index")
 
     async def stop(self) -> None:
+        """Cancel the task, a blocked read included (redis-py drops that connection rather than
+        returning it to the pool with the reply still due)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -288,33 +317,52 @@ class KVIndex:
 
     async def _run(self) -> None:
         failing = False  # log an outage once, not every poll
+        block_ms = round(self.block_s * 1000) or None  # None: no BLOCK (XREAD BLOCK 0 waits forever)
         while True:
+            started = time.monotonic()
             try:
-                await self.poll()
+                await self.poll(block_ms)
             except Exception:
                 self.errors += 1
                 if not failing:
                     log.exception("reading KV events failed; keeping the last index, retrying every poll")
                 failing = True
-            else:
-                if failing:
-                    log.info("reading KV events again")
-                failing = False
-            await asyncio.sleep(self.poll_s)
+                await asyncio.sleep(self.poll_s)  # Redis away fails at once: no hot loop
+                continue
+            if failing:
+                log.info("reading KV events again")
+            failing = False
+            await asyncio.sleep(max(0.0, started + self.poll_s - time.monotonic()))
 
-    async def poll(self) -> None:
+    async def poll(self, block_ms: int | None = None) -> None:
         """One round: sync the workers that need it, then read every synced worker's stream once.
-        set_workers may run during the awaits: results go to the objects they were asked for."""
+
+        block_ms: how long the read may wait for an entry (XREAD BLOCK), cut short to when an unsynced
+        worker's sync comes due; with no synced worker, how long to wait for set_workers to add one.
+        None (the default) reads what is there and returns. set_workers may run during the awaits:
+        results go to the objects they were asked for, and a worker it adds is synced and read from
+        the next round on."""
+        self._added.clear()
         now = time.monotonic()
         for worker_id, tracked in list(self.workers.items()):
             if not tracked.synced and now >= tracked.retry_at:
                 await self._sync(worker_id, tracked)
         streams = {stream_key(self.prefix, w): t for w, t in self.workers.items() if t.synced}
+        block = None
+        if block_ms is not None:
+            due = min((t.retry_at for t in self.workers.values() if not t.synced), default=math.inf)
+            block = int(min(block_ms / 1000, due - time.monotonic()) * 1000)
+            block = block if block > 0 else None  # a sync is due: read without waiting
         if not streams:
+            if block is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._added.wait(), block / 1000)
             return
-        reply = await self.redis.xread({key: t.last_id for key, t in streams.items()}, count=self.count)
+        reply = await self.redis.xread(
+            {key: t.last_id for key, t in streams.items()}, count=self.count, block=block
+        )
         newest = 0
-        for key, entries in cast(list[tuple[str, list[StreamEntry]]], reply):
+        for key, entries in cast(list[tuple[str, list[StreamEntry]]], reply or []):
             self._apply(streams[key], entries)
             newest = max(newest, int(entries[-1][0].split("-")[0]))
         if newest:

@@ -4,7 +4,8 @@ after a late start, a trimmed stream, a lost entry and a worker restart.
 
 Each test runs its body with asyncio.run under its own uuid key prefix, as tests/integration/
 test_state.py does. Publishers are flushed by hand (their own task ticks once an hour) and indexes
-polled by hand, so every step is deterministic; one test runs both tasks for real.
+polled by hand, so every step is deterministic; a few tests run the index's task for real (its
+blocking XREAD: woken by an entry, few reads when idle).
 """
 
 from __future__ import annotations
@@ -247,5 +248,184 @@ def test_a_restarted_worker_drops_the_old_hashes(redis_url: str) -> None:
         await poll_until(index, lambda: index.matched_blocks("w0", c) == 2)
         assert held(index) == set(c) and index.matched_blocks("w0", a) == 1
         await pub2.stop()
+
+    run(redis_url, body)
+
+
+def blocked_reads(info: list[dict[str, Any]], name: str) -> int:
+    """How many of the connections named `name` (CLIENT LIST) wait in an XREAD BLOCK."""
+    return sum(c["name"] == name and c["cmd"] == "xread" and "b" in c["flags"] for c in info)
+
+
+async def until_blocked(client: aioredis.Redis, name: str, timeout_s: float = 10.0) -> None:
+    """Until Redis shows the index's read waiting on the streams (the sync and first read are done)."""
+    deadline = time.monotonic() + timeout_s
+    while not blocked_reads(await client.client_list(), name):
+        assert time.monotonic() < deadline, "the index's read never blocked"
+        await asyncio.sleep(0.01)
+
+
+async def xread_calls(client: aioredis.Redis) -> int:
+    """XREADs the server has answered so far (INFO commandstats: server-wide, and this session's
+    server runs one test at a time)."""
+    return int((await client.info("commandstats")).get("cmdstat_xread", {}).get("calls", 0))
+
+
+def index_client(redis_url: str, name: str) -> aioredis.Redis:
+    """A client like the router's (state.connect) whose connections are named, for CLIENT LIST."""
+    return aioredis.Redis.from_url(redis_url, decode_responses=True, client_name=name)
+
+
+def test_a_blocked_read_wakes_on_an_entry_and_stop_cancels_it(redis_url: str) -> None:
+    """The index's task waits in XREAD BLOCK (a long one here); an entry published meanwhile is applied
+    at once, well before the block time; the pool still answers others while the read waits; stop
+    cancels the read (and its connection goes away) without waiting for the block to end."""
+    block_s = 60.0
+
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        pending: list[KVEvent] = []
+
+        def source() -> list[KVEvent]:
+            events = list(pending)
+            pending.clear()
+            return events
+
+        name = f"kvindex-{uuid.uuid4().hex[:8]}"
+        reader = index_client(redis_url, name)
+        pub = KVEventPublisher(client, prefix, "w0", "inc-a", 16, source, list, interval_s=HOUR)
+        index = KVIndex(reader, prefix, block_s=block_s)
+        index.set_workers([("w0", "inc-a", 16)])
+        await pub.start()
+        await index.start()
+        try:
+            await until_blocked(client, name)
+            assert await reader.ping(), "the pool answers while the index's read is blocked"
+            pending.extend([(True, 1), (True, 2)])
+            await pub.flush()
+            await until(lambda: held(index) == {1, 2}, timeout_s=block_s / 6)
+            pending.append((False, 1))
+            await pub.flush()
+            await until(lambda: held(index) == {2}, timeout_s=block_s / 6)
+            await until_blocked(client, name)  # back to waiting
+        finally:
+            started = time.monotonic()
+            await index.stop()
+            stopped_s = time.monotonic() - started
+            await pub.stop()
+        assert stopped_s < block_s / 6, f"stop waited {stopped_s:.1f} s for the blocked read"
+        deadline = time.monotonic() + 10
+        while blocked_reads(await client.client_list(), name):  # the cancelled read's connection closes
+            assert time.monotonic() < deadline, "the cancelled read still waits in Redis"
+            await asyncio.sleep(0.01)
+        assert index.errors == 0 and index.resyncs == 1 and index.events_applied == 3
+        await reader.aclose()
+
+    run(redis_url, body)
+
+
+def test_an_idle_index_sends_few_xreads(redis_url: str) -> None:
+    """Over ~1 s with nothing published, the index with its defaults (XREAD BLOCK 1 s) sends one or two
+    XREADs; read without blocking (block_s=0, every poll_s: how it read before) it sends about 20."""
+    window_s = 1.0
+
+    async def idle_reads(client: aioredis.Redis, prefix: str, **kwargs: Any) -> int:
+        name = f"kvindex-{uuid.uuid4().hex[:8]}"
+        reader = index_client(redis_url, name)
+        index = KVIndex(reader, prefix, **kwargs)
+        index.set_workers([("w0", "inc-a", 16)])
+        await index.start()
+        try:
+            await until(lambda: index.resyncs == 1)
+            if index.block_s:
+                await until_blocked(client, name)
+            before = await xread_calls(client)
+            await asyncio.sleep(window_s)  # the idle window measured, not a timing assertion
+            calls = await xread_calls(client) - before
+        finally:
+            await index.stop()
+            await reader.aclose()
+        assert index.errors == 0
+        return calls
+
+    async def body(client: aioredis.Redis, prefix: str) -> tuple[int, int]:
+        pub = KVEventPublisher(client, prefix, "w0", "inc-a", 16, list, list, interval_s=HOUR)
+        await pub.start()  # an empty snapshot and no entries: nothing to read
+        try:
+            blocking = await idle_reads(client, prefix)
+            polling = await idle_reads(client, prefix, block_s=0)
+        finally:
+            await pub.stop()
+        return blocking, polling
+
+    blocking, polling = run(redis_url, body)
+    print(f"XREADs over {window_s} s idle: {blocking} blocking, {polling} polling every 50 ms")
+    assert blocking <= 5, f"{blocking} XREADs in {window_s} s idle"
+    assert polling >= 5, f"the count is off: {polling} XREADs polling every 50 ms"  # the measure works
+
+
+def test_the_block_stays_under_the_socket_timeout(redis_url: str) -> None:
+    """A client with a socket timeout (here from the URL) bounds every reply, a blocked XREAD's too:
+    the index blocks for half of it at most, and such a read ends without an error."""
+
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        sep = "&" if "?" in redis_url else "?"
+        timed = connect(f"{redis_url}{sep}socket_timeout=0.4")
+        try:
+            index = KVIndex(timed, prefix)
+            assert index.block_s == 0.2
+            assert KVIndex(client, prefix).block_s == 1.0  # connect() sets no socket timeout
+            pub = KVEventPublisher(client, prefix, "w0", "inc-a", 16, list, list, interval_s=HOUR)
+            await pub.start()
+            index.set_workers([("w0", "inc-a", 16)])
+            await index.poll()  # the sync
+            for _ in range(3):
+                await index.poll(block_ms=round(index.block_s * 1000))  # nothing comes: a full block
+            assert index.resyncs == 1 and not held(index)
+            await pub.stop()
+        finally:
+            await timed.aclose()
+
+    run(redis_url, body)
+
+
+def test_workers_added_while_the_index_waits_are_followed(redis_url: str) -> None:
+    """With no worker to read, the index's wait ends when set_workers adds one (here the block is far
+    longer than the deadline); with a read blocked on other workers, a worker added meanwhile is
+    synced and read once that read ends, within the block time (1 s here)."""
+
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        pending: dict[str, list[KVEvent]] = {"w0": [], "w1": []}
+
+        def publisher(worker_id: str) -> KVEventPublisher:
+            def source() -> list[KVEvent]:
+                events = list(pending[worker_id])
+                pending[worker_id].clear()
+                return events
+
+            return KVEventPublisher(client, prefix, worker_id, "inc-a", 16, source, list, interval_s=HOUR)
+
+        pubs = [publisher("w0"), publisher("w1")]
+        for pub, h in zip(pubs, (1, 2), strict=True):
+            await pub.start()  # an empty snapshot
+            pending[pub.worker_id].append((True, h))
+            await pub.flush()  # then one entry
+        waiting, blocked = KVIndex(client, prefix, block_s=60), KVIndex(client, prefix, block_s=1)
+        blocked.set_workers([("w0", "inc-a", 16)])
+        await waiting.start()
+        await blocked.start()
+        try:
+            await until(lambda: held(blocked, "w0") == {1})
+            await asyncio.sleep(0.1)  # nothing to do: waits (no deadline to hold)
+            waiting.set_workers([("w0", "inc-a", 16)])
+            await until(lambda: held(waiting, "w0") == {1}, timeout_s=10)
+            blocked.set_workers([("w0", "inc-a", 16), ("w1", "inc-a", 16)])
+            await until(lambda: held(blocked, "w1") == {2}, timeout_s=10)
+            assert held(blocked, "w0") == {1} and blocked.resyncs == 2 and blocked.errors == 0
+            assert waiting.errors == 0
+        finally:
+            await waiting.stop()
+            await blocked.stop()
+            for pub in pubs:
+                await pub.stop()
 
     run(redis_url, body)
