@@ -95,8 +95,9 @@ def add_bench_parser(sub: Any) -> None:
         "--rounds",
         type=int,
         default=None,
-        help="batching, peer-hf, transfer, overlap: rounds alternating the sides (A B, B A, ...); the ratio "
-        "is the median of the per-round ratios (default 5; batching, peer-hf: 3, a whole workload each)",
+        help="batching, peer-hf, transfer, overlap, matmul, roofline: rounds alternating the sides (A B, "
+        "B A, ...); the ratio is the median of the per-round ratios (default 5; batching, peer-hf: 3, a "
+        "whole workload each)",
     )
     s = b.add_argument_group("serving")
     s.add_argument("--rate", type=float, default=1.0, help="request arrivals per second (Poisson)")
