@@ -48,6 +48,18 @@ def run(redis_url: str, body: Callable[[aioredis.Redis, str], Awaitable[Any]]) -
     return asyncio.run(main())
 
 
+def event_queue() -> tuple[list[KVEvent], Callable[[], list[KVEvent]]]:
+    """A list a test appends events to, and a publisher source that drains it."""
+    pending: list[KVEvent] = []
+
+    def source() -> list[KVEvent]:
+        events = list(pending)
+        pending.clear()
+        return events
+
+    return pending, source
+
+
 def worker(client: aioredis.Redis, prefix: str, num_blocks: int, incarnation: str = "inc-a", **kwargs: Any):  # type: ignore[no-untyped-def]
     """A block manager with events on, and its publisher as worker w0 (not started)."""
     bm = BlockManager(num_blocks, BS)
@@ -115,12 +127,7 @@ def test_events_reach_the_index_and_eviction_removes(redis_url: str) -> None:
 
 def test_matched_blocks_counts_leading_blocks_only(redis_url: str) -> None:
     async def body(client: aioredis.Redis, prefix: str) -> None:
-        pending: list[KVEvent] = []
-
-        def source() -> list[KVEvent]:
-            events = list(pending)
-            pending.clear()
-            return events
+        pending, source = event_queue()
 
         pub = KVEventPublisher(client, prefix, "w0", "inc-a", 16, source, list, interval_s=HOUR)
         index = KVIndex(client, prefix)
@@ -291,12 +298,7 @@ def test_a_blocked_read_wakes_on_an_entry_and_stop_cancels_it(redis_url: str) ->
     block_s = 60.0
 
     async def body(client: aioredis.Redis, prefix: str) -> None:
-        pending: list[KVEvent] = []
-
-        def source() -> list[KVEvent]:
-            events = list(pending)
-            pending.clear()
-            return events
+        pending, source = event_queue()
 
         name = f"kvindex-{uuid.uuid4().hex[:8]}"
         reader = index_client(redis_url, name)
@@ -403,14 +405,11 @@ def test_workers_added_while_the_index_waits_are_followed(redis_url: str) -> Non
     synced and read once that read ends, within the block time (1 s here)."""
 
     async def body(client: aioredis.Redis, prefix: str) -> None:
-        pending: dict[str, list[KVEvent]] = {"w0": [], "w1": []}
+        queues = {w: event_queue() for w in ("w0", "w1")}
+        pending = {w: q[0] for w, q in queues.items()}
 
         def publisher(worker_id: str) -> KVEventPublisher:
-            def source() -> list[KVEvent]:
-                events = list(pending[worker_id])
-                pending[worker_id].clear()
-                return events
-
+            source = queues[worker_id][1]
             return KVEventPublisher(client, prefix, worker_id, "inc-a", 16, source, list, interval_s=HOUR)
 
         pubs = [publisher("w0"), publisher("w1")]
