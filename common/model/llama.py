@@ -48,11 +48,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     in a product that only waits on memory. Prefill chunks keep F.linear. The sums run in another
     order, so results differ from F.linear in the last bits.
     """
-    if x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-        if x.shape[0] == 1:
-            y = torch.mm(weight, torch.cat((x, x)).t())[:, :1].t().contiguous()
-        else:
-            y = torch.mm(weight, x.t()).t().contiguous()
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if 0 < rows <= FEW_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
+        cols = torch.cat((x, x)) if rows == 1 else x
+        y = torch.mm(weight, cols.t())[:, :rows].t().contiguous()
         return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
 
