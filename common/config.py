@@ -53,6 +53,13 @@ class EngineConfig(BaseSettings):
         description="fair: prefill tokens per step beside a just-arrived tenant's request (which goes "
         "whole); default max_num_batched_tokens (small: a sparse tenant's request waits less for a step)",
     )
+    fair_burst_s: float = Field(
+        2.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="fair: a tenant that left part of its share of the batch unused with nothing queued "
+        "may run over its share later, up to this many seconds of the whole batch (0: never)",
+    )
     kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"] = Field(
         "auto",
         description="what the KV cache stores: auto (the model dtype), a narrower float, or fp8 with a "

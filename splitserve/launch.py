@@ -42,6 +42,7 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--tenant-weights": "tenant_weights",
     "--fair-quantum-tokens": "fair_quantum_tokens",
     "--fair-bulk-prefill-tokens": "fair_bulk_prefill_tokens",
+    "--fair-burst-s": "fair_burst_s",
     "--threads": "num_threads",
     "--tensor-parallel-size": "tensor_parallel_size",
     "--kv-cache-dtype": "kv_cache_dtype",
@@ -100,7 +101,7 @@ def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
         kind: Callable[[str], Any] = str
         if field in INT_FIELDS:
             kind = int
-        elif field == "gpu_memory_utilization":
+        elif field in ("gpu_memory_utilization", "fair_burst_s"):
             kind = float
         elif field == "tenant_weights":
             kind = parse_tenant_weights

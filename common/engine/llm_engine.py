@@ -192,6 +192,7 @@ class LLMEngine:
             tenant_weights=config.tenant_weights,
             fair_quantum_tokens=config.fair_quantum_tokens,
             fair_bulk_prefill_tokens=config.fair_bulk_prefill_tokens,
+            fair_burst_s=config.fair_burst_s,
         )
         self.connector = connector or KVConnector()
         self.speed = StepSpeed()  # recent steps' prefill and decode speed (the service publishes it)

@@ -25,9 +25,14 @@ Decode-side reservations (`reserving`) follow the same round and credit. With ev
 queued tenant under its share of `max_num_seqs` starts in place of the least urgent sequence of the
 tenant furthest over its own (recomputed: `_make_room`). A light tenant (asking RECENT_RATIO times fewer
 tokens lately than another) may take a slot from it while that one runs as many sequences, and that one
-never takes the light one's slots (`_may_take`). Out of KV blocks, preemption takes its victim from the
-tenant holding the most KV blocks per unit of weight (the one furthest over its share of the cache),
-least urgent first. `tenant_served` counts each tenant's billed tokens under every policy.
+never takes the light one's slots (`_may_take`). A tenant that left part of its share unused with nothing
+queued earns a burst allowance (slot-seconds, capped at `fair_burst_s` of the whole batch; `_accrue`): it
+may run over its share at the expense of a tenant without one, which does not take those slots back
+until the allowance is spent, so a sparse tenant's few overlapping requests all start at once even
+when a flood has just begun (its demand is not yet far below the flood's). Out of KV blocks,
+preemption takes its victim from the tenant holding the most KV blocks per unit of weight (the one
+furthest over its share of the cache), least urgent first. `tenant_served` counts each tenant's billed
+tokens under every policy.
 
 Remote KV: a decode service's request waits in `reserving` until its prompt's blocks can be reserved,
 then sits in `parked` (holding them, never scheduled) until `kv_arrived`. A prefill service's request
@@ -73,6 +78,10 @@ class SchedulerConfig:
     # an empty queue, which goes whole (None: the step budget). A small figure keeps the steps a
     # flooding tenant fills short, so a sparse tenant's request that arrives during one soon starts.
     fair_bulk_prefill_tokens: int | None = None
+    # fair: a tenant that leaves part of its share of max_num_seqs unused while it has nothing queued
+    # earns slot time to run over its share later, up to this many seconds of the whole batch (see
+    # `_accrue`; 0: never): a sparse tenant's few overlapping requests are not held to its share.
+    fair_burst_s: float = 2.0
     # Cost model for choosing swap or recompute (seconds). Defaults are CPU-ish; the engine
     # passes measured figures.
     swap_s_per_block: float = 2e-5  # copy one block out (and again back in)
@@ -85,6 +94,8 @@ class SchedulerConfig:
             raise ValueError("fair_quantum_tokens must be positive")
         if self.fair_bulk_prefill_tokens is not None and self.fair_bulk_prefill_tokens < 1:
             raise ValueError("fair_bulk_prefill_tokens must be positive")
+        if not (math.isfinite(self.fair_burst_s) and self.fair_burst_s >= 0):
+            raise ValueError("fair_burst_s must be a finite number of seconds, 0 or more")
         bad = {t: w for t, w in self.tenant_weights.items() if not (math.isfinite(w) and w > 0)}
         if bad:
             raise ValueError(f"tenant weights must be positive and finite: {bad}")
@@ -150,6 +161,10 @@ class Scheduler:
         self._recent: dict[str, float] = {}
         self._recent_at: dict[str, float] = {}
         self._bulk: int | None = None  # fair_bulk_prefill_tokens left in this step (None: no bound)
+        # fair: slot-seconds each tenant may still run over its share of the batch, and when they were
+        # last brought up to date (see _accrue)
+        self._allowance: dict[str, float] = {}
+        self._allowance_at: float | None = None
 
     # --- queue ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -165,6 +180,7 @@ class Scheduler:
         if self.config.policy == "fair" and seq.num_preemptions == 0:
             asked = seq.num_prompt_tokens + seq.params.max_tokens
             self._recent[seq.tenant] = self._recent_demand(seq.tenant) + asked
+            self._allowance.setdefault(seq.tenant, 0.0)  # a tenant not seen before has none
 
     def has_work(self) -> bool:
         """Anything a step would do (parked sequences wait for a transfer, not for a step)."""
@@ -217,6 +233,8 @@ class Scheduler:
         # goes into the step whole, ahead of other prefill work. With fair_bulk_prefill_tokens, all
         # other prefill tokens of a step are bounded by it, and wait a step where a newcomer starts.
         self._bulk = self.config.fair_bulk_prefill_tokens if self.config.policy == "fair" else None
+        if self.config.policy == "fair":
+            self._accrue()
         budget, short = self._run(decodes, out, budget)
         if self._fresh and not short:
             budget = self._admit(out, budget, newcomers=set(self._fresh))
@@ -483,6 +501,26 @@ class Scheduler:
         self._recent[tenant], self._recent_at[tenant] = decayed, now
         return decayed
 
+    def _accrue(self) -> None:
+        """Bring every known tenant's burst allowance up to now, from the batch as it ran since the last
+        call: a tenant that ran fewer sequences than its share of max_num_seqs with nothing queued (all
+        it asked for was served) earns the slot-seconds it left unused; one that ran more than its share
+        spends the excess. Capped at fair_burst_s * max_num_seqs, never below 0. A tenant that waits
+        with queued work earns nothing, so a flooding tenant that a burst holds under its share does
+        not earn a burst of its own (a sleeper's credit, as in CFS, not a waiter's)."""
+        now = self.clock()
+        last, self._allowance_at = self._allowance_at, now
+        if last is None or now <= last or not self._allowance:
+            return
+        dt, cap = now - last, self.config.fair_burst_s * self.config.max_num_seqs
+        slots = self._slots()
+        queued = {s.tenant for s in self.waiting} | {s.tenant for s in self.reserving}
+        for tenant, left in self._allowance.items():
+            unused = self._share(tenant, slots, tenant) - slots[tenant]  # < 0: over its share
+            if unused > 0 and tenant in queued:
+                continue
+            self._allowance[tenant] = min(cap, max(0.0, left + unused * dt))
+
     def _slots(self) -> Counter[str]:
         """Batch slots per tenant: running sequences and reservations waiting for their KV."""
         slots = Counter(s.tenant for s in self.running)
@@ -497,8 +535,10 @@ class Scheduler:
     def _may_take(self, t: str, v: str, slots: Counter[str]) -> bool:
         """fair, every batch slot taken: may a queued request of tenant t start in place of one of v's?
         Between tenants of like demand (tokens asked for lately, per unit of weight, within
-        RECENT_RATIO of each other): when t runs fewer sequences than its share of max_num_seqs (one
-        more would not take it over) while v runs more than its own. A light tenant (asking
+        RECENT_RATIO of each other): when t has burst allowance left (`_accrue`) and v has none, whatever
+        their shares; when v has some and t none, never; otherwise when t runs fewer sequences than
+        its share of max_num_seqs (one more would not take it over) while v runs more than its own.
+        A light tenant (asking
         RECENT_RATIO times less than v) may take from v while v runs at least as many sequences as it,
         and v may never take from it: a light tenant whose few requests overlap is not held to its share
         of a small batch by a flooding one."""
@@ -510,6 +550,9 @@ class Scheduler:
             return slots[v] >= slots[t]
         if demand_v * RECENT_RATIO < demand_t:  # v is light next to t: its few slots stay its own
             return False
+        burst_t, burst_v = self._allowance.get(t, 0.0) > 0, self._allowance.get(v, 0.0) > 0
+        if burst_t != burst_v:  # one of them may run over its share (_accrue), at the other's expense
+            return burst_t
         return slots[t] + 1 <= self._share(t, slots, t) and slots[v] - 1 >= self._share(v, slots, t)
 
     def _starved_head(self, queue: deque[Sequence], taken: list[Sequence]) -> Sequence | None:

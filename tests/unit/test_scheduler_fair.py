@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -283,6 +285,7 @@ def test_engine_config_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPLITSERVE_POLICY", "fair")
     cfg = EngineConfig()
     assert (cfg.policy, cfg.tenant_weights, cfg.fair_quantum_tokens) == ("fair", {"a": 3.0, "": 0.5}, None)
+    assert cfg.fair_burst_s == 2.0
     assert parse_tenant_weights("a=3, b=1,=2") == {"a": 3.0, "b": 1.0, "": 2.0}
     for bad in ("", "a", "a=0", "a=x", "a=1,a=2", "a=nan"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -454,6 +457,74 @@ def test_tenants_of_like_demand_share_a_full_batch_by_weight() -> None:
     for _ in range(4):
         step(s)
     assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
+
+
+def burst_scene(burst_s: float) -> tuple[Scheduler, list[float], list[Sequence]]:
+    """b sent one short request, then nothing for 5 s; then a (whose demand is like b's: neither is
+    light) takes every slot of a 4-slot batch, and b sends three requests at once. Steps take 0.1 s."""
+    now = [0.0]
+    s = make(max_num_seqs=4, fair_quantum_tokens=8, fair_burst_s=burst_s, clock=lambda: now[0])
+
+    def tick() -> SchedulerOutput:
+        out = step(s)
+        now[0] += 0.1
+        return out
+
+    s.add(seq("b", max_tokens=2))
+    for _ in range(4):
+        tick()
+    now[0] = 5.0
+    for _ in range(4):
+        s.add(seq("a", max_tokens=60))
+    tick()
+    assert sorted(x.tenant for x in s.running) == ["a"] * 4
+    bs = [seq("b", max_tokens=60) for _ in range(3)]
+    for b in bs:
+        s.add(b)
+    tick()
+    return s, now, bs
+
+
+def test_a_tenant_that_left_its_share_unused_may_run_over_it_while_its_allowance_lasts() -> None:
+    s, now, bs = burst_scene(burst_s=0.5)  # 0.5 s of the whole batch: 2 slot-seconds
+    # b ran nothing for 5 s: its allowance is full, a (new, busy) has none. b's three requests all
+    # start, a keeps one slot, and does not take the others back while b's allowance lasts
+    assert s._allowance["b"] == pytest.approx(2.0) and s._allowance["a"] == 0.0
+    assert all(b.status is SequenceStatus.RUNNING for b in bs)
+    assert sorted(x.tenant for x in s.running) == ["a", "b", "b", "b"]
+    taken = s.stats["preempt_fair_share"]
+    assert taken == 3  # three of a's four sequences went back to its queue
+    for _ in range(15):  # 1.5 s at one slot over b's share: 1.5 of its 2 slot-seconds
+        out = step(s)
+        now[0] += 0.1
+        assert not out.preempted
+        assert s._allowance["a"] == 0.0  # a waits with queued work: it earns nothing
+    assert sorted(x.tenant for x in s.running) == ["a", "b", "b", "b"]
+    for _ in range(10):  # spent: a takes its share back, and the batch is shared by the share rule
+        step(s)
+        now[0] += 0.1
+    assert s._allowance["b"] == 0.0
+    assert s.stats["preempt_fair_share"] == taken + 1
+    assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
+
+
+def test_without_a_burst_allowance_a_tenant_of_like_demand_gets_its_share() -> None:
+    s, _, bs = burst_scene(burst_s=0.0)
+    assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
+    assert [b.status for b in bs].count(SequenceStatus.WAITING) == 1
+
+
+def test_the_burst_allowance_is_capped_and_checked() -> None:
+    now = [0.0]
+    s = make(max_num_seqs=4, fair_burst_s=1.5, clock=lambda: now[0])
+    s.add(seq("b", max_tokens=1))
+    step(s)
+    now[0] = 100.0  # idle long: the cap, fair_burst_s of the whole batch
+    step(s)
+    assert s._allowance["b"] == pytest.approx(6.0)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            SchedulerConfig(fair_burst_s=bad)
 
 
 def test_demand_fades_with_its_half_life_however_often_it_is_read() -> None:
