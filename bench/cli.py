@@ -135,6 +135,10 @@ def add_bench_parser(sub: Any) -> None:
         "--fair-bulk", type=int, default=0,
         help="fairness: the fair-share service's --fair-bulk-prefill-tokens (default 0: unbounded)",
     )  # fmt: skip
+    f.add_argument(
+        "--fair-burst-s", type=float, default=None,
+        help="fairness: the fair-share service's --fair-burst-s (default: the service's, 2)",
+    )  # fmt: skip
     t = b.add_argument_group("tp")
     t.add_argument(
         "--no-splits",

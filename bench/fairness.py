@@ -6,7 +6,8 @@ there is what is compared). Requests name their tenant with `x-splitserve-tenant
 keys, the key's tenant). Per policy, in rounds that alternate the two (A B, B A, ...):
 
 1. **victim alone**: tenant B sends at `--victim-rate` (Poisson) for `--phase-s` seconds: B's TTFT p99;
-2. **flood**: tenant A sends at 10x B's rate at the same time as B: B's TTFT p99 again, and
+2. **flood**: tenant A sends at 10x B's rate while B sends the same requests at the same offsets as
+   in 1 (same seed: only A's presence differs): B's TTFT p99 again, and
    `victim_ttft_p99_ratio` = flood / alone (goal <= 1.5 under fair share);
 3. **both backlogged**: closed loops, A with 3x B's clients, both more than their share of the batch:
    output tokens each tenant received in the window where both had requests waiting, and Jain's
@@ -15,6 +16,7 @@ keys, the key's tenant). Per policy, in rounds that alternate the two (A B, B A,
 
 `--fair-bulk N` runs the fair-share service with `--fair-bulk-prefill-tokens N` (default: unbounded):
 other prefill work per step kept short, so that B's request arriving during a step soon starts.
+`--fair-burst-s S` runs it with `--fair-burst-s S` (0: no burst allowance; default: the service's).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import random
 import tempfile
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,10 +97,13 @@ async def open_loop(
             return await send(client, url, tenant, text, max_tokens)
 
         tasks = []
-        for k, (tenant, rate) in enumerate(streams.items()):
-            rng = random.Random(seed * 100 + k)
+        for tenant, rate in streams.items():
+            # seeded by tenant name, not by position: with the same seed, a tenant sends the same
+            # prompts at the same offsets whoever else is sending (the victim's alone and flood phases)
+            tenant_seed = seed * 100 + zlib.crc32(tenant.encode()) % 100
+            rng = random.Random(tenant_seed)
             n = max(1, int(rate * seconds * 1.5) + 5)
-            offsets = [t for t in arrival_offsets(n, rate, seed * 100 + k) if t < seconds]
+            offsets = [t for t in arrival_offsets(n, rate, tenant_seed) if t < seconds]
             tasks += [one(tenant, at, prompt(rng, tenant)) for at in offsets]
         return list(await asyncio.gather(*tasks))
 
@@ -129,6 +135,11 @@ async def closed_loop(
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
     }
+
+
+def ttfts_ms(reqs: list[Req], tenant: str) -> list[float | None]:
+    mine = sorted((r for r in reqs if r.tenant == tenant), key=lambda r: r.sent)
+    return [None if r.ttft is None else round(r.ttft * 1000) for r in mine]
 
 
 def p99_ms(reqs: list[Req], tenant: str) -> float:
@@ -182,6 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 *(["--max-num-batched-tokens", str(args.fair_budget)] if args.fair_budget else []),
                 *(["--fair-bulk-prefill-tokens", str(args.fair_bulk)] if policy == "fair" and args.fair_bulk
                   else []),
+                *(["--fair-burst-s", str(args.fair_burst_s)]
+                  if policy == "fair" and args.fair_burst_s is not None else []),
             )  # fmt: skip
             urls[policy] = stack.start(
                 "router", *model_flags, "--decode-urls", decode, "--local-prefill-threshold", "100000"
@@ -191,10 +204,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         def side(policy: str) -> dict[str, Any]:
             url = urls[policy]
-            alone = asyncio.run(open_loop(url, {"B": rate}, seconds, next(seeds), max_tokens))
-            flood = asyncio.run(
-                open_loop(url, {"A": rate * FLOOD, "B": rate}, seconds, next(seeds), max_tokens)
-            )
+            # B sends the same prompts at the same times in both phases: only A's flood differs
+            seed = next(seeds)
+            alone = asyncio.run(open_loop(url, {"B": rate}, seconds, seed, max_tokens))
+            flood = asyncio.run(open_loop(url, {"A": rate * FLOOD, "B": rate}, seconds, seed, max_tokens))
             backlog = asyncio.run(
                 closed_loop(
                     url, {"A": 3 * args.fair_seqs, "B": args.fair_seqs}, seconds, next(seeds), max_tokens
@@ -204,6 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             first_error = next((r.error for r in alone + flood if r.error), backlog["first_error"])
             b_alone, b_flood = p99_ms(alone, "B"), p99_ms(flood, "B")
             print(f"  {policy}: B p99 alone {b_alone} ms, flooded {b_flood} ms; {backlog}", flush=True)
+            print(f"    B's TTFTs (ms, in send order): alone {ttfts_ms(alone, 'B')}", flush=True)
+            print(f"                                   flooded {ttfts_ms(flood, 'B')}", flush=True)
             return {
                 "b_ttft_p99_alone_ms": b_alone,
                 "b_ttft_p99_flood_ms": b_flood,
@@ -227,6 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.fair_seqs,
         "max_num_batched_tokens": args.fair_budget or "default",
         "fair_bulk_prefill_tokens": args.fair_bulk or "default",
+        "fair_burst_s": "default" if args.fair_burst_s is None else args.fair_burst_s,
         "rounds": args.rounds,
         "load_before": load_before,
         "load_after": load_avg(),
