@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.model.attention import AttentionMetadata, paged_attention
+from common.model.attention import AttentionMetadata, decode_attention, paged_attention
 
 
 def _step(new: list[int], ctx: list[int], bs: int, seed: int) -> tuple[AttentionMetadata, PagedKVCache]:
@@ -47,3 +48,38 @@ def test_batched_decode_attention_matches_the_per_sequence_path(
         outs.append(paged_attention(q, k, v, 0, cache, meta, 0.25))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(outs[0]).all()
+    # and both against plain attention in float64 over each sequence's keys, read back from the cache
+    meta, cache = _step(new, ctx, bs=8, seed=sum(ctx))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(new), h, 16, generator=g) for h in (9, 3, 3))
+    cache.write(0, meta.slot_mapping, k, v)
+    want = torch.empty_like(q)
+    for i, (n, c) in enumerate(zip(new, ctx, strict=True)):
+        kc, vc = (x.double().repeat_interleave(3, dim=1) for x in cache.gather(0, meta.block_tables[i], c))
+        rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+        scores = torch.einsum("qhd,khd->hqk", q[rows].double(), kc) * 0.25  # (9, n, c)
+        scores.masked_fill_(torch.arange(c)[None, :] > torch.arange(c - n, c)[:, None], float("-inf"))
+        want[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vc).float()
+    torch.testing.assert_close(outs[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_sdpa_with_grouped_query_heads(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    d, n_heads, n_kv, length, hd = 3, 9, 3, 21, 16
+    q = torch.randn(d, n_heads, hd, generator=g).to(dtype)
+    k, v = (torch.randn(d, n_kv, length, hd, generator=g).to(dtype) for _ in range(2))
+    lens = torch.tensor([21, 5, 13])
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]  # (D, 1, 1, L)
+    got = decode_attention(q, k, v, mask, 0.25)
+    want = F.scaled_dot_product_attention(
+        q.float().unsqueeze(2), k.float(), v.float(), attn_mask=mask, scale=0.25, enable_gqa=True
+    ).squeeze(2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    # no mask: every key counts
+    got = decode_attention(q[:1], k[:1], v[:1], None, 0.25)
+    want = F.scaled_dot_product_attention(
+        q[:1].float().unsqueeze(2), k[:1].float(), v[:1].float(), scale=0.25, enable_gqa=True
+    ).squeeze(2)
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
