@@ -1,6 +1,7 @@
 """Tenant fair share through real processes: a decode service with `--policy fair` behind a router,
 tenants named by `x-splitserve-tenant`. A light tenant's request arriving to a batch full of a heavy
-tenant's starts at once, in place of one of those, which is recomputed and still answers in full."""
+tenant's starts at once, in place of one of those, which is recomputed and still answers in full; a
+sparse tenant with a burst allowance runs more than its share."""
 
 from __future__ import annotations
 
@@ -65,5 +66,50 @@ def test_a_light_tenant_starts_at_once_and_the_preempted_request_still_answers_i
     asyncio.run(main())
     metrics = httpx.get(decode.url + "/metrics").text
     assert 'splitserve_preemptions_total{kind="recompute"}' in metrics
+    h = get_json(decode.url + "/health")
+    assert h["free_blocks"] == h["total_blocks"] and h["running"] == 0
+
+
+def _recomputes(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('splitserve_preemptions_total{kind="recompute"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_sparse_tenant_with_a_burst_allowance_runs_over_its_share(stack) -> None:  # type: ignore[no-untyped-def]
+    # "sparse" sends one request, then nothing for 2.5 s: it earns the share of the 2-slot batch it
+    # leaves unused (--fair-burst-s, default 2 s of the batch). "flood" then takes both slots and sparse
+    # sends two requests at once. Their demands are alike (~100 and ~140 tokens asked: neither is 4x
+    # lighter), so by its share sparse gets one slot and its second request would wait for its first;
+    # with the allowance both start, each in place of one of flood's (two recomputes, not one).
+    decode, router = stack
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            await complete(client, router.url, "sparse", "Hello", 4)
+            await asyncio.sleep(2.5)
+            before = _recomputes(decode.url)
+            flood = [
+                asyncio.ensure_future(complete(client, router.url, "flood", f"Tale {i}: long ago", 60))
+                for i in range(2)
+            ]
+            deadline = time.monotonic() + 60
+            while get_json(decode.url + "/health")["running"] < 2:
+                assert time.monotonic() < deadline, "the flooding tenant never filled the batch"
+                await asyncio.sleep(0.05)
+            sparse = await asyncio.gather(
+                *(
+                    complete(client, router.url, "sparse", f"Question {i}: why is the sky", 40)
+                    for i in range(2)
+                )
+            )
+            taken = _recomputes(decode.url) - before
+            answers = await asyncio.gather(*flood)
+        assert [a["usage"]["completion_tokens"] for _, a in sparse] == [40, 40]
+        assert [a["usage"]["completion_tokens"] for _, a in answers] == [60, 60]
+        assert taken >= 2, f"sparse's two requests made {taken} recompute preemption(s): one waited"
+
+    asyncio.run(main())
     h = get_json(decode.url + "/health")
     assert h["free_blocks"] == h["total_blocks"] and h["running"] == 0
