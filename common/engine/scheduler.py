@@ -512,11 +512,17 @@ class Scheduler:
         last, self._allowance_at = self._allowance_at, now
         if last is None or now <= last or not self._allowance:
             return
-        dt, cap = now - last, self.config.fair_burst_s * self.config.max_num_seqs
+        cfg = self.config
+        dt, cap = now - last, cfg.fair_burst_s * cfg.max_num_seqs
         slots = self._slots()
         queued = {s.tenant for s in self.waiting} | {s.tenant for s in self.reserving}
+        # shares among the tenants that hold slots or wait for one: a tenant that took every slot is
+        # over its share while the others queue, not at a share of the whole batch
+        active = sum(cfg.weight(t) for t in set(slots) | queued)
         for tenant, left in self._allowance.items():
-            unused = self._share(tenant, slots, tenant) - slots[tenant]  # < 0: over its share
+            w = cfg.weight(tenant)
+            share = cfg.max_num_seqs * w / (active + (0.0 if tenant in slots or tenant in queued else w))
+            unused = share - slots[tenant]  # < 0: over its share
             if unused > 0 and tenant in queued:
                 continue
             self._allowance[tenant] = min(cap, max(0.0, left + unused * dt))

@@ -508,6 +508,22 @@ def test_a_tenant_that_left_its_share_unused_may_run_over_it_while_its_allowance
     assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
 
 
+def test_a_tenant_holding_every_slot_spends_its_allowance_while_another_waits() -> None:
+    # b's four requests take all four slots; a, with none left, still waits with queued work, so b is
+    # over its share (2 of 4 among the tenants running or waiting) and spends, and a gets its half back
+    s, now, bs = burst_scene(burst_s=0.5)
+    b4 = seq("b", max_tokens=60)
+    s.add(b4)
+    step(s)
+    now[0] += 0.1
+    assert [x.tenant for x in s.running] == ["b"] * 4 and any(x.tenant == "a" for x in s.waiting)
+    for _ in range(15):  # 2 slot-seconds at two slots over b's share: 1 s
+        step(s)
+        now[0] += 0.1
+    assert s._allowance["b"] == 0.0
+    assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
+
+
 def test_without_a_burst_allowance_a_tenant_of_like_demand_gets_its_share() -> None:
     s, _, bs = burst_scene(burst_s=0.0)
     assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
