@@ -507,7 +507,9 @@ class Scheduler:
         it asked for was served) earns the slot-seconds it left unused; one that ran more than its share
         spends the excess. Capped at fair_burst_s * max_num_seqs, never below 0. A tenant that waits
         with queued work earns nothing, so a flooding tenant that a burst holds under its share does
-        not earn a burst of its own (a sleeper's credit, as in CFS, not a waiter's)."""
+        not earn a burst of its own (a sleeper's credit, as in CFS, not a waiter's), and what it has
+        drains at the rate of its share besides: an allowance serves the burst that arrives with it,
+        and is gone after a few seconds of backlog."""
         now = self.clock()
         last, self._allowance_at = self._allowance_at, now
         if last is None or now <= last or not self._allowance:
@@ -523,8 +525,11 @@ class Scheduler:
             w = cfg.weight(tenant)
             share = cfg.max_num_seqs * w / (active + (0.0 if tenant in slots or tenant in queued else w))
             unused = share - slots[tenant]  # < 0: over its share
-            if unused > 0 and tenant in queued:
-                continue
+            if tenant in queued:
+                # backlogged: it earns nothing, and what it kept is for a burst now, not for later (two
+                # backlogged tenants that both kept some would share by the share rule until one ran
+                # out, and the other then take its slots): it drains at the rate of its share
+                unused = min(unused, 0.0) - share
             self._allowance[tenant] = min(cap, max(0.0, left + unused * dt))
 
     def _slots(self) -> Counter[str]:

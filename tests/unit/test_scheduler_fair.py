@@ -487,14 +487,15 @@ def burst_scene(burst_s: float) -> tuple[Scheduler, list[float], list[Sequence]]
 
 def test_a_tenant_that_left_its_share_unused_may_run_over_it_while_its_allowance_lasts() -> None:
     s, now, bs = burst_scene(burst_s=0.5)  # 0.5 s of the whole batch: 2 slot-seconds
-    # b ran nothing for 5 s: its allowance is full, a (new, busy) has none. b's three requests all
-    # start, a keeps one slot, and does not take the others back while b's allowance lasts
-    assert s._allowance["b"] == pytest.approx(2.0) and s._allowance["a"] == 0.0
+    # b ran nothing for 5 s: its allowance was full (2), a (new, busy) has none. b's three requests all
+    # start (the step they waited for, 0.1 s at b's share of 2 slots, drained 0.2), a keeps one slot,
+    # and does not take the others back while b's allowance lasts
+    assert s._allowance["b"] == pytest.approx(1.8) and s._allowance["a"] == 0.0
     assert all(b.status is SequenceStatus.RUNNING for b in bs)
     assert sorted(x.tenant for x in s.running) == ["a", "b", "b", "b"]
     taken = s.stats["preempt_fair_share"]
     assert taken == 3  # three of a's four sequences went back to its queue
-    for _ in range(15):  # 1.5 s at one slot over b's share: 1.5 of its 2 slot-seconds
+    for _ in range(15):  # 1.5 s at one slot over b's share: 1.5 of its 1.8 slot-seconds
         out = step(s)
         now[0] += 0.1
         assert not out.preempted
@@ -522,6 +523,28 @@ def test_a_tenant_holding_every_slot_spends_its_allowance_while_another_waits() 
         now[0] += 0.1
     assert s._allowance["b"] == 0.0
     assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
+
+
+def test_a_backlogged_tenants_allowance_drains_it_is_for_a_burst_now_not_later() -> None:
+    # a and b both earn a full allowance while idle, then both stay backlogged at their share of the
+    # batch: neither may take from the other while both have some (the share rule holds), and both
+    # drain at their share's rate, so neither keeps one to take the other's slots later
+    now = [0.0]
+    s = make(max_num_seqs=4, fair_quantum_tokens=8, fair_burst_s=1.0, clock=lambda: now[0])
+    for t in "ab":
+        s.add(seq(t, max_tokens=1))
+    step(s)
+    now[0] = 10.0
+    step(s)
+    assert s._allowance == {"a": 4.0, "b": 4.0}
+    for t in "ab":
+        for _ in range(6):
+            s.add(seq(t, max_tokens=60))
+    for _ in range(25):  # 2.5 s backlogged at a share of 2: 5 slot-seconds drained, more than the 4
+        step(s)
+        now[0] += 0.1
+        assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
+    assert s._allowance == {"a": 0.0, "b": 0.0}
 
 
 def test_without_a_burst_allowance_a_tenant_of_like_demand_gets_its_share() -> None:
