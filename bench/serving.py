@@ -1,7 +1,9 @@
 """End-to-end serving: one real stack (Redis, prefill, decode, three routers), one workload run through
 the split path (prefill service + KV push) and through the colocated path (prefill on the decode
 service), and the router's own overhead per request: without API keys, and with an API key that has
-rate limits (its check and its Lua charge and refund on every request), alternated in rounds."""
+rate limits (its check and its Lua charge and refund on every request), alternated in rounds with the
+same call made straight to the decode service and through the least a Python HTTP hop costs
+(bench/hop_floor.py: the router's server stack and client, none of its work)."""
 
 from __future__ import annotations
 
@@ -41,16 +43,24 @@ class Stack:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.by_url: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self, role: str, *flags: str, timeout_s: float = 180.0, port: int | None = None) -> str:
+    def start(
+        self,
+        role: str,
+        *flags: str,
+        timeout_s: float = 180.0,
+        port: int | None = None,
+        module: str = "splitserve",
+    ) -> str:
         """Start `splitserve <role> <flags>` (on `port`, default any free one) and wait until /health
-        answers; its URL."""
+        answers; its URL. Another `module` runs as `python -m <module> <flags>` (`role` names its log)."""
         if port is None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
         log_path = os.path.join(self.log_dir, f"{role}-{port}.log")
         with open(log_path, "a") as log:  # the child keeps its own descriptor
-            cmd = [sys.executable, "-m", "splitserve", role, "--port", str(port), *flags]
+            program = [role] if module == "splitserve" else []
+            cmd = [sys.executable, "-m", module, *program, "--port", str(port), *flags]
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         self.by_url[f"http://127.0.0.1:{port}"] = proc
@@ -97,16 +107,18 @@ async def warm_up(url: str, tok: Tokenizer, want_route: str, timeout_s: float = 
 
 
 async def router_overhead(
-    router_url: str, auth_url: str, api_key: str, decode_url: str, tok: Tokenizer, n: int
+    router_url: str, auth_url: str, api_key: str, decode_url: str, floor_url: str, tok: Tokenizer, n: int
 ) -> dict[str, list[float]]:
     """Latencies (s) of a one-token, non-streaming completion through the (local-path) router without
-    keys ("open"), through one requiring a rate-limited key ("auth"), and of the same prompt ids sent
-    straight to the decode service ("direct"); in rounds of the three, so drift hits each alike."""
+    keys ("open"), through one requiring a rate-limited key ("auth"), of the same prompt ids sent
+    straight to the decode service ("direct") and through the bare hop of bench/hop_floor.py ("floor");
+    in rounds of the four, so drift hits each alike."""
     prompt = "The quick brown fox jumps over the lazy dog. " * 2
     ids = tok.encode(prompt)  # what the router's tokenizer makes of it
     body = {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    times: dict[str, list[float]] = {"open": [], "auth": [], "direct": []}
+    floor_body = {"prompt_ids": ids, "max_tokens": 1}
+    times: dict[str, list[float]] = {"open": [], "auth": [], "direct": [], "floor": []}
     signed = SignedCalls(InternalSecret.from_env())  # the services check the cluster secret
     async with httpx.AsyncClient(timeout=30) as client:
         for i in range(n + 3):  # the first three warm every path
@@ -122,10 +134,14 @@ async def router_overhead(
             msg = GenerateRequest(f"bench-direct-{i}", ids, sampling, mode="local", deadline=time.time() + 30)
             await _generate_direct(client, decode_url, msg, signed)
             t3 = time.perf_counter()
+            resp = await client.post(f"{floor_url}/v1/completions", json=floor_body)
+            resp.raise_for_status()
+            t4 = time.perf_counter()
             if i >= 3:
                 times["open"].append(t1 - t0)
                 times["auth"].append(t2 - t1)
                 times["direct"].append(t3 - t2)
+                times["floor"].append(t4 - t3)
     return times
 
 
@@ -290,6 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             str(LOCAL_THRESHOLD), "--require-api-key",
         )  # fmt: skip
         api_key = _create_key(redis.url)
+        floor_url = stack.start("hop-floor", "--decode-url", decode_url, module="bench.hop_floor")
         runs: dict[str, list[Result]] = {}
         out: dict[str, Any] = {"rate": rate, "requests": n}
         for salt, (name, url) in enumerate(urls.items(), start=1):
@@ -307,12 +324,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out["output_tokens_p50"] = int(np.median([s.max_tokens for s in specs]))
         routers = {
             k: psutil.Process(stack.by_url[u].pid)
-            for k, u in (("open", urls["colocated"]), ("auth", auth_url))
+            for k, u in (("open", urls["colocated"]), ("auth", auth_url), ("floor", floor_url))
         }
         idle = _cpu_s(routers, IDLE_S)  # background work (registry, KV index, heartbeats) per second
         t0, cpu0 = time.monotonic(), _cpu_s(routers)
         times = asyncio.run(
-            router_overhead(urls["colocated"], auth_url, api_key, decode_url, tok, args.overhead_n)
+            router_overhead(urls["colocated"], auth_url, api_key, decode_url, floor_url, tok, args.overhead_n)
         )
         busy, cpu1 = time.monotonic() - t0, _cpu_s(routers)
         # each router served n + 3 one-token requests meanwhile: its CPU less its background rate's share
@@ -327,6 +344,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # per round: what the router adds over the direct call, with and without keys and limits
     open_extra = np.subtract(times["open"], times["direct"]) * 1000
     auth_extra = np.subtract(times["auth"], times["direct"]) * 1000
+    floor_extra = np.subtract(times["floor"], times["direct"]) * 1000
+    over_floor = np.subtract(times["open"], times["floor"]) * 1000
     plain = np.array(features["plain"])
     for name, vals in features.items():
         out[f"feature_{name}_tpot_p50_ms"] = round(float(np.median(vals)) * 1000, 2)
@@ -347,6 +366,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "router_cpu_ms_per_request_auth": round(router_cpu["auth"] * 1000, 2),
         "router_idle_cpu_fraction": round(idle["open"], 4),  # of one core, with no request in flight
         "router_overhead_auth_iqr_ms": [round(float(x), 2) for x in np.percentile(auth_extra, [25, 75])],
+        # the baseline: a bare Python HTTP hop (bench/hop_floor.py), what any router in Python pays
+        "hop_floor_overhead_ms": round(p50["floor"] - p50["direct"], 2),
+        "hop_floor_overhead_iqr_ms": [round(float(x), 2) for x in np.percentile(floor_extra, [25, 75])],
+        "hop_floor_cpu_ms_per_request": round(router_cpu["floor"] * 1000, 2),
+        # per round, the open router over the floor: the router's own work on the request's path
+        "router_over_floor_ms": round(float(np.median(over_floor)), 2),
+        "router_over_floor_iqr_ms": [round(float(x), 2) for x in np.percentile(over_floor, [25, 75])],
         "errors": len(errs),
         "first_error": errs[0] if errs else None,
         "slo_ttft_ms": args.slo_ttft_ms,

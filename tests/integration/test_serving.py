@@ -232,3 +232,23 @@ def test_disconnect_cancels_and_frees_blocks(stack, prompt) -> None:  # type: ig
     while (rec := record(router.url, request_id))["state"] != "cancelled" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert rec["state"] == "cancelled", rec
+
+
+def test_the_hop_floor_forwards_to_the_decode_service(stack, smollm, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bench serving's baseline (bench/hop_floor.py) is a real hop: the decode service's greedy tokens
+    for the ids it was sent, the blocks freed after."""
+    cluster, _, decode_, _ = stack
+    model, tok = smollm
+    ids = tok.encode(SHORT[0])
+    floor_cluster = Cluster(None, str(tmp_path))
+    try:
+        floor = floor_cluster.start("hop-floor", "--decode-url", decode_.url, module="bench.hop_floor")
+        r = httpx.post(floor.url + "/v1/completions", json={"prompt_ids": ids, "max_tokens": 6}, timeout=60)
+        assert r.status_code == 200, r.text
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
+        want = engine.generate([ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+        assert r.json()["token_ids"] == want.token_ids
+        h = cluster.wait_blocks_free(decode_)
+        assert h["free_blocks"] == h["total_blocks"], h
+    finally:
+        floor_cluster.stop()

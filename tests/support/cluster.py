@@ -60,11 +60,14 @@ class Cluster:
         timeout_s: float = 120.0,
         env: dict[str, str] | None = None,
         port: int | None = None,
+        module: str = "splitserve",
     ) -> Proc:
-        """Start a service process and wait until it is healthy; `env` adds to its environment."""
+        """Start a service process and wait until it is healthy; `env` adds to its environment. Another
+        `module` runs as `python -m <module> --port P <flags>` (`role` names its log; no Redis flag)."""
         port = port or free_port()
-        cmd = [sys.executable, "-m", "splitserve", role, "--port", str(port), *flags]
-        if self.redis_url:
+        program = [role] if module == "splitserve" else []
+        cmd = [sys.executable, "-m", module, *program, "--port", str(port), *flags]
+        if self.redis_url and module == "splitserve":
             cmd += ["--redis-url", self.redis_url]
         log_path = f"{self.log_dir}/{role}-{port}.log"
         log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
