@@ -100,14 +100,18 @@ class PagedKVCache:
     def gather(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` tokens of one sequence's K and V, each (length, n_kv, hd), model dtype."""
         n_kv, hd = self.spec.num_kv_heads, self.spec.head_dim
-        k = self.k[layer, block_table].view(-1, n_kv, hd)[:length]
-        v = self.v[layer, block_table].view(-1, n_kv, hd)[:length]
-        return self._load(k, layer, "k"), self._load(v, layer, "v")
+        used = block_table[: -(-length // self.spec.block_size)]  # not the table's padding
+        k, v = self.read_blocks(layer, used)
+        return k.view(-1, n_kv, hd)[:length], v.view(-1, n_kv, hd)[:length]
 
     def read_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the blocks `blocks` (any shape of block ids) in the model's dtype, each
-        (*blocks.shape, block_size, n_kv, hd)."""
-        return self._load(self.k[layer][blocks], layer, "k"), self._load(self.v[layer][blocks], layer, "v")
+        """K and V of the blocks `blocks` (any shape of block ids, int32 or int64) in the model's dtype,
+        each (*blocks.shape, block_size, n_kv, hd). index_select copies whole blocks: on the CPU about
+        2x faster than advanced indexing (`k[layer][blocks]`) for a decode batch's blocks."""
+        flat, shape = blocks.reshape(-1), (*blocks.shape, *self.k.shape[2:])
+        k = self.k[layer].index_select(0, flat).view(shape)
+        v = self.v[layer].index_select(0, flat).view(shape)
+        return self._load(k, layer, "k"), self._load(v, layer, "v")
 
     # --- swap (preemption by copying blocks to host memory) ---------------------------------------
     def copy_out(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
