@@ -1,4 +1,4 @@
-"""A decode step at batch 1, 4, 8 and 16 with the model's `linear` (1..FEW_ROWS fp32 rows on the CPU as
+"""A decode step at batch 1, 4, 8, 13 and 16 with the model's `linear` (1..FEW_ROWS fp32 rows on the CPU as
 weight @ x.T) against plain F.linear for every matmul, the two alternated in rounds in one process.
 
 Per batch and side: `batch` requests of a 64-token prompt and 24 output tokens each, started together;
@@ -24,7 +24,7 @@ from common.engine.llm_engine import LLMEngine
 from common.model.loader import load_model
 from common.sampling_params import SamplingParams
 
-BATCHES = (1, 4, 8, 16)
+BATCHES = (1, 4, 8, 13, 16)
 OUTPUT_TOKENS = 24
 
 

@@ -42,18 +42,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     transposed back: with the weight as the tall left operand MKL's sgemm splits the work over the
     weight's rows and streams it on every thread, where F.linear's x @ weight.T leaves threads idle
     over a handful of token rows. Measured on SmolLM2-135M, 2 threads: a decode step at batch 4, 8 and
-    16 takes 24-35 % less time. One row is sent as two (the row twice): a one-column product goes to
-    MKL's sgemv, which streams the weight at about half the bandwidth of a two-column sgemm on this
-    machine (all 30 layers' weights at batch 1: ~40 ms against ~20 ms), and the second column is free
-    in a product that only waits on memory. Prefill chunks keep F.linear. The sums run in another
-    order, so results differ from F.linear in the last bits.
+    16 takes 24-35 % less time. The column count is rounded (`_columns`): one row is sent as two (the
+    row twice), since a one-column product goes to MKL's sgemv, which streams the weight at about half
+    the bandwidth of a two-column sgemm; and 7..32 rows are padded with zero rows to 16, 24 or 32
+    columns, since MKL's sgemm is much slower for some column counts than for the next multiple of 8
+    (on a 2-core AMD EPYC all 30 layers' matmuls took ~60 ms at 16 columns and 89-109 ms at 13-15; a
+    batch-15 decode step went from 203 to 138 ms). A product this narrow waits mostly on memory, so
+    the extra columns cost little where a count is not slow. Prefill chunks keep F.linear. The sums
+    run in another order, so results differ from F.linear in the last bits.
     """
     rows = x.shape[0] if x.dim() == 2 else 0
     if 0 < rows <= FEW_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-        cols = torch.cat((x, x)) if rows == 1 else x
-        y = torch.mm(weight, cols.t())[:, :rows].t().contiguous()
+        cols = _columns(rows)
+        if cols == 2 * rows:
+            x = torch.cat((x, x))
+        elif cols != rows:
+            x = torch.cat((x, x.new_zeros(cols - rows, x.shape[1])))
+        y = torch.mm(weight, x.t())[:, :rows].t().contiguous()
         return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
+
+
+def _columns(rows: int) -> int:
+    """How many columns `linear` sends MKL for `rows` token rows (1..FEW_ROWS): 1 as 2, 2-6 as they
+    are, 7-16 as 16, 17-32 up to the next multiple of 8."""
+    if rows == 1:
+        return 2
+    if rows <= 6:
+        return rows
+    return 16 if rows <= 16 else -(-rows // 8) * 8
 
 
 class RMSNorm(nn.Module):
