@@ -57,6 +57,10 @@ from common.kv.block_manager import BlockManager
 log = logging.getLogger("splitserve.scheduler")
 RECENT_HALF_LIFE_S = 5.0  # fair: how fast tokens asked for stop counting as recent (_may_take)
 RECENT_RATIO = 4.0  # fair: asking this many times less lately, a tenant may take a slot (_may_take)
+# fair: a tenant with nothing running or queued for this long is forgotten (its demand and burst
+# allowance; _forget_idle): it comes back as a new tenant, and the scheduler's state and the work of
+# each step stay bounded by the tenants seen lately, not every tenant ever seen
+FORGET_TENANT_S = 600.0
 
 Policy = Literal["fcfs", "priority", "fair", "static"]
 PreemptionMode = Literal["auto", "swap", "recompute"]
@@ -165,6 +169,8 @@ class Scheduler:
         # last brought up to date (see _accrue)
         self._allowance: dict[str, float] = {}
         self._allowance_at: float | None = None
+        self._active_at: dict[str, float] = {}  # fair: when each known tenant last held a slot or queued
+        self._forgot_at = 0.0  # fair: when _forget_idle last looked
 
     # --- queue ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -181,6 +187,7 @@ class Scheduler:
             asked = seq.num_prompt_tokens + seq.params.max_tokens
             self._recent[seq.tenant] = self._recent_demand(seq.tenant) + asked
             self._allowance.setdefault(seq.tenant, 0.0)  # a tenant not seen before has none
+            self._active_at[seq.tenant] = self.clock()
 
     def has_work(self) -> bool:
         """Anything a step would do (parked sequences wait for a transfer, not for a step)."""
@@ -518,6 +525,10 @@ class Scheduler:
         dt, cap = now - last, cfg.fair_burst_s * cfg.max_num_seqs
         slots = self._slots()
         queued = {s.tenant for s in self.waiting} | {s.tenant for s in self.reserving}
+        for tenant in set(slots) | queued:
+            self._active_at[tenant] = now
+        if now - self._forgot_at >= FORGET_TENANT_S / 10:
+            self._forget_idle(now)
         # shares among the tenants that hold slots or wait for one: a tenant that took every slot is
         # over its share while the others queue, not at a share of the whole batch
         active = sum(cfg.weight(t) for t in set(slots) | queued)
@@ -531,6 +542,14 @@ class Scheduler:
                 # out, and the other then take its slots): it drains at the rate of its share
                 unused = min(unused, 0.0) - share
             self._allowance[tenant] = min(cap, max(0.0, left + unused * dt))
+
+    def _forget_idle(self, now: float) -> None:
+        """Drop the fair-share state of tenants idle for FORGET_TENANT_S (see there)."""
+        self._forgot_at = now
+        idle = [t for t in self._allowance if now - self._active_at.get(t, now) >= FORGET_TENANT_S]
+        for tenant in idle:
+            for state in (self._allowance, self._recent, self._recent_at, self._active_at):
+                state.pop(tenant, None)
 
     def _slots(self) -> Counter[str]:
         """Batch slots per tenant: running sequences and reservations waiting for their KV."""

@@ -27,7 +27,8 @@ def test_few_rows_take_the_weight_first_product() -> None:
     as two; 7..32 rows: zero rows added), and a bf16 input keeps F.linear's."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(32, 64, generator=g), torch.randn(48, 64, generator=g)
-    for rows, cols in ((1, 2), (5, 5), (6, 6), (7, 16), (13, 16), (16, 16), (17, 24), (23, 24), (25, 32), (32, 32)):
+    pairs = ((1, 2), (5, 5), (6, 6), (7, 16), (13, 16), (16, 16), (17, 24), (23, 24), (25, 32), (32, 32))
+    for rows, cols in pairs:
         assert _columns(rows) == cols
         xs = x[:rows]
         sent = torch.cat((xs, xs)) if rows == 1 else torch.cat((xs, xs.new_zeros(cols - rows, 64)))

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.config import EngineConfig
-from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from common.engine.scheduler import FORGET_TENANT_S, Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.sequence import Sequence, SequenceStatus
 from common.kv.block_manager import BlockManager
 from common.sampling_params import SamplingParams
@@ -564,6 +564,27 @@ def test_the_burst_allowance_is_capped_and_checked() -> None:
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(ValueError):
             SchedulerConfig(fair_burst_s=bad)
+
+
+def test_a_tenant_idle_for_long_is_forgotten_and_comes_back_as_new() -> None:
+    """The fair-share state (demand, allowance) of a tenant with nothing running or queued for
+    FORGET_TENANT_S is dropped, so it stays bounded by the tenants seen lately; until then an idle
+    tenant keeps its full allowance. A forgotten tenant comes back with none, as a new one."""
+    now = [0.0]
+    s = make(max_num_seqs=4, fair_burst_s=1.0, clock=lambda: now[0])
+    s.add(seq("a", max_tokens=1))
+    s.add(seq("b", max_tokens=1))
+    step(s)
+    for t in range(1, 12):  # b keeps sending now and then; a sends nothing more
+        now[0] = t * FORGET_TENANT_S / 10
+        s.add(seq("b", max_tokens=1))
+        step(s)
+        if now[0] < FORGET_TENANT_S:
+            assert s._allowance["a"] == pytest.approx(4.0)  # idle, at its cap, remembered
+    assert "a" not in s._allowance and "a" not in s._recent and "a" not in s._active_at
+    assert "b" in s._allowance
+    s.add(seq("a", max_tokens=1))
+    assert s._allowance["a"] == 0.0  # back as a new tenant
 
 
 def test_demand_fades_with_its_half_life_however_often_it_is_read() -> None:
