@@ -156,9 +156,7 @@ def paged_attention(
         n_new, ctx = end - start, meta.context_lens[i]
         kc, vc = kv_cache.gather(layer, meta.block_tables[i], ctx)  # (ctx, n_kv, hd)
         if n_new == 1:  # the step's one decode sequence (two or more went above)
-            out[start:end] = decode_attention(
-                q[start:end], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], None, scale
-            )
+            out[start] = decode_attention(q[start], kc.transpose(0, 1), vc.transpose(0, 1), scale)
             continue
         qi = q[start:end].transpose(0, 1)  # (n_heads, n_new, hd)
         ki, vi = kc.transpose(0, 1), vc.transpose(0, 1)  # (n_kv, ctx, hd)
@@ -175,25 +173,23 @@ def paged_attention(
 
 
 def decode_attention(
-    q: torch.Tensor,  # (D, n_heads, hd): one query row per sequence
-    k: torch.Tensor,  # (D, n_kv, L, hd)
-    v: torch.Tensor,  # (D, n_kv, L, hd)
-    mask: torch.Tensor | None,  # (D, 1, 1, L) bool, True where a key is the sequence's; None: all are
+    q: torch.Tensor,  # (n_heads, hd): the sequence's one query row
+    k: torch.Tensor,  # (n_kv, L, hd): its keys
+    v: torch.Tensor,  # (n_kv, L, hd)
     scale: float,
-) -> torch.Tensor:  # (D, n_heads, hd)
-    """Attention of one query row per sequence, grouped-query: the n_heads // n_kv query heads that share
-    a KV head are one (group, hd) matrix against that head's keys, read in place. For one sequence
-    without a mask (a batch-1 decode step) this takes about 40 % of SDPA's time on the CPU (SDPA
-    with enable_gqa runs its math path there, copying K and V per query head); for a padded, masked
-    batch SDPA is faster, and paged_attention uses it."""
-    d, n_heads, hd = q.shape
-    n_kv = k.shape[1]
-    scores = torch.matmul(q.view(d, n_kv, n_heads // n_kv, hd), k.transpose(2, 3)).mul_(scale)
-    if mask is not None:  # (D, n_kv, group, L)
-        scores.masked_fill_(~mask, float("-inf"))
+) -> torch.Tensor:  # (n_heads, hd)
+    """Attention of one query row (a lone decode sequence), grouped-query: the n_heads // n_kv query
+    heads that share a KV head are one (group, hd) matrix against that head's keys, read in place.
+    This takes about 40 % of SDPA's time on the CPU (SDPA with enable_gqa runs its math path for this
+    shape, copying K and V per query head); for a padded, masked batch of decodes SDPA is faster, and
+    paged_attention uses it there."""
+    n_heads, hd = q.shape
+    n_kv = k.shape[0]
+    # (n_kv, group, L)
+    scores = torch.matmul(q.view(n_kv, n_heads // n_kv, hd), k.transpose(1, 2)).mul_(scale)
     # at least fp32 for bf16/fp16 (a no-op in fp32 and fp64)
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    return torch.matmul(probs.to(v.dtype), v).view(d, n_heads, hd)
+    return torch.matmul(probs.to(v.dtype), v).view(n_heads, hd)
 
 
 def _triton_paged_attention(

@@ -69,17 +69,12 @@ def test_decode_attention_matches_sdpa_with_grouped_query_heads(dtype: torch.dty
     d, n_heads, n_kv, length, hd = 3, 9, 3, 21, 16
     q = torch.randn(d, n_heads, hd, generator=g).to(dtype)
     k, v = (torch.randn(d, n_kv, length, hd, generator=g).to(dtype) for _ in range(2))
-    lens = torch.tensor([21, 5, 13])
-    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]  # (D, 1, 1, L)
-    got = decode_attention(q, k, v, mask, 0.25)
-    want = F.scaled_dot_product_attention(
-        q.float().unsqueeze(2), k.float(), v.float(), attn_mask=mask, scale=0.25, enable_gqa=True
-    ).squeeze(2)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-    # no mask: every key counts
-    got = decode_attention(q[:1], k[:1], v[:1], None, 0.25)
-    want = F.scaled_dot_product_attention(
-        q[:1].float().unsqueeze(2), k[:1].float(), v[:1].float(), scale=0.25, enable_gqa=True
-    ).squeeze(2)
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    for i, n in enumerate((21, 5, 13)):  # each sequence against its own keys
+        got = decode_attention(q[i], k[i, :, :n], v[i, :, :n], 0.25)
+        want = F.scaled_dot_product_attention(
+            q[i : i + 1].float().unsqueeze(2), k[i : i + 1, :, :n].float(), v[i : i + 1, :, :n].float(),
+            scale=0.25, enable_gqa=True,
+        ).squeeze(2)[0]  # fmt: skip
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert got.shape == (n_heads, hd)
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
