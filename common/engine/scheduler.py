@@ -47,7 +47,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -531,10 +531,9 @@ class Scheduler:
             self._forget_idle(now)
         # shares among the tenants that hold slots or wait for one: a tenant that took every slot is
         # over its share while the others queue, not at a share of the whole batch
-        active = sum(cfg.weight(t) for t in set(slots) | queued)
+        active = set(slots) | queued
         for tenant, left in self._allowance.items():
-            w = cfg.weight(tenant)
-            share = cfg.max_num_seqs * w / (active + (0.0 if tenant in slots or tenant in queued else w))
+            share = self._share(tenant, active)
             unused = share - slots[tenant]  # < 0: over its share
             if tenant in queued:
                 # backlogged: it earns nothing, and what it kept is for a burst now, not for later (two
@@ -557,10 +556,10 @@ class Scheduler:
         slots.update(s.tenant for s in self.parked.values() if s.status is SequenceStatus.PARKED)
         return slots
 
-    def _share(self, tenant: str, slots: Counter[str], newcomer: str) -> float:
-        """tenant's share of max_num_seqs, by weight, among the tenants holding slots and `newcomer`."""
+    def _share(self, tenant: str, among: Iterable[str]) -> float:
+        """tenant's share of max_num_seqs, by weight, among the tenants `among` and itself."""
         w = self.config.weight
-        return self.config.max_num_seqs * w(tenant) / sum(w(t) for t in {*slots, newcomer})
+        return self.config.max_num_seqs * w(tenant) / sum(w(t) for t in {*among, tenant})
 
     def _may_take(self, t: str, v: str, slots: Counter[str]) -> bool:
         """fair, every batch slot taken: may a queued request of tenant t start in place of one of v's?
@@ -583,7 +582,8 @@ class Scheduler:
         burst_t, burst_v = self._allowance.get(t, 0.0) > 0, self._allowance.get(v, 0.0) > 0
         if burst_t != burst_v:  # one of them may run over its share (_accrue), at the other's expense
             return burst_t
-        return slots[t] + 1 <= self._share(t, slots, t) and slots[v] - 1 >= self._share(v, slots, t)
+        # shares among the tenants holding slots and t
+        return slots[t] + 1 <= self._share(t, slots) and slots[v] - 1 >= self._share(v, {*slots, t})
 
     def _starved_head(self, queue: deque[Sequence], taken: list[Sequence]) -> Sequence | None:
         """fair, every batch slot taken: the most urgent queued sequence of the tenant running the fewest
