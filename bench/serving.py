@@ -23,6 +23,7 @@ import numpy as np
 import psutil
 
 from bench.loadgen import Result, Spec, arrival_offsets, make_specs, run_load, send, summarize
+from bench.rounds import load_avg, ratio_keys, ratio_stats
 from common.cluster.redis_server import RedisServer
 from common.protocol import DecodeFrame, ErrorFrame, FrameReader, GenerateRequest, TokenFrame, encode
 from common.sampling_params import SamplingParams
@@ -276,6 +277,7 @@ def _flat(prefix: str, summary: dict[str, Any], results: list[Result]) -> dict[s
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    load_before = load_avg()
     info = load_model_info(args.model)
     tok = info.tokenizer
     n, rate = args.requests, args.rate
@@ -339,6 +341,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         stack.stop()
         redis.stop()
+    load_after = load_avg()
     errs = [r.error for rs in runs.values() for r in rs if r.error]
     p50 = {k: float(np.median(v)) * 1000 for k, v in times.items()}
     # per round: what the router adds over the direct call, with and without keys and limits
@@ -373,6 +376,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # per round, the open router over the floor: the router's own work on the request's path
         "router_over_floor_ms": round(float(np.median(over_floor)), 2),
         "router_over_floor_iqr_ms": [round(float(x), 2) for x in np.percentile(over_floor, [25, 75])],
+        # the paired figure in every bench's terms: per round, the open router's latency over direct
+        **ratio_keys(ratio_stats(times["open"], times["direct"])),
+        "load_before": load_before,
+        "load_after": load_after,
         "errors": len(errs),
         "first_error": errs[0] if errs else None,
         "slo_ttft_ms": args.slo_ttft_ms,
