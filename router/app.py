@@ -40,6 +40,7 @@ from router.openai_types import ChatCompletionRequest, CompletionRequest, reques
 from router.orchestrator import Orchestrator
 from router.serving import Server
 from router.tokenize import detokenize, detokenize_body_schema, tokenize, tokenize_body_schema
+from router.upstream import SettledTransport
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,13 @@ def create_app(
         # Connecting must be quick; reading must not time out (a decode stream lasts as long as the
         # generation): the request's own deadline bounds every wait instead.
         timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         auth=SignedCalls(secret),  # the services refuse /internal/ calls without the cluster secret's proof
-        verify=_internal_tls(config),
+        transport=SettledTransport(
+            httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                verify=_internal_tls(config),
+            )
+        ),
     )
 
     @contextlib.asynccontextmanager

@@ -38,6 +38,28 @@ MSGPACK = {"content-type": "application/msgpack"}
 T = TypeVar("T")
 
 
+class SettledTransport(httpx.AsyncBaseTransport):
+    """A transport whose connection failures are all httpx.TransportErrors. anyio (4.x, under uvloop)
+    raises AttributeError (`getpeername` on None) when a connection is closed as it is being made, as
+    it is when the service at the other end is being killed: every caller here treats a
+    TransportError as "that service is unreachable" (try another, or give up on a best-effort call),
+    and an AttributeError would instead end the client's request with a 500. Nothing of ours runs
+    inside a transport's request (the signing auth runs in the client), so an AttributeError from
+    there is the library's."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self.inner.handle_async_request(request)
+        except AttributeError as e:
+            raise httpx.ConnectError(f"connection closed as it was made: {e!r}", request=request) from e
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class PrefillFailed(Exception):
     """The prefill call failed in a way another prefill worker may not (connection, 5xx)."""
 
