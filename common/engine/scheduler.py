@@ -47,7 +47,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -525,15 +525,16 @@ class Scheduler:
         dt, cap = now - last, cfg.fair_burst_s * cfg.max_num_seqs
         slots = self._slots()
         queued = {s.tenant for s in self.waiting} | {s.tenant for s in self.reserving}
-        for tenant in set(slots) | queued:
+        active = set(slots) | queued
+        for tenant in active:
             self._active_at[tenant] = now
         if now - self._forgot_at >= FORGET_TENANT_S / 10:
             self._forget_idle(now)
         # shares among the tenants that hold slots or wait for one: a tenant that took every slot is
         # over its share while the others queue, not at a share of the whole batch
-        active = set(slots) | queued
+        active_weight = sum(cfg.weight(t) for t in active)  # once, not once per known tenant
         for tenant, left in self._allowance.items():
-            share = self._share(tenant, active)
+            share = self._share(tenant, active, active_weight)
             unused = share - slots[tenant]  # < 0: over its share
             if tenant in queued:
                 # backlogged: it earns nothing, and what it kept is for a burst now, not for later (two
@@ -556,10 +557,12 @@ class Scheduler:
         slots.update(s.tenant for s in self.parked.values() if s.status is SequenceStatus.PARKED)
         return slots
 
-    def _share(self, tenant: str, among: Iterable[str]) -> float:
-        """tenant's share of max_num_seqs, by weight, among the tenants `among` and itself."""
+    def _share(self, tenant: str, among: Collection[str], among_weight: float | None = None) -> float:
+        """tenant's share of max_num_seqs, by weight, among the tenants `among` and itself;
+        `among_weight`: their weights summed, when the caller has it for many tenants."""
         w = self.config.weight
-        return self.config.max_num_seqs * w(tenant) / sum(w(t) for t in {*among, tenant})
+        total = sum(w(t) for t in among) if among_weight is None else among_weight
+        return self.config.max_num_seqs * w(tenant) / (total + (0.0 if tenant in among else w(tenant)))
 
     def _may_take(self, t: str, v: str, slots: Counter[str]) -> bool:
         """fair, every batch slot taken: may a queued request of tenant t start in place of one of v's?

@@ -7,8 +7,11 @@ import asyncio
 import httpx
 import pytest
 
+from router.app import create_app
+from router.config import RouterConfig
 from router.upstream import SettledTransport, post_abort
 from router.workers import Worker
+from tests.support.router_fakes import model_info
 
 
 def _closed_as_made(request: httpx.Request) -> httpx.Response:
@@ -44,3 +47,9 @@ def test_a_best_effort_abort_on_a_service_dying_as_it_connects_does_not_raise() 
             await post_abort(c, Worker(id="prefill-0", url="http://127.0.0.1:1"), "cmpl-1")
 
     asyncio.run(go())
+
+
+def test_the_routers_own_client_uses_it() -> None:
+    """The wiring the fix depends on: the client create_app makes for the services (none was given)."""
+    app = create_app(RouterConfig(), None, model_info())
+    assert isinstance(app.state.server.orch.client._transport, SettledTransport)
