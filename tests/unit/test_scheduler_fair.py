@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.config import EngineConfig
-from common.engine.scheduler import FORGET_TENANT_S, Scheduler, SchedulerConfig, SchedulerOutput
+from common.engine.policy.fair import FORGET_TENANT_S, FairShare
+from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.sequence import Sequence, SequenceStatus
 from common.kv.block_manager import BlockManager
 from common.sampling_params import SamplingParams
@@ -38,6 +39,12 @@ def seq(tenant: str, n_prompt: int = 8, max_tokens: int = 1, **kw) -> Sequence: 
         tenant=tenant,
         **kw,
     )
+
+
+def fair(s: Scheduler) -> FairShare:
+    """The scheduler's fair-share policy, whose bookkeeping some tests read."""
+    assert isinstance(s.policy, FairShare)
+    return s.policy
 
 
 def step(s: Scheduler) -> SchedulerOutput:
@@ -149,7 +156,7 @@ def test_an_idle_tenant_banks_no_credit() -> None:
         s.add(seq("a"))
     for _ in range(10):  # b is idle while a alone is served
         assert tenants_of(step(s).admitted) == "aa"
-    assert "b" not in s._deficit
+    assert "b" not in fair(s)._deficit
     for _ in range(10):
         s.add(seq("b"))
     # b arrives after an idle period: one quantum up front (one 8-token prompt: its first request goes
@@ -164,11 +171,11 @@ def test_a_tenant_whose_queue_empties_loses_its_credit() -> None:
         s.add(seq("b"))
     out = s.schedule()
     assert tenants_of(out.admitted) == "abbbb"
-    assert "a" not in s._deficit and "a" not in s._rr, "the 32 tokens a did not use are gone"
+    assert "a" not in fair(s)._deficit and "a" not in fair(s)._rr, "the 32 tokens a did not use are gone"
     s.add(seq("a"))
     # back with one quantum, the one any tenant gets when its request arrives to an empty queue, ahead
     # of b (whose turn it was): not the 32 tokens it left unused
-    assert s._deficit["a"] == 40 and s._rr[0] == "a"
+    assert fair(s)._deficit["a"] == 40 and fair(s)._rr[0] == "a"
 
 
 def test_a_deep_debt_never_leaves_capacity_idle(caplog: pytest.LogCaptureFixture) -> None:
@@ -179,7 +186,7 @@ def test_a_deep_debt_never_leaves_capacity_idle(caplog: pytest.LogCaptureFixture
     s.add(second)
     while not first.is_finished:
         assert step(s).admitted != [second]
-    assert s._deficit["a"] < -150
+    assert fair(s)._deficit["a"] < -150
     assert step(s).admitted == [second], "admitted at the first step a slot is free"
     assert not caplog.records, "the skipped rounds found it credit, not the fallback"
 
@@ -490,7 +497,7 @@ def test_a_tenant_that_left_its_share_unused_may_run_over_it_while_its_allowance
     # b ran nothing for 5 s: its allowance was full (2), a (new, busy) has none. b's three requests all
     # start (the step they waited for, 0.1 s at b's share of 2 slots, drained 0.2), a keeps one slot,
     # and does not take the others back while b's allowance lasts
-    assert s._allowance["b"] == pytest.approx(1.8) and s._allowance["a"] == 0.0
+    assert fair(s)._allowance["b"] == pytest.approx(1.8) and fair(s)._allowance["a"] == 0.0
     assert all(b.status is SequenceStatus.RUNNING for b in bs)
     assert sorted(x.tenant for x in s.running) == ["a", "b", "b", "b"]
     taken = s.stats["preempt_fair_share"]
@@ -499,12 +506,12 @@ def test_a_tenant_that_left_its_share_unused_may_run_over_it_while_its_allowance
         out = step(s)
         now[0] += 0.1
         assert not out.preempted
-        assert s._allowance["a"] == 0.0  # a waits with queued work: it earns nothing
+        assert fair(s)._allowance["a"] == 0.0  # a waits with queued work: it earns nothing
     assert sorted(x.tenant for x in s.running) == ["a", "b", "b", "b"]
     for _ in range(10):  # spent: a takes its share back, and the batch is shared by the share rule
         step(s)
         now[0] += 0.1
-    assert s._allowance["b"] == 0.0
+    assert fair(s)._allowance["b"] == 0.0
     assert s.stats["preempt_fair_share"] == taken + 1
     assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
 
@@ -521,7 +528,7 @@ def test_a_tenant_holding_every_slot_spends_its_allowance_while_another_waits() 
     for _ in range(15):  # 2 slot-seconds at two slots over b's share: 1 s
         step(s)
         now[0] += 0.1
-    assert s._allowance["b"] == 0.0
+    assert fair(s)._allowance["b"] == 0.0
     assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
 
 
@@ -536,7 +543,7 @@ def test_a_backlogged_tenants_allowance_drains_it_is_for_a_burst_now_not_later()
     step(s)
     now[0] = 10.0
     step(s)
-    assert s._allowance == {"a": 4.0, "b": 4.0}
+    assert fair(s)._allowance == {"a": 4.0, "b": 4.0}
     for t in "ab":
         for _ in range(6):
             s.add(seq(t, max_tokens=60))
@@ -544,7 +551,7 @@ def test_a_backlogged_tenants_allowance_drains_it_is_for_a_burst_now_not_later()
         step(s)
         now[0] += 0.1
         assert sorted(x.tenant for x in s.running) == ["a", "a", "b", "b"]
-    assert s._allowance == {"a": 0.0, "b": 0.0}
+    assert fair(s)._allowance == {"a": 0.0, "b": 0.0}
 
 
 def test_without_a_burst_allowance_a_tenant_of_like_demand_gets_its_share() -> None:
@@ -560,7 +567,7 @@ def test_the_burst_allowance_is_capped_and_checked() -> None:
     step(s)
     now[0] = 100.0  # idle long: the cap, fair_burst_s of the whole batch
     step(s)
-    assert s._allowance["b"] == pytest.approx(6.0)
+    assert fair(s)._allowance["b"] == pytest.approx(6.0)
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(ValueError):
             SchedulerConfig(fair_burst_s=bad)
@@ -580,11 +587,11 @@ def test_a_tenant_idle_for_long_is_forgotten_and_comes_back_as_new() -> None:
         s.add(seq("b", max_tokens=1))
         step(s)
         if now[0] < FORGET_TENANT_S:
-            assert s._allowance["a"] == pytest.approx(4.0)  # idle, at its cap, remembered
-    assert "a" not in s._allowance and "a" not in s._recent and "a" not in s._active_at
-    assert "b" in s._allowance
+            assert fair(s)._allowance["a"] == pytest.approx(4.0)  # idle, at its cap, remembered
+    assert "a" not in fair(s)._allowance and "a" not in fair(s)._recent and "a" not in fair(s)._active_at
+    assert "b" in fair(s)._allowance
     s.add(seq("a", max_tokens=1))
-    assert s._allowance["a"] == 0.0  # back as a new tenant
+    assert fair(s)._allowance["a"] == 0.0  # back as a new tenant
 
 
 def test_demand_fades_with_its_half_life_however_often_it_is_read() -> None:
@@ -593,7 +600,7 @@ def test_demand_fades_with_its_half_life_however_often_it_is_read() -> None:
     s.add(seq("a", n_prompt=8, max_tokens=92))  # 100 tokens asked for
     for t in (1.0, 2.5, 5.0):  # read (as the slot rules do) at several times
         now[0] = t
-        s._recent_demand("a")
-    assert s._recent_demand("a") == pytest.approx(50.0)  # one half-life (5 s) later: half
+        fair(s)._recent_demand("a")
+    assert fair(s)._recent_demand("a") == pytest.approx(50.0)  # one half-life (5 s) later: half
     now[0] = 10.0
-    assert s._recent_demand("a") == pytest.approx(25.0)
+    assert fair(s)._recent_demand("a") == pytest.approx(25.0)
