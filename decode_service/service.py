@@ -93,8 +93,8 @@ class DecodeService(Service):
         out = {self.receiver.rank: self.receiver.stats}
         workers = self.engine.tp_workers
         for rank, reported in (workers.rank_stats if workers is not None else {}).items():
-            if "received" in reported:
-                out[rank] = ReceiverStats(**reported["received"])
+            if reported.received is not None:
+                out[rank] = ReceiverStats(**reported.received)
         return out
 
     def transfer_counters(self) -> list[TransportCount]:

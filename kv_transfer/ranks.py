@@ -6,20 +6,12 @@ process) keeps the requests, fences and leases; a worker rank runs a `RankAgent`
 thread of its own with this backend's sender (prefill) or receiver (decode) over the rank's shard, so
 its bytes go straight between the ranks that hold them, never through rank 0.
 
-Rank 0 drives it over a control pipe with calls, each answered once ("reply", call id, error or ""):
-
-    decode:  ("open", rid, fence)      accept writes for (rid, fence) from now on
-             ("close", rid, fence)     refuse them, and answer once none is landing any more
-    prefill: ("finish", rid, done)     every layer is posted: wait for them, send this rank's kv_done
-                                       to each decode rank it wrote to, answer (error: why it failed)
-             ("settle", rid)           post nothing more for rid; answer once no write reads its blocks
-
-and an agent reports on its own: ("stats", {"sent": {backend: SenderStats fields}, "received":
-ReceiverStats fields}) each second its counters changed (rank 0 exports them, labelled by rank),
-and a decode agent ("arrived", rid, fence, why): every kv_done due to this rank
-was heard, and why ("" = every layer write landed) — rank 0 lets the request decode once all ranks
-said "". A prefill agent's writes are posted by the worker's engine thread in the forward pass
-(`save_layer`), exactly as rank 0's connector posts its own.
+Rank 0 drives it over a control pipe with calls (common/parallel/messages.py: Open and Close on a
+decode rank, Finish and Settle on a prefill rank), each answered once; the agent reports its counters
+(RankStats) and, on a decode rank, each request whose kv_dones it heard (RankArrived) — rank 0 lets
+the request decode once every rank said its KV is complete. A prefill agent's writes are posted by
+the worker's engine thread in the forward pass (`save_layer`), exactly as rank 0's connector posts
+its own.
 """
 
 from __future__ import annotations
@@ -32,12 +24,23 @@ import functools
 import logging
 import multiprocessing.connection
 import threading
-from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, assert_never
 
 from common.kv.kv_cache import PagedKVCache
+from common.parallel.messages import (
+    AgentMessage,
+    Close,
+    Finish,
+    Open,
+    RankArrived,
+    RankCall,
+    RankReply,
+    RankStats,
+    Settle,
+    call_id_of,
+)
 from common.parallel.plan import SaveItem, Tally, shard_dones, shard_writes, split_endpoints
-from common.protocol import KVCompat, KVDone
+from common.protocol import KVCompat, KVDone, ProtocolError, decode, encode
 from kv_transfer import KVReceiver, KVSender, make_receiver, make_sender
 
 log = logging.getLogger("splitserve.tp.transfer")
@@ -89,7 +92,7 @@ class RankAgent:
         self._tally: dict[tuple[str, int], Tally] = {}
         fut = asyncio.run_coroutine_threadsafe(self._start(), self.loop)
         fut.result(START_TIMEOUT_S)
-        self._reported: dict[str, Any] = {}
+        self._reported: RankStats | None = None
         self._stats_task = asyncio.run_coroutine_threadsafe(self._report_stats(), self.loop)
         threading.Thread(target=self._read_control, name="splitserve-tp-ctl", daemon=True).start()
 
@@ -104,49 +107,58 @@ class RankAgent:
 
     async def _report_stats(self) -> None:
         while True:
-            stats: dict[str, Any] = {
-                "sent": {b: dataclasses.asdict(x.stats) for b, x in self.senders.items()}
-            }
-            if self.receiver is not None:
-                stats["received"] = dataclasses.asdict(self.receiver.stats)
+            stats = RankStats(
+                sent={b: dataclasses.asdict(x.stats) for b, x in self.senders.items()},
+                received=dataclasses.asdict(self.receiver.stats) if self.receiver is not None else None,
+            )
             if stats != self._reported:
                 self._reported = stats
-                self._tell(("stats", stats))
+                self._tell(stats)
             await asyncio.sleep(STATS_EVERY_S)
 
     # --- the control pipe ---------------------------------------------------------------------------
     def _read_control(self) -> None:
         while True:
             try:
-                msg = self.conn.recv()
+                data = self.conn.recv_bytes()
             except (EOFError, OSError):
                 return  # rank 0 is gone: the worker's step loop ends the process
-            self.loop.call_soon_threadsafe(self._dispatch, msg)
+            try:
+                call = decode(data, RankCall)
+            except ProtocolError as e:  # refused here, and the caller hears why
+                log.error("rank %d: refusing a control message: %s", self.rank, e)
+                call_id = call_id_of(data)
+                if call_id is not None:
+                    self._tell(RankReply(call_id=call_id, error=f"rank {self.rank}: {e}"))
+                continue
+            self.loop.call_soon_threadsafe(self._dispatch, call)
 
-    def _dispatch(self, msg: tuple[Any, ...]) -> None:
-        call_id, op, *args = msg
-        ops: dict[str, Callable[..., Coroutine[Any, Any, None]]] = {
-            "open": self._op_open,
-            "close": self._op_close,
-            "finish": self._op_finish,
-            "settle": self._op_settle,
-        }
-        if op not in ops:
-            self._tell(("reply", call_id, f"unknown operation {op!r}"))
-            return
-        self.loop.create_task(self._answer(call_id, ops[op](*args)))
+    def _dispatch(self, call: RankCall) -> None:
+        self.loop.create_task(self._answer(call))
 
-    async def _answer(self, call_id: int, coro: Any) -> None:
+    async def _answer(self, call: RankCall) -> None:
+        op = call.op
         try:
-            await coro
+            match op:
+                case Open():
+                    await self._op_open(op)
+                case Close():
+                    await self._op_close(op)
+                case Finish():
+                    await self._op_finish(op)
+                case Settle():
+                    await self._op_settle(op)
+                case _:
+                    assert_never(op)
             error = ""
         except Exception as e:  # the answer carries it to rank 0
             error = f"rank {self.rank}: {e or type(e).__name__}"
-        self._tell(("reply", call_id, error))
+        self._tell(RankReply(call_id=call.call_id, error=error))
 
-    def _tell(self, msg: tuple[Any, ...]) -> None:
+    def _tell(self, msg: AgentMessage) -> None:
+        data = encode(msg)
         with self._send_lock, contextlib.suppress(OSError):  # rank 0 gone: nobody to tell
-            self.conn.send(msg)
+            self.conn.send_bytes(data)
 
     # --- prefill ------------------------------------------------------------------------------------
     def save_layer(self, layer: int, items: list[SaveItem]) -> None:
@@ -184,17 +196,18 @@ class RankAgent:
                 self.senders[backend] = fut.result(START_TIMEOUT_S)
         return self.senders[backend]
 
-    async def _op_finish(self, rid: str, endpoint: str, done: KVDone) -> None:
-        writes = list(self._writes.get(rid, []))
+    async def _op_finish(self, op: Finish) -> None:
+        writes = list(self._writes.get(op.request_id, []))
         for _, w in writes:
             await asyncio.wrap_future(w)  # a failed write fails the finish: rank 0 hears why
         c = self.compat
         for msg, ep in shard_dones(
-            c.num_kv_heads, c.tp_size, self.rank, endpoint, done, [e for e, _ in writes]
+            c.num_kv_heads, c.tp_size, self.rank, op.endpoint, op.done, [e for e, _ in writes]
         ):
-            await self._sender_for(endpoint).send_done(ep, msg)
+            await self._sender_for(op.endpoint).send_done(ep, msg)
 
-    async def _op_settle(self, rid: str) -> None:
+    async def _op_settle(self, op: Settle) -> None:
+        rid = op.request_id
         self._stopped.add(rid)
         for _, w in self._writes.pop(rid, []):
             with contextlib.suppress(Exception):  # a failed write reads nothing any more
@@ -202,11 +215,12 @@ class RankAgent:
         self._stopped.discard(rid)
 
     # --- decode: rank 0's calls, and the receiver's owner ----------------------------------------
-    async def _op_open(self, rid: str, fence: int) -> None:
-        self._open[rid] = fence
-        self._tally[(rid, fence)] = Tally()
+    async def _op_open(self, op: Open) -> None:
+        self._open[op.request_id] = op.fence
+        self._tally[(op.request_id, op.fence)] = Tally()
 
-    async def _op_close(self, rid: str, fence: int) -> None:
+    async def _op_close(self, op: Close) -> None:
+        rid, fence = op.request_id, op.fence
         if self._open.get(rid) == fence:
             del self._open[rid]
         self._tally.pop((rid, fence), None)
@@ -231,7 +245,7 @@ class RankAgent:
         if why is None:
             return
         del self._open[msg.request_id]  # complete or not, nothing more may land under this fence
-        self._tell(("arrived", msg.request_id, msg.fence, why))
+        self._tell(RankArrived(request_id=msg.request_id, fence=msg.fence, why=why))
 
     def close(self) -> None:
         async def stop() -> None:

@@ -77,7 +77,7 @@ class PrefillService(Service):
             out += _sender_counters(backend, self.rank, s)
         workers = self.engine.tp_workers  # the worker ranks' own senders, as they last reported
         for rank, stats in (workers.rank_stats if workers is not None else {}).items():
-            for backend, sent in stats.get("sent", {}).items():
+            for backend, sent in stats.sent.items():
                 out += _sender_counters(backend, rank, SenderStats(**sent))
         return out
 

@@ -20,12 +20,12 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from common.connector.base import RemoteKVConnector
 from common.connector.remote_kv import IncomingKV, TransferState
 from common.engine.api import Admission
 from common.engine.sequence import Sequence
+from common.parallel.messages import Close, Open, RankArrived, RankReport
 from common.protocol import KVDone
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class DecodeConnector(RemoteKVConnector[IncomingKV]):
         self.requests[a.request_id] = rkv
         if self.ranks is not None:  # every rank accepts the writes before the prefill can know where
             self.ranks.attach(self._on_report)
-            errors = [e for e in await self.ranks.call("open", rkv.request_id, rkv.fence) if e]
+            errors = [e for e in await self.ranks.call(Open(rkv.request_id, rkv.fence)) if e]
             if errors and rkv.open:
                 rkv.state = S.ENDED
                 self.on_failed(rkv, "; ".join(errors))
@@ -75,7 +75,7 @@ class DecodeConnector(RemoteKVConnector[IncomingKV]):
             with contextlib.suppress(Exception):  # a broken transport has nothing left landing
                 await wait_idle(rkv.request_id)
         if self.ranks is not None:  # the same on every rank (a rank that is gone writes nothing)
-            await self.ranks.call("close", rkv.request_id, rkv.fence)
+            await self.ranks.call(Close(rkv.request_id, rkv.fence))
         await self._forget(rkv)
 
     # --- engine thread --------------------------------------------------------------------------------
@@ -113,12 +113,12 @@ class DecodeConnector(RemoteKVConnector[IncomingKV]):
         rkv.done = msg
         self._rank_verdict(rkv, 0, why)
 
-    def _on_report(self, rank: int, msg: tuple[Any, ...]) -> None:
-        """A worker rank's agent: ("arrived", rid, fence, why), or ("gone",) when it exited."""
-        if msg[0] == "arrived":
-            rkv = self._current(msg[1], msg[2])
+    def _on_report(self, rank: int, msg: RankReport) -> None:
+        """A worker rank's agent: RankArrived, or RankGone when it exited."""
+        if isinstance(msg, RankArrived):
+            rkv = self._current(msg.request_id, msg.fence)
             if rkv is not None:
-                self._rank_verdict(rkv, rank, msg[3])
+                self._rank_verdict(rkv, rank, msg.why)
             return
         for rkv in [r for r in self.requests.values() if r.open]:
             rkv.state = S.ENDED

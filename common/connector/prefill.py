@@ -31,6 +31,7 @@ from common.connector.remote_kv import OutgoingKV, TransferState
 from common.engine.scheduler import SchedulerOutput
 from common.engine.sequence import Sequence
 from common.kv.kv_cache import PagedKVCache
+from common.parallel.messages import Finish, Settle
 from common.parallel.plan import HeadSlice, SaveItem, plan, shard_dones, shard_writes, split_endpoints
 from common.protocol import KVCompat, KVDone, PrefillRequest, TransferError
 from common.runtime.telemetry import span_ctx, traceparent, tracer
@@ -133,7 +134,7 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
             await asyncio.wrap_future(w)
         msg = KVDone(rkv.request_id, rkv.fence, first_token, num_tokens, 0, rkv.traceparent)
         if self.ranks is not None:  # the other ranks wait for their writes and send their kv_dones
-            errors = [e for e in await self.ranks.call("finish", rkv.request_id, rkv.endpoint, msg) if e]
+            errors = [e for e in await self.ranks.call(Finish(rkv.request_id, rkv.endpoint, msg)) if e]
             if errors:
                 raise TransferError("; ".join(errors))
         for done, endpoint in shard_dones(*self._heads, 0, rkv.endpoint, msg, rkv.written):
@@ -154,7 +155,7 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
             with contextlib.suppress(Exception):  # a failed write reads nothing any more
                 await asyncio.wrap_future(w)
         if self.ranks is not None:
-            await self.ranks.call("settle", rkv.request_id)  # a rank that is gone reads nothing either
+            await self.ranks.call(Settle(rkv.request_id))  # a rank that is gone reads nothing either
         rkv.released = True
         await self._forget(rkv)
 

@@ -10,8 +10,9 @@ logit gathers are the gloo collectives) and rank 0 samples.
 
 A service's engine (a KV connector: the prefill/decode split) also gives each worker a transfer
 agent (`transfer`, kv_transfer/ranks.py): the worker's own KV sender or receiver over its shard, so
-each rank moves its own KV heads. Rank 0 drives the agents over a second pipe per worker (`call`), and
-hears a decode agent's reports (`on_report`); a prefill step carries the layer writes each rank posts.
+each rank moves its own KV heads. Rank 0 drives the agents over a second pipe per worker (`call`, with
+the typed messages of common/parallel/messages.py), and hears a decode agent's reports (`on_report`);
+a prefill step carries the layer writes each rank posts.
 
 The step goes over a pipe, not a gloo broadcast: an idle engine leaves its workers blocked in
 `recv`, which no collective timeout can end, and a pipe's end (rank 0 exited, even by SIGKILL) ends
@@ -47,8 +48,18 @@ from common.kv.kv_cache import KVCacheSpec, KVScales, PagedKVCache
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.parallel.collective import GlooCollective, TPRank, Unconnected, gloo_group
+from common.parallel.messages import (
+    AgentMessage,
+    RankCall,
+    RankGone,
+    RankOp,
+    RankReply,
+    RankReport,
+    RankStats,
+    call_id_of,
+)
 from common.parallel.partition import ShardLayout
-from common.protocol import KVCompat
+from common.protocol import KVCompat, ProtocolError, decode, encode
 from common.runtime.allocator import tune as tune_allocator
 
 log = logging.getLogger("splitserve.tp")
@@ -132,8 +143,8 @@ class TPWorkers:
         self._calls = itertools.count(1)
         self._replies: dict[tuple[int, int], asyncio.Future[str]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._on_report: Callable[[int, tuple[Any, ...]], None] | None = None
-        self.rank_stats: dict[int, dict[str, Any]] = {}  # rank -> its agent's last counters
+        self._on_report: Callable[[int, RankReport], None] | None = None
+        self.rank_stats: dict[int, RankStats] = {}  # rank -> its agent's last counters
         # A worker that exits while the engine runs (killed, crashed): on_lost(rank) runs on the
         # listening thread (a service exits: the engine cannot step without the rank). Not on close().
         self.on_lost: Callable[[int], None] | None = None
@@ -252,24 +263,25 @@ class TPWorkers:
         self._controls.clear()
 
     # --- the transfer agents (event loop) ---------------------------------------------------------
-    def attach(self, on_report: Callable[[int, tuple[Any, ...]], None]) -> None:
+    def attach(self, on_report: Callable[[int, RankReport], None]) -> None:
         """Hear the agents on the running event loop: replies to `call`, and reports, which go to
         on_report(rank, message) on the loop. Once; later calls change nothing. (Their counters,
         `rank_stats`, are kept from the start.)"""
         if self._loop is None:
             self._loop, self._on_report = asyncio.get_running_loop(), on_report
 
-    async def call(self, op: str, *args: Any) -> list[str]:
-        """Ask every agent to do `op` (kv_transfer/ranks.py) and wait for all answers: the errors
+    async def call(self, op: RankOp) -> list[str]:
+        """Ask every agent to do `op` (common/parallel/messages.py) and wait for all answers: the errors
         ("" where it went well), rank 1 first. A rank that is gone answers with that."""
         assert self._loop is not None, "attach() first"
         call_id = next(self._calls)
+        data = encode(RankCall(call_id=call_id, op=op))
         futs = []
         for r, conn in enumerate(self._controls, start=1):
             fut = self._loop.create_future()
             self._replies[(r, call_id)] = fut
             try:
-                conn.send((call_id, op, *args))
+                conn.send_bytes(data)
             except OSError as e:
                 self._replies.pop((r, call_id))
                 fut.set_result(f"rank {r} is gone: {e}")
@@ -278,29 +290,28 @@ class TPWorkers:
 
     def _listen(self, rank: int, conn: multiprocessing.connection.Connection) -> None:
         while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                msg = ("gone",)
-            if msg[0] == "stats":
-                self.rank_stats[rank] = msg[1]
+            msg = _read(rank, conn)
+            if msg is None:
+                continue
+            if isinstance(msg, RankStats):
+                self.rank_stats[rank] = msg
                 continue
             loop = self._loop  # replies only follow calls, made on the loop once attached
             if loop is not None:
                 with contextlib.suppress(RuntimeError):  # the loop closed: nobody listens any more
                     loop.call_soon_threadsafe(self._heard, rank, msg)
-            if msg[0] == "gone":
+            if isinstance(msg, RankGone):
                 if self.on_lost is not None and not self._closing["set"]:
                     self.on_lost(rank)
                 return
 
-    def _heard(self, rank: int, msg: tuple[Any, ...]) -> None:
-        if msg[0] == "reply":
-            fut = self._replies.pop((rank, msg[1]), None)
+    def _heard(self, rank: int, msg: RankReply | RankReport) -> None:
+        if isinstance(msg, RankReply):
+            fut = self._replies.pop((rank, msg.call_id), None)
             if fut is not None and not fut.done():
-                fut.set_result(msg[2])
+                fut.set_result(msg.error)
             return
-        if msg[0] == "gone":  # every call still waiting on this rank fails
+        if isinstance(msg, RankGone):  # every call still waiting on this rank fails
             for key in [k for k in self._replies if k[0] == rank]:
                 fut = self._replies.pop(key)
                 if not fut.done():
@@ -312,6 +323,22 @@ class TPWorkers:
     def alive(self) -> list[int]:
         """Pids of the workers still running (for tests and /health-like checks)."""
         return [p.pid for p in self._procs if p.is_alive()]
+
+
+def _read(rank: int, conn: multiprocessing.connection.Connection) -> AgentMessage | RankGone | None:
+    """The next message from a worker's agent: RankGone once its pipe ends; a message that does not
+    decode is logged and, when it names a call, fails that call with the reason (None otherwise)."""
+    try:
+        data = conn.recv_bytes()
+    except (EOFError, OSError):
+        return RankGone()
+    try:
+        msg: AgentMessage = decode(data, AgentMessage)
+    except ProtocolError as e:
+        log.error("rank %d: a control message that does not decode: %s", rank, e)
+        call_id = call_id_of(data)
+        return RankReply(call_id=call_id, error=f"rank {rank}: {e}") if call_id is not None else None
+    return msg
 
 
 def _send_all(group: Any, tensors: list[torch.Tensor], rank: int) -> None:

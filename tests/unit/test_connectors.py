@@ -15,6 +15,7 @@ from common.engine.api import Admission
 from common.engine.scheduler import SchedulerOutput
 from common.engine.sequence import Sequence
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.parallel.messages import Close, Open, RankArrived, RankGone, RankOp
 from common.parallel.plan import HeadSlice
 from common.protocol import KVDone, PrefillRequest
 from common.sampling_params import SamplingParams
@@ -78,15 +79,15 @@ class Ranks:
     world_size = 3
 
     def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
+        self.calls: list[RankOp] = []
         self.report: Any = None
         self.errors = ["", ""]
 
     def attach(self, on_report: Any) -> None:
         self.report = on_report
 
-    async def call(self, op: str, *args: Any) -> list[str]:
-        self.calls.append((op, *args))
+    async def call(self, op: RankOp) -> list[str]:
+        self.calls.append(op)
         return list(self.errors)
 
 
@@ -95,26 +96,27 @@ def test_with_tensor_parallelism_a_request_decodes_once_every_rank_has_its_kv() 
         d, ranks = Decode(), Ranks()
         d.c.ranks = ranks  # type: ignore[assignment]
         a = await d.c.reserve(Admission("a", [5, 6], 0))
-        assert ranks.calls == [("open", "a", 1)], "every rank opens the fence before Reserved goes out"
+        assert ranks.calls == [Open("a", 1)], "every rank opens the fence before Reserved goes out"
         assert d.c.may_write("a", 1)
         for layer in range(2):  # two prefill ranks write into rank 0 (2 -> 3 heterogeneous TP)
             d.c.layer_arrived("a", 1, layer)
         d.c.kv_done(KVDone("a", 1, 9, 6, 1, src_rank=0, senders=2))
-        ranks.report(1, ("arrived", "a", 1, ""))
+        ranks.report(1, RankArrived(request_id="a", fence=1, why=""))
         assert d.arrived == [], "rank 0 still waits for the second prefill rank's kv_done"
         d.c.kv_done(KVDone("a", 1, 9, 6, 1, src_rank=1, senders=2))
         assert d.arrived == [] and a.state is S.RECEIVING, "rank 2 has not reported"
-        ranks.report(2, ("arrived", "a", 1, ""))
+        ranks.report(2, RankArrived(request_id="a", fence=1, why=""))
         assert [(r, m.first_token) for r, m in d.arrived] == [("a", 9)] and a.state is S.ARRIVED
         await d.c.end(a, lambda rid: asyncio.sleep(0))
-        assert ranks.calls[-1] == ("close", "a", 1)
+        assert ranks.calls[-1] == Close("a", 1)
 
         b = await d.c.reserve(Admission("b", [7], 0))
-        ranks.report(2, ("arrived", "b", 2, "KV incomplete: 0 of 1 layer writes arrived"))
+        why = "KV incomplete: 0 of 1 layer writes arrived"
+        ranks.report(2, RankArrived(request_id="b", fence=2, why=why))
         assert d.failed == [("b", "rank 2: KV incomplete: 0 of 1 layer writes arrived")]
         assert b.state is S.ENDED
         c = await d.c.reserve(Admission("c", [8], 0))
-        ranks.report(1, ("gone",))
+        ranks.report(1, RankGone())
         assert d.failed[-1] == ("c", "tensor-parallel rank 1 is gone") and c.state is S.ENDED
         ranks.errors = ["", "rank 2: no"]
         e = await d.c.reserve(Admission("e", [9], 0))

@@ -243,3 +243,33 @@ def test_a_shard_cannot_be_exported_or_sharded_again() -> None:
         shard.hf_state_dict()
     with pytest.raises(ValueError, match="shard already"):
         shard.shard(TPRank(lay, ThreadCollective(ThreadWorld(2), 0)))
+
+
+# --- the rank-agent channel (common/parallel/messages.py) -------------------------------------------
+
+
+def test_an_agent_message_that_does_not_decode_fails_the_call_it_names() -> None:
+    """Rank 0's reading side (the agent's, a call it cannot decode: tests/integration/test_rank_agent.py)."""
+    import multiprocessing as mp
+
+    import msgspec
+
+    from common.parallel.messages import Open, RankArrived, RankCall, RankGone, RankReply
+    from common.parallel.workers import _read
+    from common.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
+
+    ours, theirs = mp.Pipe()
+    theirs.send_bytes(encode(RankArrived(request_id="a", fence=1, why="")))
+    assert _read(2, ours) == RankArrived(request_id="a", fence=1, why="")
+    bad = {"kind": "rank_reply", "protocol_version": PROTOCOL_VERSION, "call_id": 5, "error": 1}
+    theirs.send_bytes(msgspec.msgpack.encode(bad))
+    assert _read(2, ours) == RankReply(
+        call_id=5, error="rank 2: bad 'rank_reply' message: Expected `str`, got `int` - at `$.error`"
+    )
+    theirs.send_bytes(msgspec.msgpack.encode(["reply", 5, ""]))  # the untyped tuples of old: no call named
+    assert _read(2, ours) is None
+    theirs.close()
+    assert _read(2, ours) == RankGone()
+    with pytest.raises(ProtocolError, match="Invalid value 'rank_reply'"):  # a reply is no call
+        decode(encode(RankReply(call_id=1)), RankCall)
+    assert decode(encode(RankCall(call_id=1, op=Open("a", 1))), RankCall).op == Open("a", 1)

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.connector.remote_kv import OutgoingKV, TransferState
+from common.parallel.messages import RankStats
 from common.runtime.metrics import EngineCollector, ServiceMetrics, TransportCount
 from kv_transfer import SenderStats
 from prefill_service.service import PrefillService
@@ -101,6 +102,6 @@ def test_prefill_transport_counters_per_backend_and_rank() -> None:
     assert ({"backend": "tcp", "rank": "0"}, 2) in after["splitserve_kv_transfer_layers"]
     # tensor parallelism: the worker ranks' senders, as their agents last reported them
     service.engine.tp_workers = workers
-    workers.rank_stats[1] = {"sent": {"tcp": {"bytes_sent": 1024, "layers_sent": 1, "dones_sent": 1}}}
+    workers.rank_stats[1] = RankStats(sent={"tcp": {"bytes_sent": 1024, "layers_sent": 1, "dones_sent": 1}})
     ranked = collect(PrefillService.transfer_counters(cast(Any, service)))
     assert ({"backend": "tcp", "rank": "1"}, 1024) in ranked["splitserve_kv_transfer_bytes"]
