@@ -38,6 +38,7 @@ from common.engine.static_batching import StaticBatchScheduler
 from common.kv import quant
 from common.kv.block_manager import BlockManager
 from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
+from common.model.calibration import kv_amax
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -153,7 +154,8 @@ class LLMEngine:
         scales: KVScales | None = None
         if kv_dtype in FP8:  # calibrated on the whole model; with tensor parallelism each rank's
             # cache keeps its heads' scales, and the preflight compares the whole model's
-            scales = quant.calibrate(self.model, tokenizer.encode(quant.CALIBRATION_TEXT), kv_dtype)
+            amax = kv_amax(self.model, tokenizer.encode(quant.CALIBRATION_TEXT))
+            scales = quant.scales(*amax, kv_dtype)
         self._scales_digest = scales.digest() if scales is not None else ""
 
         def kv_spec(blocks: int, kv_heads: int) -> KVCacheSpec:

@@ -7,15 +7,16 @@ Powers of two cost no precision to divide and multiply by, and are exact to comp
 decode service that loaded the same weights compute the same scales, and the transfer preflight checks
 that they did (`KVScales.digest`). HEADROOM leaves room for prompts that push a head past what the
 calibration text did; past that, values saturate at the format's largest (they never become inf/NaN).
+
+The KV layer does not run the model: common/model/calibration.py measures amax (`kv_amax`), `scales`
+here turns it into the scales, and the engine calls the two.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from common.kv.kv_cache import FP8, KVScales
-from common.model.llama import LlamaForCausalLM
 
 HEADROOM = 4.0
 CALIBRATION_TEXT = (
@@ -43,29 +44,10 @@ def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_DTYPES[name]
 
 
-@torch.no_grad()
-def calibrate(model: LlamaForCausalLM, token_ids: list[int], dtype: torch.dtype) -> KVScales:
-    """Scales for an fp8 `dtype` cache of `model`, from one causal pass over `token_ids`."""
+def scales(k_amax: torch.Tensor, v_amax: torch.Tensor, dtype: torch.dtype) -> KVScales:
+    """Scales for an fp8 `dtype` cache from the largest |K| and |V| each (layer, KV head) produced over
+    the calibration text, each (layers, kv_heads)."""
     assert dtype in FP8, dtype
-    cfg = model.config
-    k_amax = torch.zeros(cfg.num_layers, cfg.num_kv_heads)
-    v_amax = torch.zeros(cfg.num_layers, cfg.num_kv_heads)
-    rep = cfg.num_heads // cfg.num_kv_heads
-
-    def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        k_amax[layer] = k.abs().amax(dim=(0, 2)).float().cpu()  # (n_kv,)
-        v_amax[layer] = v.abs().amax(dim=(0, 2)).float().cpu()
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=model.scale)
-        return out.transpose(0, 1)
-
-    device = model.embed_tokens.weight.device
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    cos, sin = model.rope_cos_sin(torch.arange(len(token_ids), device=device))
-    x = model.embed(ids)
-    for i, layer in enumerate(model.layers):
-        x = layer(x, cos, sin, i, attn_fn)
     fmax = torch.finfo(dtype).max
 
     def pow2(amax: torch.Tensor) -> torch.Tensor:
