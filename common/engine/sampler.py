@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from llguidance.torch import allocate_token_bitmask
 
 from common.sampling_params import SamplingParams, TokenLogprob
 
@@ -45,14 +44,21 @@ _NO_LOGPROB = -9999.0  # returned in place of -inf and NaN: JSON cannot carry -i
 _NEG_INF = float("-inf")
 
 
+def token_bitmask(rows: int, vocab: int) -> torch.Tensor:
+    """(rows, ceil(vocab / 32)) int32, every bit set: the layout llguidance's matchers fill. Made here,
+    not with llguidance.torch.allocate_token_bitmask: importing llguidance.torch runs a torch.compile
+    decorator, which imports dynamo and inductor and adds 2-3 s to every engine process's start."""
+    return torch.full((rows, (vocab + 31) // 32), -1, dtype=torch.int32)
+
+
 def draw_seed(seed: int, index: int) -> int:
     return (seed * _MIX + index) % (2**63)
 
 
 class GrammarMask(Protocol):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Fill row `row` of an int32 bitmask made by llguidance.torch.allocate_token_bitmask(n, vocab):
-        bit t % 32 of word t // 32 set allows token t."""
+        """Fill row `row` of an int32 bitmask made by `token_bitmask(n, vocab)`: bit t % 32 of word
+        t // 32 set allows token t."""
         ...
 
 
@@ -153,7 +159,7 @@ class Sampler:
         dead: set[int] = set()
         if grammars:
             g_rows = [i for i, _ in grammars]
-            bitmask = allocate_token_bitmask(len(grammars), vocab)
+            bitmask = token_bitmask(len(grammars), vocab)
             for j, (_, g) in enumerate(grammars):
                 g.fill_bitmask(bitmask, j)
             # unpacked with plain tensor ops: llguidance's apply_token_bitmask_inplace is torch.compile'd,

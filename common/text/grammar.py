@@ -139,7 +139,7 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: Bitmask, row: int) -> None:
         """Write the allowed next tokens into `bitmask[row]`: a 2-D int32 CPU torch.Tensor of
         ceil(vocab_size / 32) words per row, bit i of word w allowing id 32*w + i (llguidance's layout,
-        as `llguidance.torch.allocate_token_bitmask` makes). Once the grammar is complete only EOS is
+        as the sampler's `token_bitmask` makes). Once the grammar is complete only EOS is
         allowed."""
         if str(bitmask.dtype) != "torch.int32" or bitmask.dim() != 2 or bitmask.device.type != "cpu":
             raise ValueError("the bitmask must be a 2-D int32 CPU tensor")
