@@ -91,9 +91,12 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | N
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) float32, with rope_scaling applied (HF semantics)."""
+    """Inverse frequencies (head_dim/2,) float32 on the CPU, with rope_scaling applied (HF semantics).
+
+    Always computed on the CPU, also inside a `torch.device("meta")` block (`LlamaForCausalLM.empty`):
+    an op on the meta device runs torch's Python references, which import torch._dynamo (~3 s)."""
     hd = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))  # (hd/2,)
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd))
     s = config.rope_scaling
     if s is None:
         return inv.float()
@@ -101,7 +104,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     if kind == "linear":
         inv = inv / float(s["factor"])
     elif kind == "freq_factors":
-        factors = torch.tensor(list(s["factors"]), dtype=torch.float64)
+        factors = torch.tensor(list(s["factors"]), dtype=torch.float64, device="cpu")
         if factors.shape != inv.shape:
             raise ValueError(f"rope freq_factors has {factors.numel()} entries, expected {inv.numel()}")
         inv = inv / factors

@@ -149,8 +149,13 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp  # None: the whole model; else this rank's shard
         self.scale = config.head_dim**-0.5
         vocab = len(tp.layout.vocab) if tp else config.vocab_size
-        self.embed_tokens = nn.Embedding(vocab, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        # The weight is made here, not by nn.Embedding: its init (normal_) on the meta device, where
+        # `empty` builds, imports torch._dynamo, ~3 s of every engine process's start. Initialised (as
+        # nn.Embedding would) only when it holds memory.
+        embed = torch.empty(vocab, config.hidden_size, dtype=dtype)
+        if embed.device.type != "meta":
+            nn.init.normal_(embed)
+        self.embed_tokens = nn.Embedding(vocab, config.hidden_size, _weight=embed, _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Tied models reuse the embedding matrix as the output projection (no second copy).
@@ -249,8 +254,12 @@ class LlamaForCausalLM(nn.Module):
         """The model with uninitialised weights (no random init: parameters start on the meta device)."""
         with torch.device("meta"):
             model = cls(config, dtype, tp)
-        model.to_empty(device="cpu")
-        model.inv_freq = rope_inv_freq(config)  # buffers are not weights: recompute after to_empty
+        # Each parameter gets CPU memory with torch.empty, not `to_empty`: that one's empty_like on
+        # meta tensors runs torch's Python references, importing sympy (~1 s of every start). The
+        # inv_freq buffer is already on the CPU (rope_inv_freq).
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False))
         return model.eval()
 
     @classmethod
