@@ -97,7 +97,7 @@ class PrefillService(Service):
 
     # --- requests ---------------------------------------------------------------------------------
     async def prefill(self, req: PrefillRequest) -> Response:
-        bs = self.engine.block_manager.block_size
+        bs = self.engine.config.block_size
         try:
             split_endpoints(req.kv_endpoint)  # one per decode rank
             self.sender_for(req.kv_endpoint)

@@ -1,7 +1,9 @@
-"""What crosses the engine's boundary: typed commands in, one `StepResult` out per step.
+"""What crosses the engine's boundary: typed commands in, one `StepResult` out per step, and the
+engine's load as one `EngineLoad` value.
 
 A service never reaches into the engine: it submits commands (run on the engine thread between two
-steps) and reads what each step did from its result. Nothing else about a request leaves the engine.
+steps), reads what each step did from its result, and reads how loaded the engine is from the last
+`EngineLoad` the engine thread published. Nothing else about a request leaves the engine.
 """
 
 from __future__ import annotations
@@ -96,3 +98,28 @@ class StepResult:
     @property
     def is_empty(self) -> bool:
         return not (self.admitted or self.outputs or self.preempted or self.num_scheduled)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How loaded the engine is, as of its last step or command: the figures a service publishes (/health,
+    the registry heartbeat, /metrics). Built by the engine thread (`LLMEngine.load`) and handed over
+    whole; a reader never sees one half old and half new."""
+
+    running: int = 0  # counted against max_num_seqs: running, and reservations waiting for their KV
+    waiting: int = 0  # queued: waiting for KV blocks, or for a reservation
+    queued_tokens: int = 0  # tokens of the queued requests: the prompt work ahead of a new one
+    oldest_arrival: float | None = None  # time.monotonic() the longest-queued request arrived; None: empty
+    free_blocks: int = 0  # free KV blocks, evictable cached ones included
+    total_blocks: int = 0
+    prefill_tps: float = 0.0  # recent steps' speed (common/engine/speed.py), 0 until measured
+    decode_step_ms: float = 0.0
+    preempted_swap: int = 0  # preemptions since start, by kind
+    preempted_recompute: int = 0
+    prefix_queries: int = 0  # full prompt blocks looked up in the prefix cache since start, and found
+    prefix_hits: int = 0
+
+    def queue_wait_s(self, now: float) -> float:
+        """How long the longest-queued request has waited at `now` (time.monotonic()): the queue's sojourn
+        time, which keeps growing while a long step runs. 0 with an empty queue."""
+        return 0.0 if self.oldest_arrival is None else max(0.0, now - self.oldest_arrival)

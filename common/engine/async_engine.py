@@ -5,6 +5,12 @@ command (common/engine/api.py) that the engine thread runs between two steps; wh
 back to the event loop in one call_soon_threadsafe per step, each admission and output to the queue of
 the request it belongs to. The forward pass releases the GIL, so the event loop keeps serving HTTP and
 KV transfers while a step computes.
+
+The engine's load goes the other way by publication, not by reading: after every step and every batch
+of commands (and once at construction) the engine thread builds an `EngineLoad` and swaps it into
+`load` (one reference assignment); the event loop only reads that value. The engine's state changes
+only in steps and commands, so the last value is current while the engine is idle, and a command's
+effect is in `load` before its caller resumes.
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from common.engine.api import Admission, Command, TokenOutput
+from common.engine.api import Admission, Command, EngineLoad, TokenOutput
 from common.engine.llm_engine import LLMEngine
+from common.kv.block_manager import KVEvent
 
 log = logging.getLogger(__name__)
 
 EngineEvent = Admission | TokenOutput
 _Job = tuple[Command, "asyncio.Future[TokenOutput | None]"]
+# a command run: its future, and its output or its exception (settled on the event loop)
+_Done = tuple["asyncio.Future[TokenOutput | None]", TokenOutput | None, BaseException | None]
 
 
 class AsyncEngine:
@@ -34,6 +43,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.steps = 0
+        self._load = engine.load()  # the engine thread has not started: no step or command runs yet
         # A step that raised leaves the engine in an unknown state (a half-run step, a tensor-parallel
         # rank gone): `failure` says why, and `on_fatal(why)` runs on the engine thread. A service
         # exits there, so that its peers' leases and the routers' migration take over its requests.
@@ -58,6 +68,20 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     # --- asyncio side -----------------------------------------------------------------------------
+    @property
+    def load(self) -> EngineLoad:
+        """The engine's load as of its last step or command (see the module docstring)."""
+        return self._load
+
+    def kv_events(self) -> tuple[Callable[[], list[KVEvent]], Callable[[], list[int]]]:
+        """Record the prefix cache's changes from now on; (drain, snapshot) for a KVEventPublisher. The
+        block manager hands these over itself (common/kv/block_manager.py): the engine thread appends to
+        an event deque that one other thread drains, and the snapshot copies the hash index, again if
+        the engine thread changed it meanwhile."""
+        bm = self.engine.block_manager
+        bm.enable_kv_events()
+        return bm.drain_kv_events, bm.cached_hashes
+
     async def submit(self, cmd: Command) -> TokenOutput | None:
         """Run cmd on the engine thread between steps; its result (an output it caused, also delivered
         to the request's listener first), or its exception."""
@@ -91,23 +115,34 @@ class AsyncEngine:
         else:
             fut.set_result(result)
 
+    def _settle_all(self, done: list[_Done]) -> None:
+        for fut, out, error in done:
+            if out is not None:  # the listener hears of it before the caller resumes
+                self._deliver([out])
+            self._settle(fut, out, error)
+
     # --- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
         engine, loop = self.engine, self._loop
         assert loop is not None
         while not self._stop.is_set():
             block = not engine.has_unfinished()
+            done: list[_Done] = []
             try:
                 job = self._commands.get(block=block, timeout=0.5 if block else None)
                 while job is not None:  # every queued command runs before the next step
-                    self._apply(*job)
+                    done.append(self._apply(*job))
                     job = self._commands.get_nowait()
             except queue.Empty:
                 pass
+            if done:
+                self._load = engine.load()  # before the callers resume: their commands show in it
+                loop.call_soon_threadsafe(self._settle_all, done)
             if self._stop.is_set() or not engine.has_unfinished():
                 continue
             try:
                 result = engine.step()
+                self._load = engine.load()
             except Exception as e:
                 log.exception("engine step failed")
                 self._fail(f"engine step failed: {e!r}")
@@ -132,14 +167,9 @@ class AsyncEngine:
         if self.on_fatal is not None:
             self.on_fatal(why)
 
-    def _apply(self, cmd: Command, fut: asyncio.Future[TokenOutput | None]) -> None:
-        assert self._loop is not None
+    def _apply(self, cmd: Command, fut: asyncio.Future[TokenOutput | None]) -> _Done:
+        """Run cmd; its exception is handed to the awaiting side."""
         try:
-            out = self.engine.handle(cmd)
-        except Exception as e:  # handed to the awaiting side
-            self._loop.call_soon_threadsafe(self._settle, fut, None, e)
-            return
-        if out is not None:  # the listener hears of it before the caller resumes
-            events: list[EngineEvent] = [out]
-            self._loop.call_soon_threadsafe(self._deliver, events)
-        self._loop.call_soon_threadsafe(self._settle, fut, out, None)
+            return fut, self.engine.handle(cmd), None
+        except Exception as e:
+            return fut, None, e

@@ -22,6 +22,7 @@ from common.engine.api import (
     AddRequest,
     Admission,
     Command,
+    EngineLoad,
     Finish,
     KVArrived,
     RemoteKV,
@@ -377,6 +378,25 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def load(self) -> EngineLoad:
+        """How loaded the engine is now (the engine's own thread: a service reads the copy its
+        AsyncEngine publishes after every step and command)."""
+        sched, bm = self.scheduler, self.block_manager
+        return EngineLoad(
+            running=sched.num_active,
+            waiting=sched.num_waiting,
+            queued_tokens=sched.queued_tokens(),
+            oldest_arrival=sched.oldest_arrival(),  # add_request stamps arrivals with time.monotonic()
+            free_blocks=bm.num_free_blocks,
+            total_blocks=bm.num_blocks,
+            prefill_tps=self.speed.prefill_tps,
+            decode_step_ms=self.speed.decode_step_ms,
+            preempted_swap=sched.stats["preempt_swap"],
+            preempted_recompute=sched.stats["preempt_recompute"],
+            prefix_queries=bm.prefix_queries,
+            prefix_hits=bm.prefix_hits,
+        )
 
     def kv_compat(self) -> KVCompat:
         """What a peer must match before KV moves between this engine's cache and its own."""

@@ -104,26 +104,22 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.reserving)
 
+    def oldest_arrival(self) -> float | None:
+        """When the longest-waiting queued sequence (waiting or reserving) arrived; None with an empty
+        queue."""
+        arrivals = [s.arrival_time for q in (self.waiting, self.reserving) for s in q]
+        return min((a for a in arrivals if a is not None), default=None)
+
     def queue_wait_s(self) -> float:
         """How long the longest-waiting queued sequence has waited (0 with an empty queue): the
-        queue's sojourn time, which routers compare with how soon a new request must start. Safe to
-        call from another thread (a queue changing meanwhile reads as 0)."""
-        try:
-            arrivals = [s.arrival_time for q in (self.waiting, self.reserving) for s in q]
-        except RuntimeError:  # a deque mutated during the copy
-            return 0.0
-        known = [a for a in arrivals if a is not None]
-        return max(0.0, self.clock() - min(known)) if known else 0.0
+        queue's sojourn time, which routers compare with how soon a new request must start."""
+        oldest = self.oldest_arrival()
+        return 0.0 if oldest is None else max(0.0, self.clock() - oldest)
 
     def queued_tokens(self) -> int:
         """Tokens of the queued sequences (waiting and reserving): the prompt work ahead of a new
-        request. Safe to call from another thread (a queue changing meanwhile is read again, or as 0)."""
-        for _ in range(3):
-            try:
-                return sum(s.num_tokens for q in (self.waiting, self.reserving) for s in q)
-            except RuntimeError:  # a deque mutated during the iteration
-                continue
-        return 0
+        request."""
+        return sum(s.num_tokens for q in (self.waiting, self.reserving) for s in q)
 
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 
 class StepSpeed:
-    """Exponential moving averages over recent steps (each new step weighs ALPHA). Plain floats,
-    written by the engine thread and read by any: a read sees the last whole value."""
+    """Exponential moving averages over recent steps (each new step weighs ALPHA). Plain floats of the
+    engine thread; other threads read them in the engine's published `EngineLoad`."""
 
     ALPHA = 0.2
 

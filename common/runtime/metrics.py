@@ -1,15 +1,16 @@
 """A prefill or decode service's Prometheus metrics: histograms and counters observed as requests go,
-and the engine's, leases' and KV transport's figures read at scrape time (nothing on the hot path)."""
+and the engine's (its published load), leases' and KV transport's figures read at scrape time (nothing
+on the hot path)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from common.engine.llm_engine import LLMEngine
+from common.engine.api import EngineLoad
 
 # Seconds. Queue waits and TTFT span a crowded queue; ITL/TPOT one engine step.
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -45,7 +46,7 @@ class TransportCount(NamedTuple):
 
 class ServiceMetrics:
     """A service's own registry: histograms and counters observed as requests go, plus the engine's
-    and the KV transport's figures, read at scrape time by `_EngineCollector` (nothing on the hot path)."""
+    and the KV transport's figures, read at scrape time by `EngineCollector` (nothing on the hot path)."""
 
     def __init__(self, role: str) -> None:
         self.registry = CollectorRegistry()
@@ -115,44 +116,41 @@ class ServiceMetrics:
 
 
 class EngineCollector:
-    """Gauges and counters read from the engine, block manager, leases and KV transport per scrape.
-    Read from the event-loop thread while the engine thread runs: approximate by nature."""
+    """Gauges and counters per scrape: the engine's from the `EngineLoad` it last published (one value:
+    its figures agree with each other and with /health), the leases' and the KV transport's."""
 
     def __init__(
         self,
-        engine: LLMEngine,
-        load: Callable[[], dict[str, Any]],
+        load: Callable[[], EngineLoad],
         expired_leases: Callable[[], int],
         transfer_counters: Callable[[], list[TransportCount]],
     ) -> None:
-        self.engine, self.load = engine, load
+        self.load = load
         self.expired_leases, self.transfer_counters = expired_leases, transfer_counters
 
     def collect(self) -> Iterator[Metric]:
-        load, bm = self.load(), self.engine.block_manager
+        load = self.load()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=value)
 
         yield gauge(
-            "splitserve_running_sequences", "sequences running or holding a reservation", load["running"]
+            "splitserve_running_sequences", "sequences running or holding a reservation", load.running
         )
         yield gauge(
-            "splitserve_waiting_sequences", "queue depth: sequences waiting for KV blocks", load["waiting"]
+            "splitserve_waiting_sequences", "queue depth: sequences waiting for KV blocks", load.waiting
         )
         yield gauge(
-            "splitserve_kv_blocks_free", "free KV blocks (incl. evictable cached ones)", load["free_blocks"]
+            "splitserve_kv_blocks_free", "free KV blocks (incl. evictable cached ones)", load.free_blocks
         )
-        yield gauge(
-            "splitserve_kv_blocks_used", "KV blocks in use", load["total_blocks"] - load["free_blocks"]
-        )
-        yield gauge("splitserve_kv_blocks_total", "KV blocks", load["total_blocks"])
+        yield gauge("splitserve_kv_blocks_used", "KV blocks in use", load.total_blocks - load.free_blocks)
+        yield gauge("splitserve_kv_blocks_total", "KV blocks", load.total_blocks)
         preempt = CounterMetricFamily("splitserve_preemptions", "preemptions by kind", labels=["kind"])
-        stats = self.engine.scheduler.stats  # single lookups: the engine thread may be adding keys
+        preempted = {"swap": load.preempted_swap, "recompute": load.preempted_recompute}
         for kind in PREEMPTION_KINDS:  # both, 0 before the first
-            preempt.add_metric([kind], stats.get(f"preempt_{kind}", 0))
+            preempt.add_metric([kind], preempted[kind])
         yield preempt
-        queries, hits = bm.prefix_queries, bm.prefix_hits
+        queries, hits = load.prefix_queries, load.prefix_hits
         yield CounterMetricFamily(
             "splitserve_prefix_cache_queries",
             "full prompt blocks looked up in the prefix cache",

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -109,24 +110,27 @@ class Service:
         self.metrics = ServiceMetrics(cfg.role)
         self.metrics.registry.register(
             EngineCollector(
-                engine, self.load, lambda: self.leases.expired if self.leases else 0, self.transfer_counters
+                lambda: self.aengine.load,
+                lambda: self.leases.expired if self.leases else 0,
+                self.transfer_counters,
             )
         )
         setup_tracing(cfg.role)
 
     def load(self) -> dict[str, Any]:
-        """Load figures for the registry (read from another thread: approximate by nature)."""
-        sched, bm, speed = self.engine.scheduler, self.engine.block_manager, self.engine.speed
+        """Load figures for /health and the registry: the engine's last published `EngineLoad` (the
+        engine thread publishes one after every step and command; nothing here reads the engine)."""
+        load = self.aengine.load
         return {
-            "running": sched.num_active,
-            "waiting": sched.num_waiting,
-            "queued_tokens": sched.queued_tokens(),  # prompt work ahead of a new request (routing, SLOs)
-            "queue_wait_s": round(sched.queue_wait_s(), 3),
-            "free_blocks": bm.num_free_blocks,
-            "total_blocks": bm.num_blocks,
+            "running": load.running,
+            "waiting": load.waiting,
+            "queued_tokens": load.queued_tokens,  # prompt work ahead of a new request (routing, SLOs)
+            "queue_wait_s": round(load.queue_wait_s(time.monotonic()), 3),
+            "free_blocks": load.free_blocks,
+            "total_blocks": load.total_blocks,
             # measured on recent steps (0 until measured): what SLO-aware admission predicts from
-            "prefill_tps": round(speed.prefill_tps, 1),
-            "decode_step_ms": round(speed.decode_step_ms, 2),
+            "prefill_tps": round(load.prefill_tps, 1),
+            "decode_step_ms": round(load.decode_step_ms, 2),
         }
 
     def transfer_counters(self) -> list[TransportCount]:
@@ -137,7 +141,7 @@ class Service:
         """A retryable 503 for new work while draining or with a full queue; None to go ahead."""
         if self.draining:
             return error_response(503, f"{self.cfg.worker_name} is draining", headers={"Retry-After": "1"})
-        if self.engine.scheduler.num_waiting >= self.cfg.max_queue:
+        if self.aengine.load.waiting >= self.cfg.max_queue:
             return error_response(503, f"{self.cfg.role} queue is full", headers={"Retry-After": "1"})
         return None
 
@@ -183,20 +187,19 @@ class Service:
         self.records = RecordWriter(self.state.records)
         if self.engine.config.enable_prefix_caching:
             # Before registering: a router that sees this incarnation finds its (empty) snapshot.
-            bm = self.engine.block_manager
-            bm.enable_kv_events()
+            drain, snapshot = self.aengine.kv_events()
             self.kv_events = KVEventPublisher(
                 self.state.redis,
                 self.state.prefix,
                 self.cfg.worker_name,
                 self.incarnation,
                 self.engine.config.block_size,
-                bm.drain_kv_events,
-                bm.cached_hashes,
+                drain,
+                snapshot,
             )
             await self.kv_events.start()
         capacity = {
-            "total_blocks": self.engine.block_manager.num_blocks,
+            "total_blocks": self.aengine.load.total_blocks,
             "block_size": self.engine.config.block_size,
             "max_num_seqs": self.engine.config.max_num_seqs,
         }

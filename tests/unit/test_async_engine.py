@@ -1,17 +1,31 @@
-"""The engine thread when a step raises: it stops stepping, every command waiting or sent later fails
-with the reason, and the owner hears it once (a service exits there)."""
+"""The engine thread: the load it publishes after every step and command (what services report, read
+without touching the engine), and what happens when a step raises: it stops stepping, every command
+waiting or sent later fails with the reason, and the owner hears it once (a service exits there)."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import threading
+import time
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
-from common.engine.api import Finish
+from common.config import EngineConfig
+from common.engine.api import AddRequest, EngineLoad, Finish
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
+from common.model.llama import LlamaForCausalLM
+from common.sampling_params import SamplingParams
+from common.text.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the engine thread changes at every step: a service that reads one of them from the event loop
+# reads state mid-change. The services read the engine's published EngineLoad instead.
+ENGINE_INTERNALS = {"scheduler", "block_manager", "speed"}
+SERVICE_CODE = ("common/runtime", "prefill_service", "decode_service")
 
 
 class BrokenEngine:
@@ -23,6 +37,9 @@ class BrokenEngine:
 
     def has_unfinished(self) -> bool:
         return self.may_step.is_set()
+
+    def load(self) -> EngineLoad:
+        return EngineLoad()
 
     def handle(self, cmd: Any) -> None:
         self.handled.append(cmd)
@@ -51,3 +68,73 @@ def test_a_failed_step_fails_every_command_and_tells_the_owner_once() -> None:
         ae.stop()
 
     asyncio.run(main())
+
+
+def test_the_load_is_published_at_start_after_each_command_and_after_each_step(
+    tiny: tuple[LlamaForCausalLM, Tokenizer],
+) -> None:
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1, kv_cache_memory_mb=16))
+    permits = threading.Semaphore(0)  # one per step the engine thread may take
+    real_step = engine.step
+
+    def gated_step() -> Any:
+        permits.acquire()
+        return real_step()
+
+    engine.step = gated_step  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    a, b = list(range(10, 30)), list(range(40, 65))
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        total = engine.block_manager.num_blocks
+        assert ae.load == EngineLoad(free_blocks=total, total_blocks=total)  # at start, before any step
+        ae.start()
+        await ae.submit(AddRequest("a", a, params))
+        load = ae.load  # published before the caller resumed; no step has run
+        assert (load.waiting, load.running, load.queued_tokens, load.free_blocks) == (1, 0, len(a), total)
+        assert load.oldest_arrival is not None and load.queue_wait_s(time.monotonic()) >= 0
+
+        pending = asyncio.create_task(ae.submit(AddRequest("b", b, params)))
+        await asyncio.sleep(0)  # b is queued: it runs right after the step
+        permits.release()  # step 1: a is admitted (one batch slot) and prefilled
+        await pending
+        load = ae.load
+        assert ae.steps == 1
+        assert (load.running, load.waiting, load.queued_tokens) == (1, 1, len(b))  # b waits for the slot
+        assert load.free_blocks == total - engine.block_manager.blocks_needed(len(a) + 1)
+        assert load.prefill_tps > 0  # the step's speed comes with it
+
+        before = ae.load
+        permits.release()  # step 2, no command: a decodes
+        for _ in range(200):
+            if ae.steps == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert ae.steps == 2 and ae.load is not before  # a new value, never one changed in place
+        assert (ae.load.running, ae.load.waiting) == (1, 1)
+        assert ae.load.queue_wait_s(time.monotonic()) > 0  # b has waited since it arrived
+
+        permits.release(1000)
+        await ae.submit(Finish("a", "abort"))
+        await ae.submit(Finish("b", "abort"))
+        load = ae.load  # nothing left to step: this is what an idle engine shows
+        assert (load.running, load.waiting, load.queued_tokens, load.free_blocks) == (0, 0, 0, total)
+        assert load.oldest_arrival is None and load.queue_wait_s(time.monotonic()) == 0
+        ae.stop()
+
+    asyncio.run(main())
+
+
+def test_service_code_never_reads_the_engines_internals() -> None:
+    """The event loop reads the engine only through what the engine thread hands over (commands,
+    results, the published EngineLoad): a regression shows here as an attribute named."""
+    reached = [
+        f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}"
+        for folder in SERVICE_CODE
+        for path in sorted((ROOT / folder).glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS
+    ]
+    assert not reached, f"service code reads engine internals across threads: {reached}"

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.connector.remote_kv import OutgoingKV, TransferState
+from common.engine.api import EngineLoad
 from common.parallel.messages import RankStats
 from common.runtime.metrics import EngineCollector, ServiceMetrics, TransportCount
 from kv_transfer import SenderStats
@@ -80,11 +81,8 @@ def test_transfer_done_labels_by_backend_and_rank_and_fills_the_span() -> None:
 
 
 def collect(counts: list[TransportCount]) -> dict[str, list[tuple[dict[str, str], float]]]:
-    engine = SimpleNamespace(
-        block_manager=SimpleNamespace(prefix_queries=0, prefix_hits=0), scheduler=SimpleNamespace(stats={})
-    )
-    load = {"running": 0, "waiting": 0, "free_blocks": 1, "total_blocks": 1}
-    collector = EngineCollector(cast(Any, engine), lambda: load, lambda: 0, lambda: counts)
+    load = EngineLoad(free_blocks=1, total_blocks=1)
+    collector = EngineCollector(lambda: load, lambda: 0, lambda: counts)
     return {m.name: [(s.labels, s.value) for s in m.samples] for m in collector.collect()}
 
 
