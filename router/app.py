@@ -120,7 +120,7 @@ def create_app(
     app.state.server, app.state.metrics, app.state.access = server, metrics, access
     inference = Depends(access.require("inference"))
 
-    served = sorted(server.model_aliases)
+    served = sorted(server.model.aliases)
 
     @app.post(
         "/v1/completions", openapi_extra={"requestBody": request_body_schema(CompletionRequest, served)}
@@ -139,18 +139,18 @@ def create_app(
         "/tokenize", dependencies=[inference], openapi_extra={"requestBody": tokenize_body_schema(served)}
     )
     async def tokenize_endpoint(request: Request) -> dict[str, Any]:
-        return tokenize(server, await request.body())
+        return tokenize(server.model, await request.body())
 
     @app.post(
         "/detokenize", dependencies=[inference], openapi_extra={"requestBody": detokenize_body_schema(served)}
     )
     async def detokenize_endpoint(request: Request) -> dict[str, Any]:
-        return detokenize(server, await request.body())
+        return detokenize(server.model, await request.body())
 
     @app.get("/v1/models", dependencies=[inference])
     async def models() -> dict[str, Any]:
         card = {
-            "id": server.model_name,
+            "id": server.model.name,
             "object": "model",
             "created": started,
             "owned_by": "splitserve",

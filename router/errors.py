@@ -51,6 +51,11 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param, code)
 
 
+def unavailable(message: str, retry_after_s: int) -> APIError:
+    """503 with Retry-After: nothing to route to, or every service too busy; the client may retry."""
+    return APIError(503, message, headers={"Retry-After": str(retry_after_s)})
+
+
 def from_validation(errors: list[Any]) -> APIError:
     """The first pydantic/FastAPI validation error as a 400; `param` is its dotted field path."""
     if not errors:

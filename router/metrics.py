@@ -17,9 +17,9 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
-# The label values the router's code uses (router/serving.py, orchestrator.py, access.py): their children
-# are made at start, so each reads 0 until its first event (tests/integration/test_observability.py
-# queries every dashboard panel through a real Prometheus).
+# The label values the router's code uses (the request's phases from router/request.py, access.py): their
+# children are made at start, so each reads 0 until its first event (tests/integration/
+# test_observability.py queries every dashboard panel through a real Prometheus).
 ENDPOINTS = ("completions", "chat")
 STATUSES = ("finished", "failed", "cancelled", "rejected")
 ROUTES = (

@@ -1,9 +1,9 @@
-"""OpenAI request models (validated strictly, unknown fields ignored) and response/chunk builders."""
+"""OpenAI request models (validated strictly, unknown fields ignored; router/parse.py reads a body into
+one) and their OpenAPI schema. The response shapes are in router/openai_responses.py."""
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Any, Literal
 
 from pydantic import (
@@ -11,14 +11,13 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from common.sampling_params import MAX_LOGPROBS, Guide, SamplingParams
 from common.text.grammar import GuideError, validate_guide
-from router.errors import APIError, from_validation, invalid
+from router.errors import invalid
 from router.tools import Tool, ToolCall, ToolChoice
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -286,113 +285,6 @@ class ChatCompletionRequest(_Common):
     def uses_tools(self) -> bool:
         """Tools offered, or calls and results in the history: the template input needs rendering."""
         return bool(self.tools) or any(m.tool_calls or m.role == "tool" for m in self.messages)
-
-
-def parse(model: type[CompletionRequest] | type[ChatCompletionRequest], body: bytes) -> Any:
-    """Validate a raw JSON body; any problem is an APIError(400) naming the offending param."""
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise from_validation(list(e.errors())) from None
-
-
-# --- responses ------------------------------------------------------------------------------------
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    if cached_tokens is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
-    return out
-
-
-class Builder:
-    """Builds one request's response objects; `chat` picks chat.completion vs text_completion shapes."""
-
-    def __init__(
-        self, request_id: str, model: str, chat: bool, fingerprint: str | None = None, index: int = 0
-    ) -> None:
-        self.id, self.model, self.chat, self.index = request_id, model, chat, index
-        self.fingerprint = fingerprint
-        self.created = int(time.time())
-
-    def _choice(
-        self,
-        text: str | None,
-        finish_reason: str | None,
-        stream: bool,
-        logprobs: Any = None,
-        tool_calls: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        if not self.chat:
-            return {
-                "index": self.index,
-                "text": text or "",
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        key = "delta" if stream else "message"
-        body: dict[str, Any] = {} if stream and text is None else {"content": text or ""}
-        if not stream:
-            body = {"role": "assistant", **body}
-            if tool_calls:
-                body["content"] = text or None
-        if tool_calls:
-            body["tool_calls"] = tool_calls
-        lp = {"content": logprobs} if logprobs is not None else None
-        return {"index": self.index, key: body, "logprobs": lp, "finish_reason": finish_reason}
-
-    def _head(self, stream: bool) -> dict[str, Any]:
-        obj = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
-        head = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-        if self.fingerprint is not None:
-            head["system_fingerprint"] = self.fingerprint
-        return head
-
-    def full(
-        self,
-        text: str | None,
-        finish_reason: str,
-        usage: dict[str, Any],
-        logprobs: Any = None,
-        tool_calls: list[dict[str, Any]] | None = None,
-    ) -> dict[str, Any]:
-        return {
-            **self._head(False),
-            "choices": [self._choice(text, finish_reason, False, logprobs, tool_calls)],
-            "usage": usage,
-        }
-
-    def chunk(
-        self,
-        text: str | None,
-        finish_reason: str | None = None,
-        role: bool = False,
-        logprobs: Any = None,
-        tool_calls: list[dict[str, Any]] | None = None,
-    ) -> str:
-        choice = self._choice(text, finish_reason, True, logprobs, tool_calls)
-        if role:
-            choice["delta"] = {"role": "assistant", "content": ""}
-        return sse({**self._head(True), "choices": [choice]})
-
-    def usage_chunk(self, usage: dict[str, Any]) -> str:
-        return sse({**self._head(True), "choices": [], "usage": usage})
-
-
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def error_event(err: APIError) -> str:
-    return sse(err.body())
 
 
 def request_body_schema(model: type[BaseModel], served: list[str]) -> dict[str, Any]:

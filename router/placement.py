@@ -1,9 +1,12 @@
-"""Which worker of a role gets a request: prefix-aware (the default with Redis) or least loaded.
+"""Phase 3: where a request runs. Which decode (and prefill) services it may go to, best first, and
+its route: split (a prefill service computes the prompt and writes its KV into the decode service's
+blocks) or local (the decode service prefills it itself), and why.
 
-Every service publishes the prefix-cache blocks it commits and evicts (KV events); the router's
-`KVIndex` turns them into an approximate map of which worker holds which block hashes. For a prompt,
-`prefix_chain` gives the hashes of its full blocks; a worker's hit is how many leading ones it holds.
-Each candidate then gets a cost in blocks of work, lowest first:
+Worker choice is prefix-aware (the default with Redis) or least loaded. Every service publishes the
+prefix-cache blocks it commits and evicts (KV events); the router's `KVIndex` turns them into an
+approximate map of which worker holds which block hashes. For a prompt, `prefix_chain` gives the hashes
+of its full blocks; a worker's hit is how many leading ones it holds. Each candidate then gets a cost in
+blocks of work, lowest first:
 
     cost = prefix_weight * uncached_blocks + load_weight * (queued_blocks + sequences)
 
@@ -17,16 +20,32 @@ Each candidate then gets a cost in blocks of work, lowest first:
 Ties go to the least loaded (the `least_loaded` order). The index is approximate: a block may have been
 evicted since its event, and the decode service's reservation says what it really reused. With
 `routing="least_loaded"`, or a worker the index does not know, hits are 0 and only load counts.
+
+The route (conditional disaggregation, `choose_route`) weighs the prompt tokens the decode service would
+compute itself: the whole prompt, less the prefix the index says it already holds. Below
+`local_prefill_threshold`, or with no prefill service alive, it is local; the response header
+`x-splitserve-route` says which and why.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from common.prefix_hash import prefix_chain
+from common.runtime.telemetry import span_scope, tracer
+from router.config import RouterConfig
+from router.errors import unavailable
+from router.output import Output
+
+if TYPE_CHECKING:  # router.workers orders its lists with the functions here
+    from router.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
 
 
 class PrefixIndex(Protocol):
@@ -82,3 +101,146 @@ def rank(
         out.append(Candidate(w, hit, bs, cost))
     out.sort(key=lambda c: (c.cost, least_loaded_key(c.worker.load, in_flight[c.worker.url])))
     return out
+
+
+# ---- the route -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str  # "split" | "local"
+    # "long_prompt" | "short_prompt" | "cached_prefix" | "no_prefill_worker" | "prefill_failed" |
+    # "shared_prefix" | "slo"
+    reason: str
+    prefix_hit: int = 0  # leading prompt blocks the chosen decode service holds, as the KV index says
+    prefill_hit: int = 0  # the same on the chosen prefill service (split path)
+
+    @property
+    def header(self) -> str:
+        h = "split" if self.path == "split" else f"local; reason={self.reason}"
+        if self.prefix_hit:
+            h += f"; prefix_hit={self.prefix_hit} blocks"
+        if self.prefill_hit:
+            h += f"; prefill_prefix_hit={self.prefill_hit} blocks"
+        return h
+
+    @property
+    def record(self) -> str:
+        return "split" if self.path == "split" else f"local:{self.reason}"
+
+
+def choose_route(
+    threshold: int,
+    prompt_tokens: int,
+    prefills: Sequence[Any],
+    shared_prefix: bool = False,
+    decode_hit: Candidate | None = None,
+    prefill_hit: Candidate | None = None,
+) -> Route:
+    """Split or local, and why, for `threshold` (local_prefill_threshold): conditional disaggregation
+    weighs the prompt tokens the decode service would compute itself, the whole prompt less the prefix
+    the index says it already holds."""
+    if shared_prefix:  # the decode service holds the prompt already (another choice of the request)
+        return Route("local", "shared_prefix")
+    hit = decode_hit.hit_blocks if decode_hit is not None else 0
+    if prompt_tokens < threshold:
+        return Route("local", "short_prompt", hit)
+    if decode_hit is not None and prompt_tokens - decode_hit.hit_tokens < threshold:
+        return Route("local", "cached_prefix", hit)
+    if not prefills:
+        return Route("local", "no_prefill_worker", hit)
+    return Route("split", "long_prompt", hit, prefill_hit.hit_blocks if prefill_hit is not None else 0)
+
+
+# ---- one request's placements --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request goes: decode services best first, prefill services best first (none when the
+    route cannot be split), and the route for placing it on the first of each."""
+
+    decodes: tuple[Worker, ...]
+    prefills: tuple[Worker, ...]
+    route: Route
+
+
+async def place(placer: Placer) -> Placement:
+    """Phase 3, the request's first placement (the `router.route` span): its candidates, best first,
+    and the route for the best of them. 503 when no decode service is available."""
+    with span_scope(_tracer, "router.route") as span:
+        decodes, prefills = await placer.candidates()
+        decodes = placer.with_affinity(decodes)
+        placer.route = route = placer.route_for(decodes, prefills)
+        if span.is_recording():
+            span.set_attributes({
+                "splitserve.route": route.path,
+                "splitserve.route.reason": route.reason,
+                "splitserve.decode_candidates": len(decodes),
+                "splitserve.prefill_candidates": len(prefills),
+                "splitserve.prefix_hit_blocks": route.prefix_hit,
+                "splitserve.prefill_prefix_hit_blocks": route.prefill_hit,
+            })  # fmt: skip
+    return Placement(tuple(decodes), tuple(prefills), route)
+
+
+class Placer:
+    """What every placement of one request uses and remembers: the first (`place`) and any later one
+    (router/trip.py: after a lost decode service, or when the prompt's decode service is full). A
+    placement covers the prompt and any output already handed out (`output`)."""
+
+    def __init__(self, pool: WorkerPool, config: RouterConfig, output: Output) -> None:
+        self.pool, self.config, self.output = pool, config, output
+        self.route: Route | None = None  # the first placement's (what the response header says)
+        self.lost: set[str] = set()  # decode services this request lost: never placed there again
+        # A decode service holding the prompt: another choice of the same request ran its prefill there.
+        # Placed there, locally, the prompt's full blocks come from its prefix cache (shared by
+        # reference); only the last partial block is computed again. If it is full, placed as any.
+        self.affinity: str | None = None
+        self.slo_local = False  # SLO admission chose the local path: only it was predicted in time
+        self.scored: dict[tuple[str, str], Candidate] = {}  # (role, worker id) -> its placement figures
+
+    async def candidates(self) -> tuple[list[Worker], list[Worker]]:
+        """Decode and prefill candidates, best first, without the decode services this request lost."""
+        ids = self.output.tokens
+        try:
+            decodes = [w for w in await self.pool.candidates("decode") if w.id not in self.lost]
+            wants_prefill = len(ids) >= self.config.local_prefill_threshold and decodes
+            prefills = await self.pool.candidates("prefill") if wants_prefill else []
+        except Exception as e:  # the registry (Redis) is down: nothing can be routed
+            log.exception("worker registry lookup failed")
+            raise unavailable(f"worker registry unavailable: {e!r}", self.config.retry_after_s) from e
+        if not decodes:
+            raise unavailable("no decode service is available", self.config.retry_after_s)
+        if self.config.routing == "prefix_aware":
+            decodes, prefills = self._rank("decode", decodes, ids), self._rank("prefill", prefills, ids)
+        return decodes, prefills
+
+    def _rank(self, role: str, workers: list[Worker], ids: list[int]) -> list[Worker]:
+        """`workers` cheapest first for this prompt (`rank`); remembers each one's figures."""
+        cfg = self.config
+        ranked = self.pool.rank(workers, ids, cfg.prefix_weight, cfg.load_weight)
+        self.scored.update({(role, c.worker.id): c for c in ranked})
+        return [c.worker for c in ranked]
+
+    def route_for(self, decodes: Sequence[Worker], prefills: Sequence[Worker]) -> Route:
+        """The route for placing on decodes[0] (through prefills[0] on the split path)."""
+        d = self.scored.get(("decode", decodes[0].id)) if decodes else None
+        p = self.scored.get(("prefill", prefills[0].id)) if prefills else None
+        out = self.output
+        if self.slo_local and not out.ids:
+            return Route("local", "slo", d.hit_blocks if d is not None else 0)
+        shared = bool(decodes) and decodes[0].id == self.affinity and not out.ids
+        threshold = self.config.local_prefill_threshold
+        return choose_route(threshold, len(out.tokens), prefills, shared, d, p)
+
+    def with_affinity(self, decodes: list[Worker]) -> list[Worker]:
+        """The decode service holding the prompt first, if it is a candidate."""
+        if self.affinity is None:
+            return decodes
+        return sorted(decodes, key=lambda w: w.id != self.affinity)  # stable: the rest keep their order
+
+    def uncached(self, role: str, w: Worker) -> int:
+        """Prompt tokens `w` would compute: all of them less the prefix the index says it holds."""
+        c = self.scored.get((role, w.id))
+        return len(self.output.tokens) - (c.hit_tokens if c is not None else 0)

@@ -7,9 +7,9 @@ strings for the ids) when `return_token_strs` is true. /detokenize takes `{model
 `{prompt}` (special tokens kept, as vLLM does). `model` may be left out, as vLLM allows: the served one.
 
 The ids are the ones the generation endpoints would send to the workers for the same input: with the
-default flags the prompt goes through `Server._tokenize` itself, and otherwise through the same template
-and tokenizer calls with the caller's flags. Nothing is generated, so nothing is charged to the key's
-rate limits; the key needs the `inference` scope all the same (see router/app.py).
+default flags the prompt goes through `router.parse.tokenize_prompt` itself, and otherwise through the
+same template and tokenizer calls with the caller's flags. Nothing is generated, so nothing is charged
+to the key's rate limits; the key needs the `inference` scope all the same (see router/app.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pydantic_core import from_json
 
 from router.errors import from_validation, invalid
 from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, request_body_schema
-from router.serving import Server
+from router.parse import tokenize_prompt
+from router.served_model import ServedModel
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -97,22 +98,22 @@ def detokenize_body_schema(served: list[str]) -> dict[str, Any]:
     return request_body_schema(DetokenizeRequest, served)
 
 
-def tokenize(server: Server, body: bytes) -> dict[str, Any]:
+def tokenize(model: ServedModel, body: bytes) -> dict[str, Any]:
     """POST /tokenize: the raw body in, the JSON answer out; APIError(400) for any bad input."""
     req = _parse_tokenize(body)
-    _check_model(server, req.model)
-    ids = _prompt_ids(server, req)
-    out: dict[str, Any] = {"count": len(ids), "max_model_len": server.info.context_length, "tokens": ids}
+    _check_model(model, req.model)
+    ids = _prompt_ids(model, req)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": model.info.context_length, "tokens": ids}
     if req.return_token_strs:
-        out["token_strs"] = [server.info.tokenizer.id_to_token(i) for i in ids]
+        out["token_strs"] = [model.info.tokenizer.id_to_token(i) for i in ids]
     return out
 
 
-def detokenize(server: Server, body: bytes) -> dict[str, Any]:
+def detokenize(model: ServedModel, body: bytes) -> dict[str, Any]:
     """POST /detokenize: the raw body in, the JSON answer out; APIError(400) for any bad input."""
     req = _parse(DetokenizeRequest, body)
-    _check_model(server, req.model)
-    tok = server.info.tokenizer
+    _check_model(model, req.model)
+    tok = model.info.tokenizer
     if not all(0 <= i < tok.vocab_size for i in req.tokens):
         raise invalid(f"tokens must be token ids in [0, {tok.vocab_size})", "tokens")
     return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
@@ -122,7 +123,7 @@ def detokenize(server: Server, body: bytes) -> dict[str, Any]:
 
 
 def _parse(model: type[M], body: bytes) -> M:
-    """As router.openai_types.parse: any validation problem is a 400 naming the offending param."""
+    """As router.parse.read: any validation problem is a 400 naming the offending param."""
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
@@ -143,21 +144,18 @@ def _parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequ
     return _parse(TokenizeCompletionRequest, body)
 
 
-def _check_model(server: Server, model: str | None) -> None:
-    """The same refusal as the generation endpoints' (Server.generate) for a model not served here."""
-    if model is not None and model not in server.model_aliases:
-        raise invalid(
-            f"The model `{model}` does not exist; this server serves `{server.model_name}`",
-            "model", "model_not_found",
-        )  # fmt: skip
+def _check_model(model: ServedModel, asked: str | None) -> None:
+    """The same refusal as the generation endpoints' (router/parse.py) for a model not served here."""
+    if asked is not None:
+        model.check(asked)
 
 
-def _prompt_ids(server: Server, req: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
-    tok = server.info.tokenizer
+def _prompt_ids(model: ServedModel, req: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:
+    tok = model.info.tokenizer
     if isinstance(req, TokenizeChatRequest):
         chat = ChatCompletionRequest.model_construct(model=req.model or "", messages=req.messages)
         if req.add_generation_prompt and not req.add_special_tokens:
-            return server._tokenize(chat)  # exactly what /v1/chat/completions sends
+            return tokenize_prompt(model.info, chat)  # exactly what /v1/chat/completions sends
         messages = chat.template_messages()  # the same messages, the same errors
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
@@ -165,5 +163,7 @@ def _prompt_ids(server: Server, req: TokenizeCompletionRequest | TokenizeChatReq
             raise invalid(f"messages cannot be formatted for this model: {e}", "messages") from e
         return tok.encode(text, add_special_tokens=req.add_special_tokens)
     if req.add_special_tokens:  # exactly what /v1/completions sends for a string prompt
-        return server._tokenize(CompletionRequest.model_construct(model=req.model or "", prompt=req.prompt))
+        return tokenize_prompt(
+            model.info, CompletionRequest.model_construct(model=req.model or "", prompt=req.prompt)
+        )
     return tok.encode(req.prompt, add_special_tokens=False)

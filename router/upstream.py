@@ -97,7 +97,7 @@ class DecodeStream:
         self._resp, self._raw = resp, resp.aiter_raw()
         self._reader, self._frames = FrameReader(DecodeFrame), deque[Any]()
         # One task reads the response and queues its frames, so that waiting for a frame can be
-        # cancelled safely (racing the prefill call, see Generation._run_prefill): cancelling a read
+        # cancelled safely (racing the prefill call, see Legs.prefill): cancelling a read
         # of the HTTP stream itself would close it.
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._pump = asyncio.create_task(self._read_frames())

@@ -221,12 +221,12 @@ async def test_prompts_and_completions_reach_spans_only_when_opted_in(
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from router import serving
+    from router import outcome
 
     spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
-    monkeypatch.setattr(serving, "_tracer", provider.get_tracer("test"))  # a local provider, not the global
+    monkeypatch.setattr(outcome, "_tracer", provider.get_tracer("test"))  # a local provider, not the global
     async with make_router(cluster, log_content=opt_in) as client:
         resp = await client.post(
             CHAT, json={"model": "default", "messages": [{"role": "user", "content": "secret"}]}

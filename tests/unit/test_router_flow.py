@@ -478,12 +478,12 @@ async def test_fallbacks_and_shedding_are_span_events(
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from common.runtime import telemetry
-    from router import serving
+    from router import outcome
 
     spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
-    monkeypatch.setattr(serving, "_tracer", provider.get_tracer("test"))  # a local provider, not the global
+    monkeypatch.setattr(outcome, "_tracer", provider.get_tracer("test"))  # a local provider, not the global
     monkeypatch.setattr(telemetry, "_enabled", True)  # as with an OTLP endpoint: spans are made current
 
     def root_events() -> list[tuple[str, dict[str, Any]]]:
