@@ -1,4 +1,10 @@
-"""Shared fixtures. The real model is loaded once per test session (it takes seconds)."""
+"""Shared fixtures and the test environment.
+
+Two models: the tiny random-weight one (tests/support/tiny_model.py) is what every service process a test
+starts serves, unless the test names another (SPLITSERVE_MODEL and SPLITSERVE_ROUTER_MODEL point at it);
+the real SmolLM2 (`smollm`) is for tests whose point is the text or parity with transformers. Each is
+loaded once per test process (pytest-xdist: once per worker).
+"""
 
 from __future__ import annotations
 
@@ -16,19 +22,41 @@ if not torch.cuda.is_available():
 from common.model.llama import LlamaForCausalLM
 from common.text.tokenizer import Tokenizer
 from tests.support.cluster import INTERNAL_SECRET
+from tests.support.tiny_model import real_model_path, tiny_model_path
 
 # Internal authentication is on in every test, as in every deployment: each service and router process a
 # test starts (they inherit this environment), and each router built in-process, proves this secret.
 # Tests that check behaviour without it set their own environment.
 os.environ["SPLITSERVE_INTERNAL_SECRET"] = INTERNAL_SECRET
 
+# Every service, router and CLI a test starts serves the tiny model unless the test says otherwise (its
+# `env`, or a Cluster made with model=real_model_path()). Built once per machine, at collection.
+TINY_MODEL = tiny_model_path()
+os.environ["SPLITSERVE_MODEL"] = TINY_MODEL
+os.environ["SPLITSERVE_ROUTER_MODEL"] = TINY_MODEL
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that loads the real model in process says so (`-m "not real_model"` skips them)."""
+    for item in items:
+        if "smollm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_model)
+
 
 @pytest.fixture(scope="session")
 def smollm() -> tuple[LlamaForCausalLM, Tokenizer]:
-    """The default SmolLM2-135M-Instruct GGUF (or $SPLITSERVE_MODEL), fp32, in eval mode."""
+    """The real SmolLM2-135M-Instruct GGUF, fp32, in eval mode: for tests about text or parity."""
     from common.model.loader import load_model
 
-    return load_model(os.environ.get("SPLITSERVE_MODEL") or None, dtype=torch.float32)
+    return load_model(real_model_path(), dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> tuple[LlamaForCausalLM, Tokenizer]:
+    """The tiny random-weight model the test services serve (SmolLM2's tokenizer), fp32, in eval mode."""
+    from common.model.loader import load_model
+
+    return load_model(TINY_MODEL, dtype=torch.float32)
 
 
 # ---- Redis (integration tests run against a real server) ----

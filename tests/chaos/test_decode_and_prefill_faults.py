@@ -23,7 +23,7 @@ import pytest
 from common.cluster.state import ClusterState
 from tests.support.cluster import Cluster, Proc, free_port, get_json, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+pytestmark = [pytest.mark.services, pytest.mark.chaos]
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
 LEASE_S, STALL_S = 2.0, 3.0
 FLAGS = ("--threads", "1", "--kv-cache-mb", "128", "--lease-s", str(LEASE_S))
@@ -48,7 +48,7 @@ def stack(tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
         c.start("decode", *FLAGS, env=ENV)
         c.start("decode", *FLAGS, env=ENV)
         c.start("router", "--decode-stall-s", str(STALL_S), "--max-migrations", "3")
-        time.sleep(1.5)  # the router's registry cache sees every service
+        c.wait_routed()
         yield c
     finally:
         for p in c.procs:
@@ -204,7 +204,7 @@ def run_fault(c: Cluster, redis_url: str, fault: str) -> None:
                 victim.popen.kill()
             c.procs.remove(victim)
             c.start("decode", *FLAGS, env=ENV)
-            time.sleep(1.5)
+            c.wait_routed()
     assert_clean(c, redis_url)
 
 
@@ -234,7 +234,7 @@ def test_the_only_prefill_service_killed_mid_prompt_falls_back_to_decode(stack, 
     finally:
         stack.procs.remove(prefill)
         stack.start("prefill", *FLAGS)
-        time.sleep(1.5)
+        stack.wait_routed()
     assert_clean(stack, redis_url)
 
 
@@ -285,7 +285,7 @@ def test_a_migration_carries_sampling_state_grammar_and_logprobs(stack, redis_ur
         victim.popen.kill()
         stack.procs.remove(victim)
         stack.start("decode", *FLAGS, env=ENV)
-        time.sleep(1.5)
+        stack.wait_routed()
     assert_clean(stack, redis_url)
 
 
@@ -315,11 +315,11 @@ def test_a_decode_service_restarted_on_its_own_ports_is_used_at_once(stack, redi
     first.popen.wait()
     again = stack.start("decode", *FLAGS, *tcp, env=ENV, port=port)
     assert get_json(again.url + "/health")["incarnation"] != ""
-    time.sleep(1.5)  # the router's registry cache
+    stack.wait_routed()
     r = complete(router, chat(QUESTIONS[0]))
     assert r.status_code == 200 and r.headers["x-splitserve-route"].startswith("split")
     assert r.json()["choices"][0]["message"]["content"] == want[0]
     assert metric(router, "splitserve_router_transfer_failures_total") == before, "no transfer failed on it"
     stack.start("decode", *FLAGS, env=ENV)  # the stack's second decode service again
-    time.sleep(1.5)
+    stack.wait_routed()
     assert_clean(stack, redis_url)

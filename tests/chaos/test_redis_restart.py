@@ -26,7 +26,7 @@ from tests.chaos.test_decode_and_prefill_faults import (
 )
 from tests.support.cluster import Cluster, free_port, get_json, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+pytestmark = [pytest.mark.services, pytest.mark.chaos]
 FLAGS = ("--threads", "1", "--kv-cache-mb", "128", "--lease-s", str(LEASE_S))
 
 
@@ -38,7 +38,7 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
         c.start("prefill", *FLAGS)
         c.start("decode", *FLAGS)
         c.start("router")
-        time.sleep(1.5)  # the router's registry cache sees both services
+        c.wait_routed()
         yield c, redis
     finally:
         c.stop()

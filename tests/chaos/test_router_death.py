@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ from common.cluster.redis_server import RedisServer
 from tests.chaos.test_decode_and_prefill_faults import metric
 from tests.support.cluster import Cluster, Proc, free_port, get_json, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+pytestmark = [pytest.mark.services, pytest.mark.chaos]
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
 
 
@@ -59,7 +58,7 @@ class Client(threading.Thread):
 def test_a_killed_routers_requests_are_failed_with_a_reason_and_free_their_kv(stack, round_) -> None:  # type: ignore[no-untyped-def]
     c, decode_ = stack
     router = c.start("router")
-    time.sleep(1.5)  # its registry cache sees the decode service
+    c.wait_routed()
     client = Client(router)
     client.start()
     wait_until(lambda: client.chunks >= 3, 60, "the stream to be generating")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+pytestmark = [pytest.mark.services, pytest.mark.chaos]
 
 
 @pytest.mark.timeout(600)

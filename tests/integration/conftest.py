@@ -19,13 +19,13 @@ MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def prompts(smollm) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    _, tok = smollm
+def prompts(tiny) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    _, tok = tiny
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
-def reference(smollm, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def reference(tiny, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
     return [engine.generate([p], SamplingParams(max_tokens=MAX_TOKENS))[0].token_ids for p in prompts]

@@ -1,4 +1,5 @@
-"""The engine on the real model: batch invariance under chunked prefill and preemption, sampling."""
+"""The engine: batch invariance under chunked prefill and preemption, sampling (on the tiny test model),
+and the real model's answer and stop strings."""
 
 from __future__ import annotations
 
@@ -26,17 +27,17 @@ def _prompts(tok) -> list[list[int]]:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def alone(smollm) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def alone(tiny) -> list[list[int]]:  # type: ignore[no-untyped-def]
     """Each prompt run by itself, no chunking, no memory pressure."""
-    model, tok = smollm
+    model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1, max_num_batched_tokens=4096))
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     return [engine.generate([p], params)[0].token_ids for p in _prompts(tok)]
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_batch_invariance_with_chunking_and_preemption(smollm, alone, mode) -> None:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def test_batch_invariance_with_chunking_and_preemption(tiny, alone, mode) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     prompts = _prompts(tok)
     # 12 blocks of 16 tokens hold ~3 of these sequences: the rest wait, and running ones get preempted.
     cfg = EngineConfig(
@@ -55,8 +56,8 @@ def test_batch_invariance_with_chunking_and_preemption(smollm, alone, mode) -> N
     assert engine.block_manager.num_free_blocks == 12
 
 
-def test_prefix_cache_hits_give_the_same_tokens(smollm, alone) -> None:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def test_prefix_cache_hits_give_the_same_tokens(tiny, alone) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     prompts = _prompts(tok)
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4))
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -74,8 +75,8 @@ def test_generate_answers_paris(smollm) -> None:  # type: ignore[no-untyped-def]
     assert "Paris" in out.text and out.finish_reason in ("stop", "length")
 
 
-def test_sampling_seed_is_reproducible_and_batch_independent(smollm) -> None:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def test_sampling_seed_is_reproducible_and_batch_independent(tiny) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig())
     prompts = _prompts(tok)
     params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
@@ -106,16 +107,16 @@ def test_stop_strings_and_stop_tokens(smollm) -> None:  # type: ignore[no-untype
     assert len(longer.token_ids) == len(full.token_ids) + 3 and longer.finish_reason == "length"
 
 
-def test_static_policy_gives_the_same_tokens(smollm, alone) -> None:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def test_static_policy_gives_the_same_tokens(tiny, alone) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(policy="static", max_num_seqs=4))
     out = engine.generate(_prompts(tok), SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [c.token_ids for c in out] == alone
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_rejects_what_cannot_fit(smollm) -> None:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def test_rejects_what_cannot_fit(tiny) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(num_kv_blocks=4))
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request(list(range(60)), SamplingParams(max_tokens=10))
@@ -126,10 +127,10 @@ def test_rejects_what_cannot_fit(smollm) -> None:  # type: ignore[no-untyped-def
 
 
 @pytest.mark.parametrize("seed", [None, 7])
-def test_a_migrated_request_continues_exactly_where_it_was(smollm, seed) -> None:  # type: ignore[no-untyped-def]
+def test_a_migrated_request_continues_exactly_where_it_was(tiny, seed) -> None:  # type: ignore[no-untyped-def]
     """A request moved to another engine with its prompt plus the k output tokens already sent
     (num_output_tokens=k) goes on with output k: the same tokens, greedy or seeded, as never moving."""
-    model, tok = smollm
+    model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig())
     prompt = _prompts(tok)[2]
     temperature = 0.0 if seed is None else 0.9

@@ -1,6 +1,6 @@
-"""Tensor parallelism on the real model: an engine of 2 ranks (2 processes, gloo) against 1 rank.
+"""Tensor parallelism on the tiny test model: an engine of 2 ranks (2 processes, gloo) against 1 rank.
 
-SmolLM2-135M has 3 KV heads, so 2 ranks split them unevenly ([2, 1]). Greedy tokens must be the same
+It has SmolLM2-135M's 3 KV heads, so 2 ranks split them unevenly ([2, 1]). Greedy tokens must be the same
 and logprobs close (the sharded matmuls and all-reduces sum in another order: never bit for bit)."""
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
-
-pytestmark = pytest.mark.slow
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -60,8 +58,8 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.timeout(180)
-def test_two_ranks_generate_what_one_does(smollm: tuple[LlamaForCausalLM, Tokenizer]) -> None:
-    model, tok = smollm
+def test_two_ranks_generate_what_one_does(tiny: tuple[LlamaForCausalLM, Tokenizer]) -> None:
+    model, tok = tiny
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
     # A KV cache of 12 blocks of 16 tokens holds ~3 of these sequences: with all six at once the rest
     # wait and running ones are swapped out and back in, on every rank.
@@ -110,18 +108,19 @@ def test_two_ranks_generate_what_one_does(smollm: tuple[LlamaForCausalLM, Tokeni
     print(f"TP=2 started in {started:.1f} s")
 
 
-def test_refusals(smollm: tuple[LlamaForCausalLM, Tokenizer]) -> None:
+def test_refusals(tiny: tuple[LlamaForCausalLM, Tokenizer]) -> None:
     from common.engine.kv_connector import KVConnector
 
     class Shipping(KVConnector):
         pass
 
-    model, tok = smollm
+    model, tok = tiny
     with pytest.raises(ValueError, match="needs the worker ranks' transfer agents"):
         LLMEngine(model, tok, EngineConfig(tensor_parallel_size=2), connector=Shipping())
-    with pytest.raises(ValueError, match="exceeds the 9 attention heads"):
+    with pytest.raises(ValueError, match=f"exceeds the {model.config.num_heads} attention heads"):
         LLMEngine(model, tok, EngineConfig(tensor_parallel_size=10))
-    with pytest.raises(ValueError, match="does not divide intermediate_size=1536"):
+    inter = model.config.intermediate_size
+    with pytest.raises(ValueError, match=f"does not divide intermediate_size={inter}"):
         LLMEngine(model, tok, EngineConfig(tensor_parallel_size=5))
 
 

@@ -18,9 +18,8 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.slow
-def test_triton_backend_generates_what_the_torch_reference_does(smollm) -> None:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def test_triton_backend_generates_what_the_torch_reference_does(tiny) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     # 8-token budget: prompts arrive in chunks over a paged prefix, decodes ride along with chunks
     cfg = dict(max_num_batched_tokens=8, num_kv_blocks=64, block_size=4, dtype="float32")

@@ -7,14 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from tests.support.cluster import Cluster, Proc, get_json, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 LEASE_S = 2.0
 FLAGS = ("--threads", "1", "--kv-cache-mb", "256", "--lease-s", str(LEASE_S))
 # ~1,500 tokens: a prefill of a few seconds on one thread, long enough to fail in the middle of
@@ -79,7 +78,7 @@ def test_decode_killed_mid_transfer_frees_prefill_blocks(cluster) -> None:  # ty
     prefill = cluster.start("prefill", *FLAGS)
     decode_ = next(p for p in cluster.procs if p.role == "decode")
     router = next(p for p in cluster.procs if p.role == "router")
-    time.sleep(1.5)  # let the router's registry cache see the new prefill service
+    cluster.wait_routed()
     result: dict = {}
     t = start_request(router, result, "Decode killed")
     wait_until(lambda: prefilling(prefill), 60, "the prefill to start")
@@ -101,7 +100,7 @@ def test_hung_prefill_lease_expires_and_the_policy_applies(cluster) -> None:  # 
     prefill = next(p for p in cluster.procs if p.role == "prefill")
     decode_ = cluster.start("decode", *FLAGS)
     router = next(p for p in cluster.procs if p.role == "router")
-    time.sleep(1.5)  # registry cache
+    cluster.wait_routed()
     result: dict = {}
     t = start_request(router, result, "Prefill hung")
     wait_until(lambda: prefilling(prefill), 60, "the prefill to start")

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.cluster import Cluster, get_json
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 FLAGS = ("--threads", "1", "--kv-cache-mb", "64", "--policy", "fair", "--max-num-seqs", "2")
 
 

@@ -28,7 +28,7 @@ from common.security.internal_auth import SignedCalls, sign_headers
 from common.security.secret import InternalSecret
 from tests.support.cluster import INTERNAL_SECRET, Cluster, free_port, get_json, internal_auth
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 RIGHT = InternalSecret(INTERNAL_SECRET.encode())
 WRONG = InternalSecret(b"not-the-cluster-secret-at-all!!")
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from common.protocol import PROTOCOL_VERSION
 from tests.support.cluster import Cluster, internal_auth
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 FLAGS = ("--threads", "1", "--kv-cache-mb", "64", "--kv-backend", "tcp")
 
 scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=12)

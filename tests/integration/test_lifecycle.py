@@ -38,7 +38,6 @@ from common.protocol import KVDone, PrefillRequest
 from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.slow
 SYSTEM = "You are a concise assistant. Answer in one short sentence, and never add anything else."
 # A system prompt of several blocks (16 tokens each): the prefix the tests below share is 3 full blocks
 LONG_SYSTEM = (
@@ -46,7 +45,7 @@ LONG_SYSTEM = (
     " and say so plainly when you do not know."
 )
 MAX_TOKENS = 8
-Smollm = tuple[LlamaForCausalLM, Tokenizer]  # the session's model fixture
+Model = tuple[LlamaForCausalLM, Tokenizer]  # the session's model fixture
 KV = tuple[torch.Tensor, torch.Tensor]  # K and V, each (layers, tokens, kv heads, head dim)
 
 
@@ -79,9 +78,9 @@ class CopySender:
 
 
 class Pair:
-    def __init__(self, smollm: Smollm, p_blocks: int | None = None, d_blocks: int | None = None) -> None:
+    def __init__(self, tiny: Model, p_blocks: int | None = None, d_blocks: int | None = None) -> None:
         """p_blocks, d_blocks: each engine's KV blocks (default: the CPU default cache size)."""
-        model, tok = smollm
+        model, tok = tiny
         self.tok = tok
         self.arrived: dict[str, KVDone] = {}
         self.failed: dict[str, str] = {}
@@ -150,8 +149,8 @@ async def _idle(request_id: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(smollm) -> Pair:  # type: ignore[no-untyped-def]
-    return Pair(smollm)
+def pair(tiny) -> Pair:  # type: ignore[no-untyped-def]
+    return Pair(tiny)
 
 
 def read_kv(kv: PagedKVCache | KV, block_ids: list[int], n: int) -> KV:
@@ -192,8 +191,8 @@ class Reference(KVConnector):
     tokens a request gets when nothing is cached and nothing is transferred. It is the engine's connector
     too, only to see each step's scheduled sequences (and so the prompt's block table)."""
 
-    def __init__(self, smollm: Smollm) -> None:
-        model, tok = smollm
+    def __init__(self, tiny: Model) -> None:
+        model, tok = tiny
         self.seqs: dict[str, Sequence] = {}
         config = EngineConfig(enable_prefix_caching=False, num_kv_blocks=64)
         self.engine = LLMEngine(model, tok, config, connector=self)
@@ -215,8 +214,8 @@ class Reference(KVConnector):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm: Smollm) -> Reference:
-    return Reference(smollm)
+def reference(tiny: Model) -> Reference:
+    return Reference(tiny)
 
 
 # The decode side's KV against the no-cache reference: close, never compared bit for bit. Its cached
@@ -264,8 +263,8 @@ def sent_blocks(pair: Pair) -> set[int]:
     return {b for _, dst in pair.sender.sent for b in dst}
 
 
-def test_split_request_gives_the_plain_run_tokens_and_token_zero_once(pair: Pair, smollm) -> None:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def test_split_request_gives_the_plain_run_tokens_and_token_zero_once(pair: Pair, tiny) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     ids = pair.prompt("What is the capital of France?")
     want = LLMEngine(model, tok, EngineConfig()).generate([ids], params)[0].token_ids
@@ -276,8 +275,8 @@ def test_split_request_gives_the_plain_run_tokens_and_token_zero_once(pair: Pair
     pair.assert_all_free()
 
 
-def test_a_partial_prefix_hit_on_decode_ships_only_the_missing_blocks(pair: Pair, smollm) -> None:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def test_a_partial_prefix_hit_on_decode_ships_only_the_missing_blocks(pair: Pair, tiny) -> None:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     warm = pair.prompt("Name three colors.")
     pair.d.generate([warm], params)  # D now holds the system prompt's blocks in its prefix cache
@@ -326,11 +325,11 @@ def test_a_write_under_a_stale_fence_writes_nothing(pair: Pair) -> None:
 
 @pytest.mark.parametrize("warmed_by", ["decode", "split"])
 def test_after_a_prefix_hit_the_decode_kv_is_its_own_prefix_then_the_prefill_bytes(
-    smollm: Smollm, reference: Reference, warmed_by: str
+    tiny: Model, reference: Reference, warmed_by: str
 ) -> None:
     """The decode side held the system prompt's blocks: computed by itself (a local request) or received
     from the prefill side (an earlier split request)."""
-    pair = Pair(smollm, p_blocks=64, d_blocks=64)
+    pair = Pair(tiny, p_blocks=64, d_blocks=64)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     warm = pair.prompt("Name three colors.", LONG_SYSTEM)
     if warmed_by == "decode":
@@ -356,9 +355,9 @@ def test_after_a_prefix_hit_the_decode_kv_is_its_own_prefix_then_the_prefill_byt
 
 
 def test_a_prefix_shared_to_the_middle_of_a_block_ships_that_block_whole(
-    smollm: Smollm, reference: Reference
+    tiny: Model, reference: Reference
 ) -> None:
-    pair = Pair(smollm, p_blocks=64, d_blocks=64)
+    pair = Pair(tiny, p_blocks=64, d_blocks=64)
     bs = pair.d.block_manager.block_size
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     warm = pair.prompt("Name three colors.", LONG_SYSTEM)
@@ -378,9 +377,9 @@ def test_a_prefix_shared_to_the_middle_of_a_block_ships_that_block_whole(
 
 
 def test_a_prompt_of_whole_blocks_all_cached_on_decode_still_ships_its_last_block(
-    smollm: Smollm, reference: Reference
+    tiny: Model, reference: Reference
 ) -> None:
-    pair = Pair(smollm, p_blocks=64, d_blocks=64)
+    pair = Pair(tiny, p_blocks=64, d_blocks=64)
     bs = pair.d.block_manager.block_size
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     warm = pair.prompt("Name three colors.", LONG_SYSTEM)
@@ -408,11 +407,11 @@ def test_a_prompt_of_whole_blocks_all_cached_on_decode_still_ships_its_last_bloc
 
 @pytest.mark.parametrize("keep", [0, 1])
 def test_a_prefix_evicted_on_decode_after_routing_is_shipped_by_prefill(
-    smollm: Smollm, reference: Reference, keep: int
+    tiny: Model, reference: Reference, keep: int
 ) -> None:
     """The router's prefix index said D holds the prompt's first blocks; D evicted them (all, or all but
     `keep`) before it reserved: the reservation is the truth, and P ships every block it lacks."""
-    pair = Pair(smollm, p_blocks=64, d_blocks=16)
+    pair = Pair(tiny, p_blocks=64, d_blocks=16)
     bs = pair.d.block_manager.block_size
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     asyncio.run(pair.split("a", pair.prompt("Name three colors.", LONG_SYSTEM), params))
@@ -439,9 +438,9 @@ def test_a_prefix_evicted_on_decode_after_routing_is_shipped_by_prefill(
 
 
 def test_a_prefix_evicted_on_prefill_but_held_on_decode_is_recomputed_and_still_skipped(
-    smollm: Smollm, reference: Reference
+    tiny: Model, reference: Reference
 ) -> None:
-    pair = Pair(smollm, p_blocks=16, d_blocks=64)
+    pair = Pair(tiny, p_blocks=16, d_blocks=64)
     bs = pair.d.block_manager.block_size
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     asyncio.run(pair.split("a", pair.prompt("Name three colors.", LONG_SYSTEM), params))

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
 from common.model.attention import AttentionMetadata
 from common.model.loader import default_model_path, load_model
-
-pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -15,8 +15,6 @@ import torch
 from common.model.hf_export import export_hf_folder
 from common.model.loader import load_model
 
-pytestmark = pytest.mark.slow
-
 TEXT = "The capital of France is Paris. 1234567 + 89 = ?\n  Ünïcödé 日本語 🙂 <|im_end|>"
 
 

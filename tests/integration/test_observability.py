@@ -27,7 +27,7 @@ from common.cluster.redis_server import RedisServer
 from tests.support.cluster import Cluster, Proc, free_port, get_json, wait_until
 from tests.support.prometheus import Prometheus, Unavailable, dashboard_targets, substitute, tools
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
 # static API keys (the router's keys file): Prometheus' (metrics only), a user's (tenant team-a), one of

@@ -26,7 +26,7 @@ from common.model.hf_export import export_hf_folder
 from common.sampling_params import SamplingParams
 from tests.support.cluster import Cluster
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
 THRESHOLD = 40  # prompts (chat: template included) of this many tokens or more are prefilled remotely
 LONG_Q = "Tell me about the old fisherman who lived in the small village by the sea, and what he caught."
@@ -64,10 +64,10 @@ def client(stack) -> openai.OpenAI:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def hf(smollm, tmp_path_factory):  # type: ignore[no-untyped-def]
+def hf(tiny, tmp_path_factory):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    model, tokenizer = smollm
+    model, tokenizer = tiny
     folder: Path = export_hf_folder(model, tokenizer, tmp_path_factory.mktemp("hf"))
     return AutoModelForCausalLM.from_pretrained(str(folder)).float().eval()
 
@@ -78,15 +78,15 @@ def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-
     return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-def chat_ids(smollm, question: str) -> list[int]:  # type: ignore[no-untyped-def]
-    tok = smollm[1]
+def chat_ids(tiny, question: str) -> list[int]:  # type: ignore[no-untyped-def]
+    tok = tiny[1]
     return tok.encode(
         tok.apply_chat_template([{"role": "user", "content": question}]), add_special_tokens=False
     )
 
 
-def local_generate(smollm, ids: list[int], params: SamplingParams) -> list[int]:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def local_generate(tiny, ids: list[int], params: SamplingParams) -> list[int]:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
     return engine.generate([ids], params)[0].token_ids
 
@@ -95,10 +95,10 @@ def route_of(raw: Any) -> str:
     return raw.headers["x-splitserve-route"].split(";")[0]
 
 
-def token_bytes(smollm, ids: list[int]) -> list[bytes]:  # type: ignore[no-untyped-def]
+def token_bytes(tiny, ids: list[int]) -> list[bytes]:  # type: ignore[no-untyped-def]
     from router.logprobs import TokenTexts
 
-    texts = TokenTexts(smollm[1])
+    texts = TokenTexts(tiny[1])
     return [texts.bytes_of(i) for i in ids]
 
 
@@ -107,8 +107,8 @@ def token_bytes(smollm, ids: list[int]) -> list[bytes]:  # type: ignore[no-untyp
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize(("question", "route"), PATHS)
-def test_chat_logprobs_match_transformers(client, smollm, hf, question, route, stream) -> None:  # type: ignore[no-untyped-def]
-    prompt = chat_ids(smollm, question)
+def test_chat_logprobs_match_transformers(client, tiny, hf, question, route, stream) -> None:  # type: ignore[no-untyped-def]
+    prompt = chat_ids(tiny, question)
     assert (len(prompt) >= THRESHOLD) == (route == "split")
     kwargs: dict[str, Any] = {
         "model": "default", "messages": [{"role": "user", "content": question}],
@@ -123,8 +123,8 @@ def test_chat_logprobs_match_transformers(client, smollm, hf, question, route, s
         raw = client.chat.completions.with_raw_response.create(**kwargs)
         content = raw.parse().choices[0].logprobs.content
     assert route_of(raw) == route
-    out = local_generate(smollm, prompt, SamplingParams(max_tokens=8))
-    assert [bytes(c.bytes) for c in content] == token_bytes(smollm, out)
+    out = local_generate(tiny, prompt, SamplingParams(max_tokens=8))
+    assert [bytes(c.bytes) for c in content] == token_bytes(tiny, out)
     ref = hf_logprobs(hf, prompt + out)
     for i, (c, t) in enumerate(zip(content, out, strict=True)):
         row = ref[len(prompt) + i - 1]
@@ -136,8 +136,8 @@ def test_chat_logprobs_match_transformers(client, smollm, hf, question, route, s
 
 
 @pytest.mark.parametrize(("prompt", "route"), PROMPTS)
-def test_echo_scores_the_prompt_on_the_prefilling_service(client, smollm, hf, prompt, route) -> None:  # type: ignore[no-untyped-def]
-    ids = smollm[1].encode(prompt)
+def test_echo_scores_the_prompt_on_the_prefilling_service(client, tiny, hf, prompt, route) -> None:  # type: ignore[no-untyped-def]
+    ids = tiny[1].encode(prompt)
     raw = client.completions.with_raw_response.create(
         model="default", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0
     )
@@ -163,26 +163,28 @@ def test_echo_scores_the_prompt_on_the_prefilling_service(client, smollm, hf, pr
 
 @pytest.mark.parametrize(("prompt", "route"), PROMPTS)
 def test_raw_and_processed_logprobs(client, prompt, route) -> None:  # type: ignore[no-untyped-def]
-    def first(mode: str) -> float:
+    def likeliest(mode: str) -> tuple[str, float]:
         r = client.completions.create(
             model="default", prompt=prompt, max_tokens=1, logprobs=1, temperature=0.5, seed=3,
             extra_body={"logprobs_mode": mode},
         )  # fmt: skip
-        return r.choices[0].logprobs.token_logprobs[0]
+        ((token, logprob),) = r.choices[0].logprobs.top_logprobs[0].items()
+        return token, logprob
 
-    # processed: of the distribution sampled from (temperature 0.5 sharpens it): the likely token's
-    # logprob is closer to 0 than the raw model's
-    assert first("raw") < first("processed") <= 0
+    # processed: of the distribution sampled from (temperature 0.5 sharpens it): the likeliest token
+    # (whichever was sampled) is the same, and its logprob closer to 0 than the raw model's
+    (raw_token, raw), (token, processed) = likeliest("raw"), likeliest("processed")
+    assert raw_token == token and raw < processed <= 0
 
 
 # ---- penalties and biases --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("prompt", "route"), PROMPTS)
-def test_penalties_same_on_both_sides_of_the_split(client, smollm, prompt, route) -> None:  # type: ignore[no-untyped-def]
+def test_penalties_same_on_both_sides_of_the_split(client, tiny, prompt, route) -> None:  # type: ignore[no-untyped-def]
     """Token 0 (prefill service on the split path) and the rest (decode service) see one penalty state:
     the output equals one engine generating everything with the same parameters."""
-    ids = smollm[1].encode(prompt)
+    ids = tiny[1].encode(prompt)
     params = SamplingParams(
         max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4,
         min_tokens=6, logit_bias=((28, 3.0),), seed=11, temperature=0.8, top_p=0.9,
@@ -194,19 +196,19 @@ def test_penalties_same_on_both_sides_of_the_split(client, smollm, prompt, route
     )  # fmt: skip
     assert route_of(raw) == route
     got = raw.parse().choices[0].logprobs.tokens
-    want = local_generate(smollm, ids, params)
-    assert got == [b.decode("utf-8", errors="replace") for b in token_bytes(smollm, want)]
+    want = local_generate(tiny, ids, params)
+    assert got == [b.decode("utf-8", errors="replace") for b in token_bytes(tiny, want)]
 
 
 @pytest.mark.parametrize(("prompt", "route"), PROMPTS)
-def test_logit_bias_forces_and_forbids(client, smollm, prompt, route) -> None:  # type: ignore[no-untyped-def]
-    forced = smollm[1].encode(" banana", add_special_tokens=False)[0]
+def test_logit_bias_forces_and_forbids(client, tiny, prompt, route) -> None:  # type: ignore[no-untyped-def]
+    forced = tiny[1].encode(" banana", add_special_tokens=False)[0]
     r = client.completions.create(
         model="default", prompt=prompt, max_tokens=4, temperature=0, logit_bias={str(forced): 100},
         extra_body={"ignore_eos": True},
     )  # fmt: skip
-    assert r.choices[0].text == smollm[1].decode([forced] * 4)
-    ban_id = local_generate(smollm, smollm[1].encode(prompt), SamplingParams(max_tokens=1))[
+    assert r.choices[0].text == tiny[1].decode([forced] * 4)
+    ban_id = local_generate(tiny, tiny[1].encode(prompt), SamplingParams(max_tokens=1))[
         0
     ]  # greedy's pick
     r2 = client.completions.create(
@@ -217,7 +219,7 @@ def test_logit_bias_forces_and_forbids(client, smollm, prompt, route) -> None:  
         logit_bias={str(ban_id): -100},
         logprobs=0,
     )
-    assert r2.choices[0].logprobs.tokens[0] != token_bytes(smollm, [ban_id])[0].decode("utf-8", "replace")
+    assert r2.choices[0].logprobs.tokens[0] != token_bytes(tiny, [ban_id])[0].decode("utf-8", "replace")
 
 
 # ---- structured outputs --------------------------------------------------------------------------

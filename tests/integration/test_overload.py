@@ -17,7 +17,7 @@ from common.protocol import GenerateRequest, encode
 from common.sampling_params import SamplingParams
 from tests.support.cluster import Cluster, Proc, free_port, get_json, internal_auth, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 START_TIMEOUT_S = 2.0
 
 
@@ -28,7 +28,7 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     try:
         decode_ = c.start("decode", "--threads", "1", "--kv-cache-mb", "64", "--max-num-seqs", "1")
         router = c.start("router", "--start-timeout-s", str(START_TIMEOUT_S))
-        time.sleep(1.5)  # the router's registry cache sees the decode service
+        c.wait_routed()
         yield decode_, router
     finally:
         c.stop()

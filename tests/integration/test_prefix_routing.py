@@ -14,7 +14,7 @@ from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 from tests.support.cluster import Cluster, get_json
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
 SYSTEM = (
     "You are a patient tutor in astronomy. Answer every question in two plain sentences, with one "
@@ -74,9 +74,9 @@ def settle_index(router_url: str, before: float, quiet_s: float = 0.5, timeout_s
     raise AssertionError(f"the router's KV index did not settle: {before} -> {last} events applied")
 
 
-def test_a_chats_next_turn_goes_where_its_history_is(stack, smollm) -> None:  # type: ignore[no-untyped-def]
+def test_a_chats_next_turn_goes_where_its_history_is(stack, tiny) -> None:  # type: ignore[no-untyped-def]
     cluster, router = stack
-    model, tok = smollm
+    model, tok = tiny
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why do stars twinkle?"}]
     applied_before = index_events_applied(router.url)
     first, answer = chat(router.url, messages)

@@ -19,7 +19,7 @@ from common.cluster.state import connect
 from router.auth.keys import KeyStore, Limits
 from tests.support.cluster import Cluster, Proc, free_port, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
         c.start("decode", "--threads", "1", "--kv-cache-mb", "64")
         one = c.start("router", "--require-api-key")
         two = c.start("router", "--require-api-key")
-        time.sleep(1.5)  # the routers' registry caches see the decode service
+        c.wait_routed()
         yield redis.url, one, two
     finally:
         c.stop()
@@ -132,7 +132,7 @@ def test_revocation_and_expiry_take_effect_within_a_second(stack) -> None:  # ty
         assert r.status_code == 401 and "revoked" in r.json()["error"]["message"]
     soon = create_key(redis_url, "expiring", expires_at=time.time() + 1.0)
     assert complete(one, soon).status_code == 200
-    time.sleep(1.5)
+    wait_until(lambda: complete(one, soon).status_code == 401, 10, "the key to expire")
     r = complete(one, soon)
     assert r.status_code == 401 and "expired" in r.json()["error"]["message"]
 
@@ -230,7 +230,7 @@ def test_keys_seen_before_ride_out_a_redis_outage(tmp_path) -> None:  # type: ig
     try:
         c.start("decode", "--threads", "1", "--kv-cache-mb", "64")
         router = c.start("router", "--require-api-key")
-        time.sleep(1.5)  # the registry cache sees the decode service
+        c.wait_routed()
         limited = create_key(redis.url, "limited", limits=Limits(rpm=100))
         admin = create_key(redis.url, "ops", scopes=("admin",))
         unseen = create_key(redis.url, "unseen")

@@ -28,7 +28,7 @@ from common.sampling_params import SamplingParams
 from tests.integration.conftest import MAX_TOKENS, QUESTIONS
 from tests.support.cluster import Cluster, internal_auth
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
 
 

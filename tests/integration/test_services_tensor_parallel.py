@@ -22,7 +22,7 @@ from tests.integration.conftest import MAX_TOKENS, QUESTIONS
 from tests.integration.test_services import run_request
 from tests.support.cluster import Cluster, internal_auth
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 FLAGS = ("--threads", "1", "--kv-cache-mb", "32")
 T = TypeVar("T")
 

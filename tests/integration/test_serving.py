@@ -1,5 +1,6 @@
-"""The whole request flow, every service a real process on 127.0.0.1, state in a real Redis, the
-real model, spoken to with the official `openai` client and plain HTTP."""
+"""The whole request flow, every service a real process on 127.0.0.1, state in a real Redis, the tiny
+test model (the real model's answer through `splitserve up` is tests/integration/test_up.py's), spoken
+to with the official `openai` client and plain HTTP."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
 from tests.support.cluster import Cluster, get_json, internal_auth
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
 THRESHOLD = "12"  # prompts of fewer tokens are prefilled locally on the decode service
 LONG = [  # split path
@@ -43,8 +44,8 @@ def client(stack) -> openai.OpenAI:  # type: ignore[no-untyped-def]
     return openai.OpenAI(base_url=stack[3].url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def engine_text(smollm, prompt: str, max_tokens: int) -> tuple[str, int]:  # type: ignore[no-untyped-def]
-    model, tok = smollm
+def engine_text(tiny, prompt: str, max_tokens: int) -> tuple[str, int]:  # type: ignore[no-untyped-def]
+    model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
     out = engine.generate([tok.encode(prompt)], SamplingParams(max_tokens=max_tokens))[0]
     return out.text, len(out.token_ids)
@@ -55,7 +56,7 @@ def record(router_url: str, request_id: str) -> dict:
 
 
 @pytest.mark.parametrize(("prompts", "route"), [(LONG, "split"), (SHORT, "local")])
-def test_greedy_matches_generate(stack, smollm, prompts, route) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_matches_generate(stack, tiny, prompts, route) -> None:  # type: ignore[no-untyped-def]
     router = stack[3]
     kv = httpx.get(stack[2].url + "/internal/kv", auth=internal_auth, timeout=10)
     decode_backend = kv.json()["backend"]
@@ -68,7 +69,7 @@ def test_greedy_matches_generate(stack, smollm, prompts, route) -> None:  # type
         assert r.status_code == 200, r.text
         assert r.headers["x-splitserve-route"].startswith(route)
         body = r.json()
-        want_text, want_n = engine_text(smollm, prompt, 16)
+        want_text, want_n = engine_text(tiny, prompt, 16)
         assert body["choices"][0]["text"] == want_text
         assert body["usage"]["completion_tokens"] == want_n
         rec = record(router.url, r.headers["x-request-id"])
@@ -89,10 +90,15 @@ def test_greedy_matches_generate(stack, smollm, prompts, route) -> None:  # type
         assert rec["finish_reason"] == body["choices"][0]["finish_reason"]
 
 
-def test_openai_client_chat_and_completions(client) -> None:  # type: ignore[no-untyped-def]
+def test_openai_client_chat_and_completions(client, tiny) -> None:  # type: ignore[no-untyped-def]
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(model="default", messages=msgs, max_tokens=24, temperature=0)
-    assert "Paris" in chat.choices[0].message.content and chat.choices[0].finish_reason == "stop"
+    model, tok = tiny
+    want = LLMEngine(model, tok, EngineConfig(max_num_seqs=1)).generate(
+        [tok.encode(tok.apply_chat_template(msgs))], SamplingParams(max_tokens=24)
+    )[0]
+    assert chat.choices[0].message.content == want.text
+    assert chat.choices[0].finish_reason == want.finish_reason
     assert chat.usage.prompt_tokens > 0 and chat.usage.completion_tokens > 0
     stream = client.chat.completions.create(
         model="default",
@@ -234,11 +240,11 @@ def test_disconnect_cancels_and_frees_blocks(stack, prompt) -> None:  # type: ig
     assert rec["state"] == "cancelled", rec
 
 
-def test_the_hop_floor_forwards_to_the_decode_service(stack, smollm, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_hop_floor_forwards_to_the_decode_service(stack, tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """bench serving's baseline (bench/hop_floor.py) is a real hop: the decode service's greedy tokens
     for the ids it was sent, the blocks freed after."""
     cluster, _, decode_, _ = stack
-    model, tok = smollm
+    model, tok = tiny
     ids = tok.encode(SHORT[0])
     floor_cluster = Cluster(None, str(tmp_path))
     try:

@@ -23,7 +23,7 @@ from common.cluster.state import ClusterState
 from tests.support.cluster import Cluster, free_port
 
 pytestmark = [
-    pytest.mark.slow,
+    pytest.mark.services,
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command"),
 ]
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.cluster import Cluster
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
 LONG = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 

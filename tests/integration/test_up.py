@@ -1,8 +1,12 @@
 """`splitserve up` (what `make run` starts): everything comes up, answers, a service that dies is
-started again, and SIGTERM or Ctrl-C takes every process down with it, embedded Redis included."""
+started again, and SIGTERM or Ctrl-C takes every process down with it, embedded Redis included.
+
+The SIGTERM run serves the real SmolLM2, as `make run` does, and must answer the question right: the
+suite's one check of the real model's text through every process. The Ctrl-C run serves the tiny model."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,13 +17,22 @@ import psutil
 import pytest
 
 from tests.support.cluster import free_port
+from tests.support.tiny_model import real_model_path
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.services
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+@pytest.mark.parametrize(
+    "sig",
+    [pytest.param(signal.SIGTERM, marks=pytest.mark.real_model), signal.SIGINT],
+    ids=["sigterm", "ctrl-c"],
+)
 def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignore[no-untyped-def]
     port, base = free_port(), free_port() + 100
+    real = sig == signal.SIGTERM
+    env = {**os.environ}
+    if real:
+        env["SPLITSERVE_MODEL"] = env["SPLITSERVE_ROUTER_MODEL"] = real_model_path()
     log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read after the process ends
     children: list[psutil.Process] = []
     proc = subprocess.Popen(
@@ -39,6 +52,7 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        env=env,
     )
     try:
         deadline = time.monotonic() + 180
@@ -57,7 +71,9 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
                 "messages": [{"role": "user", "content": "What is the capital of France?"}],
             },
         )
-        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        assert r.status_code == 200, r.text
+        if real:
+            assert "Paris" in r.json()["choices"][0]["message"]["content"], r.text
         if sig == signal.SIGTERM:  # once: a service that dies is started again
             (decode,) = [c for c in children if "decode" in c.cmdline()]
             decode.kill()

@@ -51,6 +51,8 @@ class Proc:
 class Cluster:
     redis_url: str | None
     log_dir: str
+    # what every process it starts serves; None: the test environment's (the tiny model, tests/conftest.py)
+    model: str | None = None
     procs: list[Proc] = field(default_factory=list)
 
     def start(
@@ -72,7 +74,13 @@ class Cluster:
         log_path = f"{self.log_dir}/{role}-{port}.log"
         log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
         # NIXL: loopback
-        full_env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})}
+        model = {"SPLITSERVE_MODEL": self.model, "SPLITSERVE_ROUTER_MODEL": self.model} if self.model else {}
+        full_env = {
+            **os.environ,
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+            **model,
+            **(env or {}),
+        }
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
         scheme = "https" if "--ssl-certfile" in flags else "http"
         proc = Proc(role, f"{scheme}://127.0.0.1:{port}", popen, log_path)
@@ -99,6 +107,15 @@ class Cluster:
                     p.popen.wait()
             self.procs.remove(p)
 
+    def wait_routed(self, timeout_s: float = 15.0) -> None:
+        """Wait until each of this cluster's routers routes on (at least) as many decode and prefill
+        services as the cluster runs: a router reads the registry at most every 0.25 s, and a service
+        is registered before its /health answers."""
+        running = [p for p in self.procs if p.popen.poll() is None]
+        decode, prefill = (sum(p.role == r for p in running) for r in ("decode", "prefill"))
+        for router in (p for p in running if p.role == "router"):
+            wait_router_sees(router, decode=decode, prefill=prefill, timeout_s=timeout_s)
+
     def wait_blocks_free(self, proc: Proc, timeout_s: float = 10.0) -> dict[str, Any]:
         """Poll /health until every KV block is free again; returns the last health record."""
         deadline = time.monotonic() + timeout_s
@@ -109,6 +126,19 @@ class Cluster:
             if time.monotonic() > deadline:
                 return h
             time.sleep(0.1)
+
+
+def wait_router_sees(router: Proc, decode: int = 1, prefill: int = 0, timeout_s: float = 15.0) -> None:
+    """Wait until the router's worker pool (its /health) holds at least this many services of each role."""
+
+    def sees() -> bool:
+        try:
+            h = get_json(router.url + "/health")
+        except OSError:  # 503 while it cannot route at all
+            return False
+        return bool(h["decode_workers"] >= decode and h["prefill_workers"] >= prefill)
+
+    wait_until(sees, timeout_s, f"the router to see {decode} decode and {prefill} prefill services")
 
 
 def wait_until(cond: Any, timeout_s: float, what: str) -> None:
