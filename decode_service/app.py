@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request, Response
 
 from common.config import EngineConfig, ServiceConfig
 from common.protocol import GenerateRequest
-from common.runtime.service import read_message
+from common.service.base import read_message
 from decode_service.service import DecodeService
 
 

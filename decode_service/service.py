@@ -29,9 +29,9 @@ from common.connector.remote_kv import IncomingKV
 from common.engine.api import AddRequest, Admission, Finish, KVArrived, RemoteKV, TokenOutput
 from common.engine.llm_engine import LLMEngine
 from common.protocol import ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
-from common.runtime.metrics import TransportCount
-from common.runtime.service import Interrupt, Job, Service
 from common.runtime.telemetry import context_from, span_scope, tracer
+from common.service.base import Interrupt, Job, Service
+from common.service.metrics import TransportCount
 from decode_service.timeline import Timeline
 from kv_transfer import ReceiverStats, make_receiver, resolve_backend
 from kv_transfer.ranks import RankTransfer

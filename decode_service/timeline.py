@@ -10,8 +10,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common.protocol import GenerateRequest
-from common.runtime.metrics import ServiceMetrics
 from common.runtime.telemetry import context_from, span_ctx, tracer
+from common.service.metrics import ServiceMetrics
 
 _tracer = tracer(__name__)
 

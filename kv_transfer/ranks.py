@@ -1,7 +1,7 @@
 """KV transfer on a tensor-parallel worker rank: each rank sends, or receives, its own KV shard.
 
 A service with `--tensor-parallel-size N` runs ranks 1..N-1 as worker processes
-(common/parallel/workers.py); each holds only its KV heads of every block. Rank 0 (the service
+(common/engine/tp_workers.py); each holds only its KV heads of every block. Rank 0 (the service
 process) keeps the requests, fences and leases; a worker rank runs a `RankAgent`: an event loop on a
 thread of its own with this backend's sender (prefill) or receiver (decode) over the rank's shard, so
 its bytes go straight between the ranks that hold them, never through rank 0.

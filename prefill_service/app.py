@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request, Response
 
 from common.config import EngineConfig, ServiceConfig
 from common.protocol import PrefillRequest
-from common.runtime.service import read_message
+from common.service.base import read_message
 from prefill_service.service import PrefillService
 
 

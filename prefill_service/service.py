@@ -27,9 +27,9 @@ from common.engine.api import AddRequest, Admission, Finish, TokenOutput
 from common.engine.llm_engine import LLMEngine
 from common.parallel.plan import split_endpoints
 from common.protocol import PrefillRequest, PrefillResult
-from common.runtime.metrics import TransportCount
-from common.runtime.service import Interrupt, Job, Service, error_response, msgpack_response
 from common.runtime.telemetry import context_from, span_ctx, tracer
+from common.service.base import Interrupt, Job, Service, error_response, msgpack_response
+from common.service.metrics import TransportCount
 from kv_transfer import KVSender, SenderStats, TransferError, make_sender, resolve_backend
 from kv_transfer.ranks import RankTransfer
 from prefill_service.spans import compute_spans, fail, transfer_done

@@ -9,8 +9,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from common.connector.remote_kv import OutgoingKV
-from common.runtime.metrics import ServiceMetrics
 from common.runtime.telemetry import span_ctx, tracer
+from common.service.metrics import ServiceMetrics
 
 _tracer = tracer(__name__)
 

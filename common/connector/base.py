@@ -12,7 +12,7 @@ from common.engine.kv_connector import KVConnector
 from common.protocol import KVCompat
 
 if TYPE_CHECKING:
-    from common.parallel.workers import TPWorkers
+    from common.engine.tp_workers import TPWorkers
 
 R = TypeVar("R", bound=RemoteKV)
 

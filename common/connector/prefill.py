@@ -37,7 +37,7 @@ from common.protocol import KVCompat, KVDone, PrefillRequest, TransferError
 from common.runtime.telemetry import span_ctx, traceparent, tracer
 
 if TYPE_CHECKING:
-    from common.parallel.workers import TPWorkers
+    from common.engine.tp_workers import TPWorkers
 
 S = TransferState
 _tracer = tracer(__name__)

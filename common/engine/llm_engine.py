@@ -51,7 +51,7 @@ from common.text.grammar import GrammarCompiler
 from common.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # imported lazily: only an engine with tensor parallelism needs torch.distributed
-    from common.parallel.workers import TPWorkers
+    from common.engine.tp_workers import TPWorkers
 
 log = logging.getLogger("splitserve.engine")
 
@@ -169,7 +169,7 @@ class LLMEngine:
         spec = kv_spec(num_blocks, len(layouts[0].kv_heads))
         self.tp_workers: TPWorkers | None = None
         if tp > 1:
-            from common.parallel.workers import TPWorkers
+            from common.engine.tp_workers import TPWorkers
 
             t0 = time.monotonic()
             specs = [kv_spec(num_blocks, len(lay.kv_heads)) for lay in layouts]

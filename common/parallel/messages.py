@@ -1,5 +1,5 @@
 """The messages between rank 0 and a worker rank's KV transfer agent (kv_transfer/ranks.py), over the
-control pipe each worker has (common/parallel/workers.py).
+control pipe each worker has (common/engine/tp_workers.py).
 
 Typed like every other process boundary (common/protocol.py: msgspec structs, tagged with their kind,
 versioned): a misspelled operation, a missing or mistyped argument is a ProtocolError where the bytes

@@ -1,1 +1,2 @@
-"""What a service process shares: the app factory, metrics, telemetry."""
+"""Process helpers every role uses, the router included (no torch): the HTTP server's limits, tracing,
+the CPU memory allocator's tuning."""

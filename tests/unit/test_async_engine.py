@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # What the engine thread changes at every step: a service that reads one of them from the event loop
 # reads state mid-change. The services read the engine's published EngineLoad instead.
 ENGINE_INTERNALS = {"scheduler", "block_manager", "speed"}
-SERVICE_CODE = ("common/runtime", "prefill_service", "decode_service")
+SERVICE_CODE = ("common/service", "common/runtime", "prefill_service", "decode_service")
 
 
 class BrokenEngine:

@@ -254,8 +254,8 @@ def test_an_agent_message_that_does_not_decode_fails_the_call_it_names() -> None
 
     import msgspec
 
+    from common.engine.tp_workers import _read
     from common.parallel.messages import Open, RankArrived, RankCall, RankGone, RankReply
-    from common.parallel.workers import _read
     from common.protocol import PROTOCOL_VERSION, ProtocolError, decode, encode
 
     ours, theirs = mp.Pipe()

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.connector.remote_kv import OutgoingKV, TransferState
 from common.engine.api import EngineLoad
 from common.parallel.messages import RankStats
-from common.runtime.metrics import EngineCollector, ServiceMetrics, TransportCount
+from common.service.metrics import EngineCollector, ServiceMetrics, TransportCount
 from kv_transfer import SenderStats
 from prefill_service.service import PrefillService
 from prefill_service.spans import transfer_done

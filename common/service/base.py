@@ -32,10 +32,10 @@ from common.config import ServiceConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
 from common.protocol import MAX_FRAME_BYTES, AbortRequest, Message, ProtocolError, decode, encode
-from common.runtime.metrics import EngineCollector, ServiceMetrics, TransportCount
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
 from common.security.internal_auth import InternalAuthMiddleware
 from common.security.secret import InternalSecret
+from common.service.metrics import EngineCollector, ServiceMetrics, TransportCount
 
 log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
