@@ -137,7 +137,8 @@ class FairShare(Priority):
         victims = [s for s in view.running if s.tenant in over and id(s) not in fresh]
         if not victims:
             return None
-        worst = max({s.tenant for s in victims}, key=lambda t: slots[t] / w(t))
+        # ties go to the first name in order: a set's order differs between processes (str hashing)
+        worst = max(sorted({s.tenant for s in victims}), key=lambda t: slots[t] / w(t))
         now = self.clock()
         return max((s for s in victims if s.tenant == worst), key=lambda s: self.urgency(s, now))
 
