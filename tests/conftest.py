@@ -37,10 +37,21 @@ os.environ["SPLITSERVE_ROUTER_MODEL"] = TINY_MODEL
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test that loads the real model in process says so (`-m "not real_model"` skips them)."""
+    """Every test that loads the real model in process says so (`-m "not real_model"` skips them).
+
+    Then the files are ordered costliest first (chaos, then those that start services, then those on
+    the real model, then the rest), each file's tests kept together and in order: pytest-xdist hands
+    out whole files in this order, so the long ones start at once and short ones fill in at the end,
+    instead of one worker finishing a long file alone."""
     for item in items:
         if "smollm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.real_model)
+    tiers = ("chaos", "services", "real_model")
+    cost: dict[str, int] = {}  # file -> its costliest test's tier
+    for item in items:
+        tier = next((i for i, m in enumerate(tiers) if item.get_closest_marker(m)), len(tiers))
+        cost[str(item.path)] = min(tier, cost.get(str(item.path), len(tiers)))
+    items.sort(key=lambda item: cost[str(item.path)])  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -26,17 +27,20 @@ from tests.support.cluster import Cluster, Proc, free_port, get_json, wait_until
 pytestmark = [pytest.mark.services, pytest.mark.chaos]
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
 LEASE_S, STALL_S = 2.0, 3.0
+# 16-token chunks: LONG_PROMPT takes ~100 prefill steps, long enough to fail in the middle of even on the
+# tiny test model (each step is milliseconds)
 FLAGS = ("--threads", "1", "--kv-cache-mb", "128", "--lease-s", str(LEASE_S))
-DRAIN_S = 2.0
+FLAGS += ("--max-num-batched-tokens", "16")
+DRAIN_S = 1.0
 ENV = {"SPLITSERVE_DRAIN_TIMEOUT_S": str(DRAIN_S)}
-MAX_TOKENS = 40
+MAX_TOKENS = 200  # streams of a few seconds on the tiny model: a fault lands while they generate
 QUESTIONS = [
     "Write a short story about a lighthouse keeper and a storm.",
     "Explain how bread is made, step by step.",
     "Describe a walk through a forest in autumn.",
     "List the planets of the solar system with one fact about each.",
 ]
-# ~1,500 tokens: a prefill of a few seconds on one thread, long enough to fail in the middle of
+# ~1,500 tokens
 LONG_PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(110))
 
 
@@ -100,7 +104,9 @@ class Stream(threading.Thread):
 
 
 def reference(router: Proc, max_tokens: int = MAX_TOKENS) -> list[str]:
-    answers = [complete(router, chat(q, max_tokens)).json() for q in QUESTIONS]
+    """The unfaulted answers, asked all at once (greedy tokens do not depend on the batch)."""
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        answers = [r.json() for r in pool.map(lambda q: complete(router, chat(q, max_tokens)), QUESTIONS)]
     return [a["choices"][0]["message"]["content"] for a in answers]
 
 
@@ -177,7 +183,7 @@ def inject(c: Cluster, redis_url: str, victim: Proc, fault: str, streams: list[S
 
 def run_fault(c: Cluster, redis_url: str, fault: str) -> None:
     router = role(c, "router")[0]
-    max_tokens = 120 if fault == "term" else MAX_TOKENS  # a drain of DRAIN_S cuts these short
+    max_tokens = 3 * MAX_TOKENS if fault == "term" else MAX_TOKENS  # a drain of DRAIN_S cuts these short
     want = reference(router, max_tokens)
     before = metric(router, "splitserve_router_migrations_total")
     streams = [Stream(router, chat(q, max_tokens)) for q in QUESTIONS]

@@ -15,8 +15,10 @@ from tests.support.cluster import Cluster, Proc, get_json, wait_until
 
 pytestmark = pytest.mark.services
 LEASE_S = 2.0
+# 16-token chunks: the ~1,500-token prompt below takes ~100 prefill steps, long enough to fail in the
+# middle of even on the tiny test model
 FLAGS = ("--threads", "1", "--kv-cache-mb", "256", "--lease-s", str(LEASE_S))
-# ~1,500 tokens: a prefill of a few seconds on one thread, long enough to fail in the middle of
+FLAGS += ("--max-num-batched-tokens", "16")
 PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(110))
 
 

@@ -80,7 +80,10 @@ def test_split_across_tp_sizes_matches_one_rank(  # type: ignore[no-untyped-def]
             h = cluster.wait_blocks_free(proc)
             assert h["free_blocks"] == h["total_blocks"], f"{proc.role} leaked blocks: {h}"
         # every rank moved its own heads: each decode rank received, each prefill rank sent
-        ranks = _wait_for(lambda: _decode_ranks(decode_.url), lambda r: len(r) == decode_tp)
+        ranks = _wait_for(
+            lambda: _decode_ranks(decode_.url),
+            lambda r: len(r) == decode_tp and all(st["bytes_received"] > 0 for st in r.values()),
+        )
         for rank, st in ranks.items():
             assert st["bytes_received"] > 0 and st["stale_drops"] == 0, (rank, st)
         sent = _wait_for(lambda: _sent_bytes(prefill.url), lambda r: len(r) == prefill_tp)
