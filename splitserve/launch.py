@@ -299,8 +299,12 @@ def up(args: argparse.Namespace) -> int:
         for (role, i), p in zip(services, procs, strict=True):
             _wait_healthy(f"http://127.0.0.1:{args.base_port + 1 + services.index((role, i))}", p)
         router_cmd = [*me, "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
-        if args.engine_model:
-            router_cmd += ["--model", args.engine_model]
+        # The router tokenizes for the model the services load: their flag, else their environment's
+        # SPLITSERVE_MODEL (the router reads SPLITSERVE_ROUTER_MODEL, which a user setting only the
+        # first would leave at the default: another tokenizer than the services', silently).
+        served = args.engine_model or os.environ.get("SPLITSERVE_MODEL")
+        if served:
+            router_cmd += ["--model", served]
         commands.append(router_cmd)
         procs.append(subprocess.Popen(router_cmd))
         url = f"http://{args.host}:{args.port}"

@@ -33,6 +33,8 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
     env = {**os.environ}
     if real:
         env["SPLITSERVE_MODEL"] = env["SPLITSERVE_ROUTER_MODEL"] = real_model_path()
+    else:  # a model set for the services only: up must give the router the same one
+        del env["SPLITSERVE_ROUTER_MODEL"]
     log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read after the process ends
     children: list[psutil.Process] = []
     proc = subprocess.Popen(
@@ -74,6 +76,8 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
         assert r.status_code == 200, r.text
         if real:
             assert "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+        served = os.path.basename(env["SPLITSERVE_MODEL"])
+        assert [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]] == [served]
         if sig == signal.SIGTERM:  # once: a service that dies is started again
             (decode,) = [c for c in children if "decode" in c.cmdline()]
             decode.kill()
