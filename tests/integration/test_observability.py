@@ -176,7 +176,7 @@ async def traffic(s: Stack) -> dict[str, int]:
         body = {
             "model": "default",
             "prompt": "Count to a thousand.",
-            "max_tokens": 200,
+            "max_tokens": 4000,  # still generating when the client leaves, even on the tiny model
             "ignore_eos": True,
             "stream": True,
         }
@@ -185,7 +185,7 @@ async def traffic(s: Stack) -> dict[str, int]:
                 if line.startswith("data: "):
                     break
         # failed: the decode service freezes mid-stream; no migration allowed, so the stream errors out
-        body = {**body, "max_tokens": 1000}
+        body = {**body, "max_tokens": 4000}
         events: list[str] = []
         try:
             async with client.stream("POST", url, json=body) as r:

@@ -42,9 +42,10 @@ def metric(router: Proc, name: str) -> float:
 
 async def hold_the_only_slot(router: Proc, started: asyncio.Event) -> None:
     """A long generation through the router that keeps the decode service's one sequence busy
-    until cancelled (the client hanging up frees it)."""
+    until cancelled (the client hanging up frees it): 8,000 tokens outlast the scenario even at the
+    tiny test model's few milliseconds a step."""
     body = {
-        "model": "default", "prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True,
+        "model": "default", "prompt": "Tell me a long story.", "max_tokens": 8000, "ignore_eos": True,
         "temperature": 0, "stream": True,
     }  # fmt: skip
     async with (

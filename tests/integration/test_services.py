@@ -156,7 +156,8 @@ def test_bad_internal_requests_are_refused(services) -> None:  # type: ignore[no
 
 def test_a_request_id_in_progress_is_refused(services, prompts) -> None:  # type: ignore[no-untyped-def]
     cluster, _, decode_ = services
-    req = GenerateRequest("busy-1", prompts[0], SamplingParams(max_tokens=200), mode="local")
+    # 4,000 tokens: still generating when it is aborted, even on the tiny model
+    req = GenerateRequest("busy-1", prompts[0], SamplingParams(max_tokens=4000), mode="local")
 
     async def main() -> None:
         async with httpx.AsyncClient(timeout=120, auth=internal_auth) as c:

@@ -223,7 +223,8 @@ def test_no_decode_service_gives_503(stack, tmp_path) -> None:  # type: ignore[n
 @pytest.mark.parametrize("prompt", [LONG[1], SHORT[1]], ids=["split", "local"])
 def test_disconnect_cancels_and_frees_blocks(stack, prompt) -> None:  # type: ignore[no-untyped-def]
     cluster, prefill, decode_, router = stack
-    body = {"model": "default", "prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    # far more than the tiny model generates while the client reads 3 events: it leaves mid-stream
+    body = {"model": "default", "prompt": prompt, "max_tokens": 4000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
         request_id = r.headers["x-request-id"]
         seen = 0
