@@ -176,7 +176,9 @@ async def traffic(s: Stack) -> dict[str, int]:
         body = {
             "model": "default",
             "prompt": "Count to a thousand.",
-            "max_tokens": 4000,  # still generating when the client leaves, even on the tiny model
+            # still generating when the client leaves on the tiny model, and short enough that a
+            # request not stopped at once would not hold the decode service past the rate window
+            "max_tokens": 1000,
             "ignore_eos": True,
             "stream": True,
         }
@@ -185,7 +187,7 @@ async def traffic(s: Stack) -> dict[str, int]:
                 if line.startswith("data: "):
                     break
         # failed: the decode service freezes mid-stream; no migration allowed, so the stream errors out
-        body = {**body, "max_tokens": 4000}
+        body = {**body, "max_tokens": 1000}
         events: list[str] = []
         try:
             async with client.stream("POST", url, json=body) as r:
@@ -215,6 +217,11 @@ async def traffic(s: Stack) -> dict[str, int]:
 def served(stack: Stack) -> Stack:
     """The stack after the traffic, every request ended, and scraped and evaluated since."""
     s = stack
+    # every target scraped once before any traffic: each counter's first sample is its 0, so rate()
+    # sees the rise (on the tiny model the traffic can otherwise end before the first scrape)
+    before = time.time()
+    for prom in s.prometheus.values():
+        prom.wait_scraped_after(before)
     seen = asyncio.run(traffic(s))
     assert seen == {"no key": 401, "over the limit": 429, "unsigned internal call": 401}, seen
     for proc in (s.prefill, s.decode):  # every request ended: nothing held (the stalled one freed too)
