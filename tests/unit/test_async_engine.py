@@ -8,6 +8,7 @@ import ast
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,6 +49,14 @@ class BrokenEngine:
         raise RuntimeError("tensor-parallel rank 1 is gone")
 
 
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    """Poll cond() from the event loop every 10 ms; AssertionError naming `what` past timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_a_failed_step_fails_every_command_and_tells_the_owner_once() -> None:
     async def main() -> None:
         fake = BrokenEngine()
@@ -57,10 +66,7 @@ def test_a_failed_step_fails_every_command_and_tells_the_owner_once() -> None:
         ae.start()
         assert await ae.submit(Finish("a", "abort")) is None  # before the failure: handled
         fake.may_step.set()
-        for _ in range(100):
-            if ae.failure is not None:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: ae.failure is not None, "the step to fail")
         assert ae.failure == "engine step failed: RuntimeError('tensor-parallel rank 1 is gone')"
         assert heard == [ae.failure]
         with pytest.raises(RuntimeError, match="rank 1 is gone"):
@@ -97,7 +103,8 @@ def test_the_load_is_published_at_start_after_each_command_and_after_each_step(
         assert load.oldest_arrival is not None and load.queue_wait_s(time.monotonic()) >= 0
 
         pending = asyncio.create_task(ae.submit(AddRequest("b", b, params)))
-        await asyncio.sleep(0)  # b is queued: it runs right after the step
+        # b's command is queued behind the held step: the engine thread applies it right after
+        await until(lambda: ae._commands.qsize() == 1, "b's command to be queued")
         permits.release()  # step 1: a is admitted (one batch slot) and prefilled
         await pending
         load = ae.load
@@ -108,11 +115,8 @@ def test_the_load_is_published_at_start_after_each_command_and_after_each_step(
 
         before = ae.load
         permits.release()  # step 2, no command: a decodes
-        for _ in range(200):
-            if ae.steps == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert ae.steps == 2 and ae.load is not before  # a new value, never one changed in place
+        await until(lambda: ae.steps == 2, "step 2")
+        assert ae.load is not before  # a new value, never one changed in place
         assert (ae.load.running, ae.load.waiting) == (1, 1)
         assert ae.load.queue_wait_s(time.monotonic()) > 0  # b has waited since it arrived
 
