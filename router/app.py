@@ -26,7 +26,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from common.cluster.kv_events import KVIndex
 from common.cluster.owners import RouterOwnership
 from common.cluster.state import ClusterState
+from common.runtime.access import AccessLog
 from common.runtime.http_server import HTTPLimits, server_config
+from common.runtime.logs import configure_logging, is_configured
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
 from common.security.internal_auth import SignedCalls
 from common.security.secret import InternalSecret
@@ -115,8 +117,12 @@ def create_app(
     server = Server(config, model_info, orch, metrics, access)
     started = int(time.time())
     install_handlers(app)
-    app.add_middleware(RequestIdMiddleware)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    # outermost: every response carries x-request-id (the generation id when there is one: handlers set
+    # request.state.request_id, else a fresh id), every request gets one access line (413s and 408s
+    # too), and an unhandled error becomes an OpenAI-style 500 here, so it gets the header as well
+    app.add_middleware(AccessLog, error_app=lambda: APIError(500, "internal error").response())
+    app.state.on_serving = lambda url: log.info("router serving on %s, model %s", url, server.model.name)
     app.state.server, app.state.metrics, app.state.access = server, metrics, access
     inference = Depends(access.require("inference"))
 
@@ -195,40 +201,6 @@ def _internal_tls(config: RouterConfig) -> ssl.SSLContext | bool:
     return ctx
 
 
-class RequestIdMiddleware:
-    """Every response carries x-request-id: the generation id when there is one, else a fresh id.
-    An unhandled error becomes an OpenAI-style 500 here, so it gets the header too."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        state = scope.setdefault("state", {})
-        state.setdefault("request_id", f"req-{uuid.uuid4().hex}")
-        started = False
-
-        async def send_with_id(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                headers = list(message.get("headers", []))
-                if not any(k.lower() == b"x-request-id" for k, _ in headers):
-                    headers.append((b"x-request-id", state["request_id"].encode()))
-                message = {**message, "headers": headers}
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception:
-            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
-            if started:
-                raise
-            await APIError(500, "internal error").response()(scope, receive, send_with_id)
-
-
 class BodyLimit:
     """A request body of more than `max_bytes` gets 413 (by its Content-Length before reading, else as
     soon as it grows past the limit); one that does not arrive within `timeout_s` gets 408."""
@@ -278,8 +250,14 @@ class BodyLimit:
 def build_app(config: RouterConfig | None = None) -> FastAPI:
     """An app from settings alone (SPLITSERVE_ROUTER_* env): tokenizer from config.model, Redis from
     config.redis_url. Usable as a uvicorn factory: `uvicorn router.app:build_app --factory`."""
+    if not is_configured():  # run by uvicorn itself (the factory): our log lines, access log included
+        configure_logging(process="router")
     config = config or RouterConfig()
+    log.info("loading the tokenizer of %s ...", config.model or "the default model (SmolLM2-135M)")
+    t0 = time.monotonic()
     info = load_model_info(config.model)
+    log.info("tokenizer loaded: %s, %d tokens, %.1f s", info.model_id, info.tokenizer.vocab_size,
+             time.monotonic() - t0)  # fmt: skip
     state = ClusterState.from_url(config.redis_url, config.redis_prefix) if config.redis_url else None
     return create_app(config, state, info, close_state=True)
 

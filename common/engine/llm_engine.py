@@ -183,7 +183,14 @@ class LLMEngine:
                 tp, [len(lay.kv_heads) for lay in layouts], threads, time.monotonic() - t0,
             )  # fmt: skip
         scales = _heads_of(scales, layouts[0].kv_heads)  # rank 0's (all of them without TP)
+        t0 = time.monotonic()  # one zeroed tensor each for K and V: no progress to show, a line after
         self.kv_cache = PagedKVCache(spec, device=device, compute_dtype=dtype, scales=scales)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.0f MiB%s, %s), allocated in %.1f s",
+            num_blocks, config.block_size, num_blocks * spec.bytes_per_block / 2**20,
+            f" on each of {tp} ranks" if tp > 1 else "", str(kv_dtype).removeprefix("torch."),
+            time.monotonic() - t0,
+        )  # fmt: skip
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
@@ -219,11 +226,7 @@ class LLMEngine:
             sizes = graph_batch_sizes(config.max_num_seqs)
             self.runner.enable_graphs(sizes, self.max_model_len)
             log.info("captured CUDA graphs for decode batches %s in %.1f s", sizes, time.monotonic() - t0)
-        log.info(
-            "engine on %s: %d KV blocks of %d tokens (%.0f MiB)",
-            ", ".join(f"{k}={v}" for k, v in self.placement.describe().items()),
-            num_blocks, config.block_size, num_blocks * spec.bytes_per_block / 2**20,
-        )  # fmt: skip
+        log.info("engine on %s", ", ".join(f"{k}={v}" for k, v in self.placement.describe().items()))
         self._swapped_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._seqs: dict[str, Sequence] = {}  # every request the engine knows, until it has let go of it
 

@@ -4,7 +4,9 @@ hand the model HF-named tensors, so one weight-loading path serves both GGUF and
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any
 
 import gguf
@@ -14,7 +16,10 @@ from gguf.quants import dequantize
 
 from common.model.config import ModelConfig, weights_hash
 from common.model.llama import LlamaForCausalLM
+from common.runtime.logs import progress
 from common.text.tokenizer import Tokenizer
+
+log = logging.getLogger("splitserve.model")
 
 # Architectures whose converter permutes Q/K rows for llama.cpp's interleaved RoPE (which we undo).
 # Qwen2 is converted without the permutation (llama.cpp runs it in NEOX/half-split mode).
@@ -98,8 +103,11 @@ def _config_from_metadata(meta: dict[str, Any], extra: dict[str, Any]) -> ModelC
 
 
 def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, Tokenizer]:
-    reader = gguf.GGUFReader(path)
+    t0 = time.monotonic()
+    reader = gguf.GGUFReader(path)  # parses every metadata field: seconds for a 49k-token vocabulary
     meta = read_metadata(reader)
+    log.info("%s: header read, %d tensors, %.1f s", os.path.basename(path), len(reader.tensors),
+             time.monotonic() - t0)  # fmt: skip
     arch = meta.get("general.architecture")
     if arch not in _PERMUTED_QK:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not a supported Llama-family model")
@@ -108,7 +116,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCa
 
     tensors: dict[str, torch.Tensor] = {}
     extra: dict[str, Any] = {}
-    for t in reader.tensors:
+    # dequantizing is most of the load time (seconds for SmolLM2-135M on a CPU): a bar, tensor by tensor
+    for t in progress(reader.tensors, f"dequantizing {os.path.basename(path)}", logger=log):
         # dequantize returns numpy in row-major (out_features, in_features): torch's Linear layout.
         arr = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = torch.from_numpy(arr.copy())

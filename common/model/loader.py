@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -11,6 +14,7 @@ from common.text.model_info import default_model_path
 from common.text.tokenizer import Tokenizer
 
 __all__ = ["default_model_path", "load_model"]
+log = logging.getLogger("splitserve.model")
 
 
 def load_model(
@@ -19,12 +23,27 @@ def load_model(
     """Load (model, tokenizer) from a .gguf file or an HF folder; None means the default SmolLM2."""
     path = default_model_path() if path is None else path
     # Imported lazily so that importing this module stays cheap for callers that never load a model.
+    load: Callable[[str, torch.dtype], tuple[LlamaForCausalLM, Tokenizer]]
     if os.path.isfile(path) and path.endswith(".gguf"):
         from common.model.gguf_loader import load_gguf
 
-        return load_gguf(path, dtype)
-    if os.path.isdir(path):
+        load = load_gguf
+    elif os.path.isdir(path):
         from common.model.safetensors_loader import load_safetensors_folder
 
-        return load_safetensors_folder(path, dtype)
-    raise ValueError(f"cannot load model from {path!r}: expected a .gguf file or a Hugging Face model folder")
+        load = load_safetensors_folder
+    else:
+        raise ValueError(
+            f"cannot load model from {path!r}: expected a .gguf file or a Hugging Face model folder"
+        )
+    log.info("loading model %s ...", path)
+    t0 = time.monotonic()
+    model, tokenizer = load(path, dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    log.info(
+        "model loaded: %s, %d layers, %s MB of weights (%s), %.1f s",
+        model.config.model_id, model.config.num_layers, f"{weights / 1e6:.{0 if weights >= 1e7 else 2}f}",
+        str(dtype).removeprefix("torch."),
+        time.monotonic() - t0,
+    )  # fmt: skip
+    return model, tokenizer

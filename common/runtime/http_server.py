@@ -11,16 +11,25 @@ untrusted clients needs:
 
 Body limits are the application's (the router's max_body_bytes, the services' frame limit): each reads
 the body as a stream and stops at its limit.
+
+Logging is `common.runtime.logs`'s: uvicorn's own logging config and access log are off, and once
+`configure_logging` has run, uvicorn's `log_level` is ignored too (its loggers follow --log-level). An app
+that sets `app.state.on_serving` (a function of the URL) is told once the socket is listening: that is
+where each process logs its "... serving on <url>" line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from common.runtime.logs import is_configured
 
 
 @dataclass(frozen=True)
@@ -100,9 +109,18 @@ def server_config(
     ssl_keyfile: str | None = None,
     **kwargs: Any,
 ) -> uvicorn.Config:
-    """A uvicorn.Config with the limits above; `kwargs` go to uvicorn.Config as they are."""
+    """A uvicorn.Config with the limits above; `kwargs` go to uvicorn.Config as they are, but for
+    logging (the module doc): log_config and access_log are always off, log_level is dropped once
+    configure_logging has run."""
     if bool(ssl_certfile) != bool(ssl_keyfile):
         raise ValueError("TLS needs both a certificate file and its key file")
+    kwargs["log_config"], kwargs["access_log"] = None, False
+    if is_configured():
+        kwargs.pop("log_level", None)
+    on_serving = getattr(getattr(app, "state", None), "on_serving", None)
+    if callable(on_serving) and "callback_notify" not in kwargs:
+        kwargs["callback_notify"] = _notify_once(on_serving, _url(host, port, bool(ssl_certfile)))
+        logging.getLogger("uvicorn.error").addFilter(_drop_running_line)
     return uvicorn.Config(
         app,
         host=host,
@@ -114,3 +132,27 @@ def server_config(
         ssl_keyfile=ssl_keyfile,
         **kwargs,
     )
+
+
+def _url(host: str, port: int, tls: bool) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}"
+
+
+def _notify_once(on_serving: Callable[[str], None], url: str) -> Callable[[], Awaitable[None]]:
+    """uvicorn calls `callback_notify` on its first tick after the socket listens (then every
+    timeout_notify seconds): the first call reports the URL, the rest do nothing."""
+    done = False
+
+    async def notify() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            on_serving(url)
+
+    return notify
+
+
+def _drop_running_line(record: logging.LogRecord) -> bool:
+    """uvicorn's "Uvicorn running on ..." says what the app's own serving line says: one is enough."""
+    return not str(record.msg).startswith("Uvicorn running on")

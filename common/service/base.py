@@ -19,8 +19,6 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import generate_latest
-from starlette.types import ASGIApp, Receive, Scope, Send
-from starlette.types import Message as ASGIMessage
 
 from common.cluster.kv_events import KVEventPublisher
 from common.cluster.leases import LeaseKeeper
@@ -32,6 +30,8 @@ from common.config import ServiceConfig
 from common.engine.async_engine import AsyncEngine
 from common.engine.llm_engine import LLMEngine
 from common.protocol import MAX_FRAME_BYTES, AbortRequest, Message, ProtocolError, decode, encode
+from common.runtime.access import AccessLog
+from common.runtime.logs import adopt_loggers
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
 from common.security.internal_auth import InternalAuthMiddleware
 from common.security.secret import InternalSecret
@@ -67,29 +67,6 @@ class RequestInUse(ValueError):
     """A request id this service is still working on (a retry must abort the old one first)."""
 
 
-class RequestIdMiddleware:
-    """x-request-id on every response: the message's request id when the handler read one
-    (`read_message` puts it in request.state), else a fresh id."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        state = scope.setdefault("state", {})
-
-        async def send_with_id(message: ASGIMessage) -> None:
-            if message["type"] == "http.response.start":
-                rid = state.get("request_id") or f"req-{uuid.uuid4().hex}"
-                headers = [*message.get("headers", []), (b"x-request-id", rid.encode())]
-                message = {**message, "headers": headers}
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
-
-
 class Service:
     """One engine-backed service: engine thread, KV connector, optional Redis state, heartbeat and
     leases, metrics, and the requests in progress."""
@@ -116,6 +93,7 @@ class Service:
             )
         )
         setup_tracing(cfg.role)
+        adopt_loggers()  # NIXL's own log handler, installed when the KV backend was chosen
 
     def load(self) -> dict[str, Any]:
         """Load figures for /health and the registry: the engine's last published `EngineLoad` (the
@@ -175,6 +153,7 @@ class Service:
         os._exit(ENGINE_FAILED_EXIT)
 
     async def start(self, kv_endpoint: str = "") -> None:
+        adopt_loggers()  # a KV backend imported since __init__
         self.aengine.on_fatal = self._engine_failed
         if self.engine.tp_workers is not None:
             self.engine.tp_workers.on_lost = lambda rank: self._engine_failed(
@@ -295,6 +274,9 @@ class Service:
         except Exception:
             log.exception("could not record %s of %s", sorted(fields), request_id)
 
+    def _serving(self, url: str) -> None:
+        log.info("%s %s serving on %s", self.cfg.role, self.cfg.worker_name, url)
+
     # --- the app ----------------------------------------------------------------------------------
     def make_app(self) -> FastAPI:
         """The FastAPI app both services start from: lifespan (start/stop), error handlers, request
@@ -308,15 +290,18 @@ class Service:
 
         app = FastAPI(title=f"splitserve {self.cfg.role}", lifespan=lifespan, **fastapi_telemetry())
         app.state.service = self
+        app.state.on_serving = self._serving  # server_config logs "<role> <worker> serving on <url>"
         install_error_handlers(app)
-        app.add_middleware(RequestIdMiddleware)
-        # outermost: an unauthenticated /internal/ call is refused before anything else looks at it
+        # an unauthenticated /internal/ call is refused before anything else looks at it
         app.add_middleware(
             InternalAuthMiddleware,
             secret=self.secret,
             max_body=MAX_FRAME_BYTES,
             on_refused=lambda reason: self.metrics.internal_auth_refused.labels(reason).inc(),
         )
+        # outermost: request ids (x-request-id, the id of every line logged meanwhile) and one access
+        # line per request, refused ones included (common/runtime/access.py)
+        app.add_middleware(AccessLog)
 
         @app.post("/internal/abort")
         async def abort(request: Request) -> dict[str, Any]:
