@@ -28,6 +28,12 @@ An fp8 cache (QUANT) holds x / scale with one scale per KV head (of this layer: 
 written by `store_kv` as the caller quantized them; attention reads the raw values in the query's dtype
 and applies the scales where they cost least — K's to the scores, V's to the output (one KV head per
 program, so each is one scalar).
+
+Two per-layer options of some model families (see common/model/attention.py, the reference):
+WINDOW (sliding-window attention: a query at position p sees keys p - window + 1 .. p; a program skips
+the key tiles before its first query's window) and SOFTCAP (gemma2: scores -> softcap * tanh(scores /
+softcap), before masking). Both are compile-time switches, so a model without them runs the same code
+as before.
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ def _paged_attention_kernel(
     num_splits,
     n_heads,
     scale,
+    window,  # WINDOW: keys visible to a query at position p are p - window + 1 .. p
+    softcap,  # SOFTCAP: scores -> softcap * tanh(scores / softcap)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -90,6 +98,8 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,  # compute the dots in fp32 (the interpreter's bf16 dot is wrong)
     SPLIT: tl.constexpr,  # decode with num_splits > 1: axis 2 is the split, results are partial
     QUANT: tl.constexpr,  # the cache holds fp8 values scaled per KV head
+    WINDOW: tl.constexpr,  # sliding-window attention
+    SOFTCAP: tl.constexpr,  # soft-capped scores
 ):
     launch_idx = tl.program_id(0)
     seq = tl.load(seq_ids_ptr + launch_idx)
@@ -134,9 +144,14 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     offs_n = tl.arange(0, TILE)
+    # the first key tile any row of this program can see: 0, or with a window the tile holding the
+    # first query's first visible key
+    kv_lo = kv_len * 0
+    if WINDOW:
+        kv_lo = tl.maximum(ctx - n_new + q_tile * BLOCK_Q - window + 1, 0) // TILE * TILE
     # this program's share of the key tiles (all of them unless SPLIT)
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_len, TILE), num_splits)
-    lo = split * tiles_per_split * TILE
+    tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(kv_len - kv_lo, 0), TILE), num_splits)
+    lo = kv_lo + split * tiles_per_split * TILE
     hi = tl.minimum(lo + tiles_per_split * TILE, kv_len)
     for start in range(lo, hi, TILE):
         k_pos = start + offs_n
@@ -174,7 +189,14 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale  # (BLOCK_M, TILE) fp32
+        if SOFTCAP:
+            # tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|): Triton has no tanh the interpreter runs
+            e = tl.exp(-2.0 * tl.abs(s / softcap))
+            t = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(s < 0, -t, t)
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
+        if WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -321,6 +343,8 @@ def paged_attention_launch(
     num_splits: int | None = None,  # decode: programs per (sequence, KV head); None: decode_splits()
     k_scale: torch.Tensor | None = None,  # an fp8 cache: (n_kv,) fp32, what each head was divided by
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,  # sliding window: each query sees its last `window` positions only
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> None:
     n_seqs = seq_ids.numel()
     if n_seqs == 0:
@@ -345,6 +369,10 @@ def paged_attention_launch(
         block_q = max(1, PREFILL_ROWS // group_pad)
         axis2 = triton.cdiv(max_new_tokens, block_q)
     quant = _quantized(k_cache, k_scale, v_scale)
+    if window is not None and window < 1:
+        raise ValueError(f"paged attention: window={window} must be at least 1")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"paged attention: softcap={softcap} must be positive")
     part_acc = part_ml = out  # unused unless split
     if splits > 1:
         part_acc = torch.empty((n_seqs, n_heads, splits, hd), dtype=torch.float32, device=q.device)
@@ -352,6 +380,7 @@ def paged_attention_launch(
     _paged_attention_kernel[(n_seqs, n_kv, axis2)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens, seq_ids,
         part_acc, part_ml, k_scale if quant else out, v_scale if quant else out, splits, n_heads, scale,
+        window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -360,6 +389,7 @@ def paged_attention_launch(
         HEAD_DIM=hd, HEAD_PAD=_pow2(hd, MIN_DOT), BLOCK_SIZE=k_cache.shape[1], TILE=TILE_N,
         IEEE=q.dtype == torch.float32 or interpreted,
         UPCAST=interpreted and q.dtype != torch.float32, SPLIT=splits > 1, QUANT=quant,
+        WINDOW=window is not None, SOFTCAP=softcap is not None,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(n_seqs, n_heads)](

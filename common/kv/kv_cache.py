@@ -8,6 +8,11 @@ The cache dtype may be narrower than the model's (`--kv-cache-dtype`): bf16/fp16
 fp8 (e4m3, e5m2) stores each value divided by a per-(layer, KV head) scale, a power of two (exact to
 divide and multiply by) that `common/kv/quant.py` calibrates from the model. Reads (`gather`,
 `read_blocks`) hand back the model's dtype, scaled back.
+
+Every layer keeps every block of a sequence, sliding-window layers included (their attention masks the
+keys out of the window: correct, but the memory and the split's transfer are a full prompt's).
+TODO(issue 28): one spec per layer group (full, sliding window N), the block manager freeing the
+blocks that fall out of a window, and the transfer sending only the blocks still inside it.
 """
 
 from __future__ import annotations

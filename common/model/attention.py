@@ -6,6 +6,12 @@ each) go in one call, their block tables padded to the longest and the padding m
 chunk goes on its own, over its own blocks. This torch version is the CPU reference; the Triton kernels
 (common/kernels/paged_attention.py) must match it, and run instead when the metadata carries `kernel`
 tensors (the model runner builds them for the Triton backend).
+
+Per layer, two family options (common/model/config.py): `window` (sliding-window attention: a query at
+position p sees keys p - window + 1 .. p) and `softcap` (gemma2: scores -> softcap * tanh(scores /
+softcap), before the mask). A window only masks: every block of the sequence is still kept and read
+here. TODO(issue 28): free the blocks that have slid out of every layer's window (the block manager
+and the KV spec keep them all today), and skip reading them.
 """
 
 from __future__ import annotations
@@ -97,12 +103,21 @@ class DecodeBatch:
 
     rows:   (D,) their rows in the step;
     blocks: (D, max_blocks) their block tables, padded with block 0;
-    mask:   (D, 1, 1, max_blocks * block_size) bool, True for the positions each one has in KV.
+    mask:   (D, 1, 1, max_blocks * block_size) bool, True for the positions each one has in KV;
+    lens:   (D,) their context lengths (a sliding window's mask starts at len - window).
     """
 
     rows: torch.Tensor
     blocks: torch.Tensor
     mask: torch.Tensor
+    lens: torch.Tensor
+
+    def window_mask(self, window: int | None) -> torch.Tensor:
+        """`mask`, less the positions before each sequence's window."""
+        if window is None:
+            return self.mask
+        pos = torch.arange(self.mask.shape[-1], device=self.mask.device).unsqueeze(0)
+        return self.mask & (pos >= (self.lens - window).unsqueeze(1))[:, None, None, :]
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> DecodeBatch:
@@ -111,7 +126,7 @@ class DecodeBatch:
         device = meta.slot_mapping.device
         if len(seqs) < 2:
             empty = torch.empty(0, dtype=torch.long, device=device)
-            return cls(empty, empty, empty.bool())
+            return cls(empty, empty, empty.bool(), empty)
         width = max(len(meta.block_tables[i]) for i in seqs)
         blocks = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
         for j, i in enumerate(seqs):
@@ -119,7 +134,7 @@ class DecodeBatch:
         lens = torch.tensor([meta.context_lens[i] for i in seqs], device=device)
         mask = torch.arange(width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
         rows = torch.tensor([qsl[i] for i in seqs], dtype=torch.long, device=device)
-        return cls(rows, blocks, mask[:, None, None, :])
+        return cls(rows, blocks, mask[:, None, None, :], lens)
 
 
 def paged_attention(
@@ -130,11 +145,15 @@ def paged_attention(
     kv_cache: PagedKVCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,  # sliding window: each query sees its last `window` positions only
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # (T, n_heads, hd)
     if meta.kernel is not None:
-        return _triton_paged_attention(q, k, v, layer, kv_cache, meta.kernel, meta.slot_mapping, scale)
+        return _triton_paged_attention(
+            q, k, v, layer, kv_cache, meta.kernel, meta.slot_mapping, scale, window, softcap
+        )
     kv_cache.write(layer, meta.slot_mapping, k, v)
-    n_heads, n_kv = q.shape[1], k.shape[1]
+    n_kv = k.shape[1]
     out = torch.empty_like(q)
     qsl = meta.query_start_loc
     batch = meta.decode_batch(kv_cache.spec.block_size)
@@ -145,9 +164,7 @@ def paged_attention(
         kc = kb.view(d, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
         vc = vb.view(d, -1, n_kv, hd).transpose(1, 2)
         qd = q[batch.rows].unsqueeze(2)  # (D, n_heads, 1, hd)
-        od = F.scaled_dot_product_attention(
-            qd, kc, vc, attn_mask=batch.mask, scale=scale, enable_gqa=n_heads != n_kv
-        )
+        od = attend(qd, kc, vc, batch.window_mask(window), scale, softcap)
         out[batch.rows] = od.squeeze(2)
     for i in range(meta.num_seqs):
         start, end = qsl[i], qsl[i + 1]
@@ -156,7 +173,9 @@ def paged_attention(
         n_new, ctx = end - start, meta.context_lens[i]
         kc, vc = kv_cache.gather(layer, meta.block_tables[i], ctx)  # (ctx, n_kv, hd)
         if n_new == 1:  # the step's one decode sequence (two or more went above)
-            out[start] = decode_attention(q[start], kc.transpose(0, 1), vc.transpose(0, 1), scale)
+            first = 0 if window is None else max(0, ctx - window)  # the keys in its window
+            kd, vd = kc[first:].transpose(0, 1), vc[first:].transpose(0, 1)
+            out[start] = decode_attention(q[start], kd, vd, scale, softcap)
             continue
         qi = q[start:end].transpose(0, 1)  # (n_heads, n_new, hd)
         ki, vi = kc.transpose(0, 1), vc.transpose(0, 1)  # (n_kv, ctx, hd)
@@ -164,12 +183,34 @@ def paged_attention(
         qpos = torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1)
         kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
         mask = kpos <= qpos  # (n_new, ctx)
-        # enable_gqa: each group of n_heads // n_kv query heads shares one KV head, without copying KV
-        oi = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=n_heads != n_kv
-        )
+        if window is not None:
+            mask &= kpos > qpos - window
+        oi = attend(qi, ki, vi, mask, scale, softcap)
         out[start:end] = oi.transpose(0, 1)
     return out
+
+
+def attend(
+    q: torch.Tensor,  # (..., n_heads, L, hd)
+    k: torch.Tensor,  # (..., n_kv, S, hd)
+    v: torch.Tensor,  # (..., n_kv, S, hd)
+    mask: torch.Tensor,  # bool, broadcasts to (..., n_heads, L, S): True where a key is visible
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:  # (..., n_heads, L, hd)
+    """Masked attention, grouped-query (each group of n_heads // n_kv query heads shares one KV head).
+    SDPA, which has no soft-capping; with `softcap` the scores are computed here (softmax in fp32)."""
+    n_heads, n_kv = q.shape[-3], k.shape[-3]
+    if softcap is None:
+        # enable_gqa: the heads share KV without copying it
+        gqa = n_heads != n_kv
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    k, v = k.repeat_interleave(n_heads // n_kv, dim=-3), v.repeat_interleave(n_heads // n_kv, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def decode_attention(
@@ -177,6 +218,7 @@ def decode_attention(
     k: torch.Tensor,  # (n_kv, L, hd): its keys
     v: torch.Tensor,  # (n_kv, L, hd)
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (n_heads, hd)
     """Attention of one query row (a lone decode sequence), grouped-query: the n_heads // n_kv query
     heads that share a KV head are one (group, hd) matrix against that head's keys, read in place.
@@ -187,6 +229,8 @@ def decode_attention(
     n_kv = k.shape[0]
     # (n_kv, group, L)
     scores = torch.matmul(q.view(n_kv, n_heads // n_kv, hd), k.transpose(1, 2)).mul_(scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     # at least fp32 for bf16/fp16 (a no-op in fp32 and fp64)
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
     return torch.matmul(probs.to(v.dtype), v).view(n_heads, hd)
@@ -201,6 +245,8 @@ def _triton_paged_attention(
     km: KernelMetadata,
     slot_mapping: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     from common.kernels.paged_attention import paged_attention_launch, store_kv
 
@@ -210,8 +256,8 @@ def _triton_paged_attention(
     store_kv(kv_cache.quantize(k, layer, "k"), kv_cache.quantize(v, layer, "v"), kc, vc, slot_mapping)
     out = torch.empty_like(q)
     common = (q, kc, vc, out, km.block_tables, km.query_start_loc, km.context_lens)
-    paged_attention_launch(*common, km.decode_ids, scale, 1, decode=True, k_scale=ks, v_scale=vs)
-    paged_attention_launch(
-        *common, km.prefill_ids, scale, km.max_prefill_tokens, decode=False, k_scale=ks, v_scale=vs
-    )
+    for ids, most, decode in ((km.decode_ids, 1, True), (km.prefill_ids, km.max_prefill_tokens, False)):
+        paged_attention_launch(
+            *common, ids, scale, most, decode=decode, k_scale=ks, v_scale=vs, window=window, softcap=softcap
+        )
     return out

@@ -1,7 +1,10 @@
-"""The shape of a Llama-family model, read once from the weight file and never mutated.
+"""The shape and the per-family options of a decoder-only model, read once from the weight file and
+never mutated.
 
 Both loaders (GGUF metadata, HF config.json) produce this one dataclass, so the model code and the
-KV-transfer compatibility preflight (model_id + weights_hash + shapes) see the same description.
+KV-transfer compatibility preflight (model_id + weights_hash + shapes) see the same description. The
+fields after `attention_bias` say how a family departs from Llama (docs/models.md lists the families);
+each defaults to Llama's behaviour, so a config that does not mention one is a plain Llama.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 #   llama3:       Llama 3.1 band-wise scaling (low frequencies scaled, high kept, smooth in between)
 #   freq_factors: per-frequency divisors given explicitly (how GGUF stores Llama 3.1: rope_freqs.weight)
 ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
+# The gated MLP's activations (HF's hidden_act / hidden_activation names)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,32 @@ class ModelConfig:
     model_id: str
     weights_hash: str
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    # --- per-family options (Llama's behaviour by default) ---
+    architecture: str = "llama"  # HF model_type, for messages and TP support checks
+    qk_norm: bool = False  # qwen3, gemma3: an RMSNorm over each head's q and k, before RoPE
+    # Sliding-window attention: a query at position p sees keys p - sliding_window + 1 .. p (transformers'
+    # `kv_idx > q_idx - sliding_window`). layer_types says which layers slide ("sliding_attention") and
+    # which see everything ("full_attention"); None with a window: every layer slides (mistral, phi3).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    # RoPE of the sliding layers where it differs from the full ones' (gemma3: rope_local_base_freq)
+    rope_local_theta: float | None = None
+    rope_local_scaling: dict[str, Any] | None = None
+    norm_offset: bool = False  # gemma: RMSNorm scales by (1 + weight), in fp32
+    sandwich_norm: bool = False  # gemma2/3: norms on the attention and MLP outputs, and before the MLP
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh (gemma)
+    embedding_scale: float | None = None  # gemma: embeddings times sqrt(hidden), in the model dtype
+    query_pre_attn_scalar: float | None = None  # gemma: attention scale is this ** -0.5, not head_dim's
+    attn_logit_softcapping: float | None = None  # gemma2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # gemma2/3: logits -> cap * tanh(logits / cap)
+    # Mixture of experts (mixtral, qwen3_moe): num_experts > 0. Router softmax -> top num_experts_per_tok,
+    # renormalised when norm_topk_prob; every MoE layer's experts are gated MLPs of moe_intermediate_size.
+    # dense_layers: layers that keep a dense MLP of intermediate_size (qwen3_moe's mlp_only_layers).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -53,6 +84,26 @@ class ModelConfig:
         # Normalise HF's "default" / missing type to None so code only checks one thing.
         scaling = normalize_rope_scaling(self.rope_scaling)
         object.__setattr__(self, "rope_scaling", scaling)
+        object.__setattr__(self, "rope_local_scaling", normalize_rope_scaling(self.rope_local_scaling))
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                n = len(self.layer_types)
+                raise ValueError(f"layer_types has {n} entries for {self.num_layers} layers")
+            unknown = set(self.layer_types) - {"full_attention", "sliding_attention"}
+            if unknown:
+                raise ValueError(f"unknown layer types {sorted(unknown)}")
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be at least 1")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r}: supported {', '.join(ACTIVATIONS)}")
+        bad_topk = not 0 < self.num_experts_per_tok <= self.num_experts
+        if self.num_experts and (bad_topk or self.moe_intermediate_size < 1):
+            raise ValueError(
+                f"mixture of experts: {self.num_experts_per_tok} of {self.num_experts} experts per "
+                f"token, moe_intermediate_size={self.moe_intermediate_size}"
+            )
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
 
     @property
     def q_size(self) -> int:
@@ -61,6 +112,24 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends over the sliding window (and uses the local RoPE, if any)."""
+        if self.sliding_window is None:
+            return False
+        return self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+
+    def window(self, layer: int) -> int | None:
+        """The attention window of `layer`; None: it sees the whole context."""
+        return self.sliding_window if self.is_sliding(layer) else None
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
 
 def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -90,14 +159,18 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | N
     return out
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) float32 on the CPU, with rope_scaling applied (HF semantics).
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) float32 on the CPU, with rope_scaling applied (HF semantics);
+    `local`: those of the sliding layers (rope_local_theta / rope_local_scaling, gemma3).
 
     Always computed on the CPU, also inside a `torch.device("meta")` block (`LlamaForCausalLM.empty`):
     an op on the meta device runs torch's Python references, which import torch._dynamo (~3 s)."""
     hd = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd))
-    s = config.rope_scaling
+    theta, s = config.rope_theta, config.rope_scaling
+    if local:
+        assert config.rope_local_theta is not None, "the model has no local RoPE"
+        theta, s = config.rope_local_theta, config.rope_local_scaling
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd))
     if s is None:
         return inv.float()
     kind = s["rope_type"]

@@ -18,6 +18,10 @@ from common.text.tokenizer import Tokenizer
 def export_hf_folder(model: LlamaForCausalLM, tokenizer: Tokenizer, out: str | Path) -> Path:
     """Write config.json, model.safetensors, tokenizer.json, tokenizer_config.json for `model`."""
     c = model.config
+    plain = c.architecture in ("llama", "mistral", "qwen2") and c.sliding_window is None
+    if not plain or c.qk_norm or c.num_experts:
+        # config.json below describes a Llama: any other family's would load as a different model
+        raise ValueError(f"exporting a {c.architecture} model as an HF folder is not implemented")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     weights = model.hf_state_dict()

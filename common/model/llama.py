@@ -1,4 +1,16 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) in plain torch.
+"""The decoder-only transformer of every family we serve, in plain torch: one definition, the families'
+quirks switched on by ModelConfig's options (common/model/config.py; docs/models.md lists them):
+
+* llama, mistral, qwen2: the base (pre-norm, SiLU-gated MLP, RoPE, grouped-query attention; qwen2 with
+  q/k/v biases; mistral with a sliding window on every layer);
+* qwen3: an RMSNorm over each head's q and k before RoPE (`qk_norm`);
+* phi3: as llama; its fused qkv_proj and gate_up_proj are split into q/k/v and gate/up at load;
+* gemma2, gemma3: (1 + w) RMSNorms (`norm_offset`), norms on the attention and MLP outputs and before the
+  MLP (`sandwich_norm`), embeddings scaled by sqrt(hidden), the attention scale from
+  query_pre_attn_scalar, GELU (tanh) gating, sliding and full layers interleaved (`layer_types`, each
+  kind with its own RoPE base in gemma3), soft-capped attention scores (gemma2) and logits;
+* mixtral, qwen3_moe: a mixture of experts in place of the MLP (router softmax -> top-k, tokens sorted by
+  expert so each expert runs one matmul over all its tokens of the step).
 
 Selective batching: `forward` takes the flattened tokens of every sequence in the step, (T,), and runs
 every op except attention on the (T, hidden) matrix; attention alone reads each sequence's own paged KV
@@ -7,12 +19,16 @@ independent one-sequence reference with no cache.
 
 Weights are loaded from HF-named tensors (both loaders produce those names); q/k/v and gate/up are
 fused into one matmul each at load time, which saves two GEMM launches per layer on small batches.
+Families that store other names (phi3's fused projections, mixtral's w1/w2/w3 experts) are renamed to
+these first (`canonical_hf_names`).
 
 Tensor parallelism (Megatron-style): built with a `TPRank`, the model holds only its rank's shard,
 sliced at load (common/parallel/partition.py says which): fused q/k/v and gate/up are column-parallel
 (its query/KV heads, its slice of the intermediate dim), o_proj and down_proj row-parallel with one
 all-reduce after each; the embedding and lm_head are vocabulary-parallel (rows of its vocab slice; the
-embedding masks ids outside it and all-reduces, the logits are gathered to rank 0).
+embedding masks ids outside it and all-reduces, the logits are gathered to rank 0). The per-head and
+elementwise options (q/k norms, windows, soft-caps, sandwich norms, embedding scale) need nothing more;
+mixture-of-experts models are refused with tensor parallelism (the experts are not sharded).
 """
 
 from __future__ import annotations
@@ -24,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.kv.kv_cache import PagedKVCache
-from common.model.attention import AttentionMetadata, paged_attention
+from common.model.attention import AttentionMetadata, attend, paged_attention
 from common.model.config import ModelConfig, rope_inv_freq
 from common.parallel.collective import TPRank
 
@@ -74,12 +90,20 @@ def _columns(rows: int) -> int:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+    """RMSNorm over the last dim; with `offset` (gemma) it scales by (1 + weight), computed in fp32 and
+    cast back, as transformers' GemmaRMSNorm (whose weight starts at 0)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, dim)
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, offset: bool = False) -> None:
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        init = torch.zeros(dim, dtype=dtype) if offset else torch.ones(dim, dtype=dtype)
+        self.weight = nn.Parameter(init, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim)
+        if self.offset:
+            xf = x.to(torch.promote_types(x.dtype, torch.float32))
+            w = 1.0 + self.weight.to(xf.dtype)
+            return F.rms_norm(xf, self.weight.shape, w, self.eps).to(x.dtype)
         if x.dtype == torch.float32:  # one fused op (the same arithmetic as below, without 6 launches)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Reduce in at least fp32 even for bf16 weights: the mean of squares loses precision otherwise.
@@ -99,8 +123,63 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
 
 
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The gated MLP's activation by its HF name (ModelConfig.hidden_act)."""
+    if name == "silu":
+        return F.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ValueError(f"activation {name!r} is not implemented")
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (gemma's soft-capping); x itself when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+class MoE(nn.Module):
+    """A mixture of gated-MLP experts (mixtral, qwen3_moe): the router's softmax picks each token's top k
+    experts, whose outputs are summed with those probabilities (renormalised to sum 1 with
+    norm_topk_prob).
+
+    Batched dispatch: the step's (token, expert) pairs are sorted by expert, so each expert hit runs one
+    matmul over all of its tokens (a loop over experts, never over tokens), and the weighted results are
+    summed back into their tokens with one index_add."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.act = activation(cfg.hidden_act)
+        self.router = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * inter, h, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(e, h, inter, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden)
+        probs = torch.softmax(linear(x, self.router), dim=-1, dtype=torch.float32)  # (T, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k) each
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = experts.flatten()  # (T * k,): pair j is token j // k's choice j % k
+        order = torch.argsort(flat, stable=True)
+        token = order // self.top_k  # the pairs' tokens, grouped by expert
+        counts = torch.bincount(flat, minlength=self.router.shape[0]).tolist()
+        xs = x[token]  # (T * k, hidden)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = linear(xs[start : start + n], self.gate_up[e]).chunk(2, dim=-1)
+                ys[start : start + n] = linear(self.act(gate) * up, self.down[e])
+                start += n
+        ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPRank | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype, tp: TPRank | None = None, index: int = 0
+    ) -> None:
         super().__init__()
         self.cfg, self.tp = cfg, tp
         h, hd = cfg.hidden_size, cfg.head_dim
@@ -109,12 +188,21 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = len(tp.layout.kv_heads) if tp else cfg.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * hd, self.num_kv_heads * hd
         inter = len(tp.layout.intermediate) if tp else cfg.intermediate_size
-        self.input_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
+        self.input_norm = RMSNorm(h, eps, dtype, off)
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dtype)
+        self.q_norm = RMSNorm(hd, eps, dtype, off) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, eps, dtype, off) if cfg.qk_norm else None
         self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
-        self.post_attn_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(inter, h, bias=False, dtype=dtype)
+        # HF's post_attention_layernorm: the MLP's input norm, or (sandwich) the attention output's norm
+        self.post_attn_norm = RMSNorm(h, eps, dtype, off)
+        self.pre_ffn_norm = RMSNorm(h, eps, dtype, off) if cfg.sandwich_norm else None
+        self.post_ffn_norm = RMSNorm(h, eps, dtype, off) if cfg.sandwich_norm else None
+        self.act = activation(cfg.hidden_act)
+        self.moe = MoE(cfg, dtype) if cfg.is_moe(index) else None
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False, dtype=dtype)
+            self.down_proj = nn.Linear(inter, h, bias=False, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn_fn: AttnFn
@@ -123,31 +211,74 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         qkv = linear(self.input_norm(x), self.qkv_proj.weight, self.qkv_proj.bias)  # (T, q_size + 2 kv_size)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(T, self.num_heads + self.num_kv_heads, hd)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before RoPE
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k rotated in one call: the same position per row for every head of both
-        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, hd), cos, sin)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh, hd), (T, nkv, hd)
         v = v.view(T, self.num_kv_heads, hd)  # (T, nkv, hd)
         attn = attn_fn(q, k, v, layer)  # (T, nh, hd)
         # with TP: this rank's heads' share of the sum
-        out = linear(attn.reshape(T, self.q_size), self.o_proj.weight)
-        x = x + (out if self.tp is None else self.tp.comm.all_reduce(out))
-        gate_up = linear(self.post_attn_norm(x), self.gate_up_proj.weight)
-        gate, up = gate_up.chunk(2, dim=-1)  # (T, inter) each
-        out = linear(F.silu(gate) * up, self.down_proj.weight)
-        return x + (out if self.tp is None else self.tp.comm.all_reduce(out))
+        out = self._reduce(linear(attn.reshape(T, self.q_size), self.o_proj.weight))
+        if self.pre_ffn_norm is not None:  # gemma's sandwich: normed attention output, normed MLP input
+            x = x + self.post_attn_norm(out)
+            h = self.pre_ffn_norm(x)
+        else:
+            x = x + out
+            h = self.post_attn_norm(x)
+        if self.moe is not None:
+            out = self.moe(h)
+        else:
+            gate, up = linear(h, self.gate_up_proj.weight).chunk(2, dim=-1)  # (T, inter) each
+            out = self._reduce(linear(self.act(gate) * up, self.down_proj.weight))
+        if self.post_ffn_norm is not None:
+            out = self.post_ffn_norm(out)
+        return x + out
+
+    def norms(self) -> dict[RMSNorm, str]:
+        """This layer's norms and their HF names (within the layer)."""
+        names: dict[RMSNorm, str] = {
+            self.input_norm: "input_layernorm.weight",
+            self.post_attn_norm: "post_attention_layernorm.weight",
+        }
+        if self.q_norm is not None and self.k_norm is not None:
+            names[self.q_norm], names[self.k_norm] = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
+        if self.pre_ffn_norm is not None and self.post_ffn_norm is not None:
+            names[self.pre_ffn_norm] = "pre_feedforward_layernorm.weight"
+            names[self.post_ffn_norm] = "post_feedforward_layernorm.weight"
+        return names
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product's partial sums, summed over the ranks (as it is without TP)."""
+        return out if self.tp is None else self.tp.comm.all_reduce(out)
 
 
 class LlamaForCausalLM(nn.Module):
+    """The decoder-only model of every supported family (the name is the first family's)."""
+
     inv_freq: torch.Tensor  # (hd/2,) fp32 RoPE frequencies, a non-persistent buffer
+    inv_freq_local: torch.Tensor | None  # the sliding layers' own, where they differ (gemma3)
 
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPRank | None = None
     ) -> None:
         super().__init__()
+        if tp is not None and config.num_experts:
+            raise ValueError(
+                "tensor parallelism is not implemented for mixture-of-experts models "
+                f"({config.architecture}): run it with tensor_parallel_size=1"
+            )
         self.config = config
         self.dtype = dtype
         self.tp = tp  # None: the whole model; else this rank's shard
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attn_scale
+        self.windows = [config.window(i) for i in range(config.num_layers)]
+        # the embedding scale rounded to the model dtype first, as transformers does (gemma)
+        self.embed_scale: float | None = None
+        if config.embedding_scale is not None:
+            self.embed_scale = torch.tensor(config.embedding_scale, device="cpu").to(dtype).item()
         vocab = len(tp.layout.vocab) if tp else config.vocab_size
         # The weight is made here, not by nn.Embedding: its init (normal_) on the meta device, where
         # `empty` builds, imports torch._dynamo, ~3 s of every engine process's start. Initialised (as
@@ -156,21 +287,35 @@ class LlamaForCausalLM(nn.Module):
         if embed.device.type != "meta":
             nn.init.normal_(embed)
         self.embed_tokens = nn.Embedding(vocab, config.hidden_size, _weight=embed, _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, tp) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, tp, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, config.norm_offset)
         # Tied models reuse the embedding matrix as the output projection (no second copy).
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False, dtype=dtype)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (hd/2,) fp32
+        local = rope_inv_freq(config, local=True) if config.rope_local_theta is not None else None
+        self.register_buffer("inv_freq_local", local, persistent=False)
         self.requires_grad_(False)
 
     # --- forward paths -----------------------------------------------------------------------------
-    def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) -> cos, sin each (T, hd) in the model dtype; computed once, shared by layers."""
-        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)  # (T, hd/2)
+    def rope_cos_sin(self, positions: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, sin each (T, hd) in the model dtype; computed once, shared by layers.
+        `local`: with the sliding layers' frequencies (where the model has its own for them)."""
+        inv = self.inv_freq_local if local and self.inv_freq_local is not None else self.inv_freq
+        freqs = positions.to(torch.float32).unsqueeze(1) * inv.unsqueeze(0)  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_fn: AttnFn) -> torch.Tensor:
+        """Embedding and every layer (attention by attn_fn); (T,) ids -> (T, hidden), not final-normed."""
+        rope = self.rope_cos_sin(positions)
+        local = rope if self.inv_freq_local is None else self.rope_cos_sin(positions, local=True)
+        x = self.embed(input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            cos, sin = local if self.config.is_sliding(i) else rope
+            x = layer(x, cos, sin, i, attn_fn)
+        return x
 
     def forward(
         self,
@@ -182,9 +327,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (T, hidden), final-normed
         """on_layer_done(i) runs as soon as layer i's K/V are in the cache (before that layer's MLP),
         so a caller can start shipping layer i while the rest of the step computes."""
+        cap = self.config.attn_logit_softcapping
 
         def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-            out = paged_attention(q, k, v, layer, kv_cache, meta, self.scale)
+            out = paged_attention(q, k, v, layer, kv_cache, meta, self.scale, self.windows[layer], cap)
             if on_layer_done is not None:
                 if q.is_cuda:
                     # the layer's K/V writes are queued on the stream; the callback hands their memory
@@ -193,28 +339,46 @@ class LlamaForCausalLM(nn.Module):
                 on_layer_done(layer)
             return out
 
-        cos, sin = self.rope_cos_sin(positions)
-        x = self.embed(input_ids)  # (T, hidden)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, attn_fn)
-        return self.norm(x)
+        return self.norm(self.run_layers(input_ids, positions, attn_fn))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, hidden)
         if self.tp is None:
-            return self.embed_tokens(input_ids)
-        # vocabulary-parallel: rows of ids outside this rank's slice are zero here, found on another rank
-        vocab = self.tp.layout.vocab
-        mine = (input_ids >= vocab.start) & (input_ids < vocab.stop)
-        local = torch.where(mine, input_ids - vocab.start, 0)
-        x = self.embed_tokens(local).masked_fill_(~mine.unsqueeze(1), 0)
-        return self.tp.comm.all_reduce(x)
+            x = self.embed_tokens(input_ids)
+        else:
+            # vocabulary-parallel: rows of ids outside this rank's slice are zero here, found on another rank
+            vocab = self.tp.layout.vocab
+            mine = (input_ids >= vocab.start) & (input_ids < vocab.stop)
+            local = torch.where(mine, input_ids - vocab.start, 0)
+            x = self.tp.comm.all_reduce(self.embed_tokens(local).masked_fill_(~mine.unsqueeze(1), 0))
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab) fp32
         """With tensor parallelism every rank must call this for the same rows; rank 0 gets the whole
         vocabulary, the others their slice's logits."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight).float()
+        logits = softcap(linear(hidden, weight), self.config.final_logit_softcapping).float()
         return logits if self.tp is None else self.tp.comm.gather(logits)
+
+    def dense_attention(self, seq_lens: list[int], device: torch.device | None = None) -> AttnFn:
+        """Attention with no KV cache over sequences of `seq_lens` tokens back to back: block-diagonal
+        causal (each sequence sees only itself), each layer's window and soft-cap applied."""
+        T = sum(seq_lens)
+        seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))  # (T,)
+        pos = torch.cat([torch.arange(n) for n in seq_lens])  # (T,)
+        idx = torch.arange(T)
+        causal = (seq_of[:, None] == seq_of[None, :]) & (idx[None, :] <= idx[:, None])  # (T, T)
+        masks: dict[int | None, torch.Tensor] = {}
+        for w in set(self.windows):
+            mask = causal if w is None else causal & (pos[None, :] > pos[:, None] - w)
+            masks[w] = mask.to(device)
+        cap = self.config.attn_logit_softcapping
+
+        def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, T, hd)
+            out = attend(q, k, v, masks[self.windows[layer]], self.scale, cap)
+            return out.transpose(0, 1)  # (T, nh, hd)
+
+        return attn_fn
 
     def dense_forward(self, input_ids: torch.Tensor, seq_lens: list[int] | None = None) -> torch.Tensor:
         """Reference forward with no KV cache: plain causal attention. Used by tests.
@@ -223,28 +387,12 @@ class LlamaForCausalLM(nn.Module):
         block-diagonal causal (each sequence sees only itself) and positions restart per sequence.
         Same rows as the paged step, so the matmuls sum in the same order and fp32 results agree.
         """
-        first = self.layers[0]
-        assert isinstance(first, DecoderLayer)
-        rep = first.num_heads // first.num_kv_heads  # this rank's heads under tensor parallelism
         T = input_ids.shape[0]
         seq_lens = [T] if seq_lens is None else seq_lens
         assert sum(seq_lens) == T, "seq_lens must add up to the number of tokens"
-        seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))  # (T,)
         positions = torch.cat([torch.arange(n) for n in seq_lens]).to(input_ids.device)  # (T,)
-        idx = torch.arange(T)
-        mask = (seq_of[:, None] == seq_of[None, :]) & (idx[None, :] <= idx[:, None])  # (T, T)
-
-        def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, T, hd)
-            k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)  # (nh, T, hd)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            return out.transpose(0, 1)  # (T, nh, hd)
-
-        cos, sin = self.rope_cos_sin(positions)
-        x = self.embed(input_ids)  # (T, hidden)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, i, attn_fn)
-        return self.compute_logits(self.norm(x))
+        attn_fn = self.dense_attention(seq_lens, input_ids.device)
+        return self.compute_logits(self.norm(self.run_layers(input_ids, positions, attn_fn)))
 
     # --- weights -----------------------------------------------------------------------------------
     @classmethod
@@ -256,7 +404,7 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config, dtype, tp)
         # Each parameter gets CPU memory with torch.empty, not `to_empty`: that one's empty_like on
         # meta tensors runs torch's Python references, importing sympy (~1 s of every start). The
-        # inv_freq buffer is already on the CPU (rope_inv_freq).
+        # inv_freq buffers are already on the CPU (rope_inv_freq).
         for module in model.modules():
             for name, p in list(module.named_parameters(recurse=False)):
                 setattr(module, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False))
@@ -279,14 +427,15 @@ class LlamaForCausalLM(nn.Module):
         """A new model holding `tp`'s shard of this (whole) model's weights; this one is left as it is."""
         if self.tp is not None:
             raise ValueError("this model is a tensor-parallel shard already")
-        return LlamaForCausalLM.from_hf_weights(self.config, self.hf_state_dict(), self.dtype, tp)
+        return type(self).from_hf_weights(self.config, self.hf_state_dict(), self.dtype, tp)
 
     @torch.no_grad()
     def load_hf_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy HF-named tensors ("model.layers.0.self_attn.q_proj.weight", ...) in, fusing q/k/v and
         gate/up. Every parameter must be covered exactly once; missing or unknown names raise."""
-        todo = dict(tensors)
-        hd = self.config.head_dim
+        cfg = self.config
+        todo = canonical_hf_names(tensors, cfg)
+        hd = cfg.head_dim
         # this rank's heads, MLP and vocabulary slices; None (no tensor parallelism): all of them
         lay = self.tp.layout if self.tp is not None else None
         q_heads, kv_heads = (lay.q_heads, lay.kv_heads) if lay else (None, None)
@@ -303,6 +452,11 @@ class LlamaForCausalLM(nn.Module):
         def cols(t: torch.Tensor, r: range | None, unit: int = 1) -> torch.Tensor:  # columns of the slice
             return t if r is None else t[:, r.start * unit : r.stop * unit]
 
+        def copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if dst.shape != src.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src)
+
         self.embed_tokens.weight.copy_(rows(take("model.embed_tokens.weight"), vocab))
         self.norm.weight.copy_(take("model.norm.weight"))
         if self.lm_head is not None:
@@ -312,17 +466,23 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
-            layer.input_norm.weight.copy_(take(p + "input_layernorm.weight"))
-            layer.post_attn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            for norm, name in layer.norms().items():
+                copy(norm.weight, take(p + name), p + name)
             heads = {"q": q_heads, "k": kv_heads, "v": kv_heads}
             qkv = [rows(take(p + f"self_attn.{n}_proj.weight"), heads[n], hd) for n in "qkv"]
-            layer.qkv_proj.weight.copy_(torch.cat(qkv, dim=0))
+            copy(layer.qkv_proj.weight, torch.cat(qkv, dim=0), p + "self_attn.qkv_proj.weight")
             if layer.qkv_proj.bias is not None:
                 bias = [rows(take(p + f"self_attn.{n}_proj.bias"), heads[n], hd) for n in "qkv"]
                 layer.qkv_proj.bias.copy_(torch.cat(bias))
             layer.o_proj.weight.copy_(cols(take(p + "self_attn.o_proj.weight"), q_heads, hd))
+            if layer.moe is not None:
+                copy(layer.moe.router, take(p + "mlp.gate.weight"), p + "mlp.gate.weight")
+                copy(layer.moe.gate_up, take(p + "mlp.experts.gate_up_proj"), p + "mlp.experts.gate_up_proj")
+                copy(layer.moe.down, take(p + "mlp.experts.down_proj"), p + "mlp.experts.down_proj")
+                continue
             gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-            layer.gate_up_proj.weight.copy_(torch.cat([rows(gate, inter), rows(up, inter)], dim=0))
+            gate_up = torch.cat([rows(gate, inter), rows(up, inter)], dim=0)
+            copy(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
             layer.down_proj.weight.copy_(cols(take(p + "mlp.down_proj.weight"), inter))
         # Rotary inv_freq buffers from old HF checkpoints are derived, not weights.
         unknown = [n for n in todo if not n.endswith("rotary_emb.inv_freq")]
@@ -332,7 +492,8 @@ class LlamaForCausalLM(nn.Module):
             )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The inverse of load_hf_weights: HF-named, un-fused tensors (for export and comparisons)."""
+        """The inverse of load_hf_weights: HF-named, un-fused tensors (for export and comparisons), in
+        the canonical names (`canonical_hf_names`): q/k/v and gate/up apart, experts stacked."""
         if self.tp is not None:
             raise ValueError("a tensor-parallel shard holds part of each weight: it has no HF state dict")
         cfg = self.config
@@ -342,8 +503,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
-            out[p + "input_layernorm.weight"] = layer.input_norm.weight
-            out[p + "post_attention_layernorm.weight"] = layer.post_attn_norm.weight
+            for norm, name in layer.norms().items():
+                out[p + name] = norm.weight
             split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
             for n, w in zip("qkv", layer.qkv_proj.weight.split(split), strict=True):
                 out[p + f"self_attn.{n}_proj.weight"] = w
@@ -351,7 +512,53 @@ class LlamaForCausalLM(nn.Module):
                 for n, b in zip("qkv", layer.qkv_proj.bias.split(split), strict=True):
                     out[p + f"self_attn.{n}_proj.bias"] = b
             out[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
+            if layer.moe is not None:
+                out[p + "mlp.gate.weight"] = layer.moe.router
+                out[p + "mlp.experts.gate_up_proj"] = layer.moe.gate_up
+                out[p + "mlp.experts.down_proj"] = layer.moe.down
+                continue
             gate, up = layer.gate_up_proj.weight.chunk(2)
             out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
             out[p + "mlp.down_proj.weight"] = layer.down_proj.weight
         return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def canonical_hf_names(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A copy of `tensors` with the families' own layouts renamed to the one `load_hf_weights` reads:
+
+    * phi3's fused `self_attn.qkv_proj` and `mlp.gate_up_proj` split into q/k/v_proj and gate/up_proj;
+    * mixtral's `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down),
+      and qwen3_moe's `mlp.experts.{e}.gate_proj/up_proj/down_proj`, stacked into
+      `mlp.experts.gate_up_proj` (E, 2 * inter, hidden) and `mlp.experts.down_proj` (E, hidden, inter),
+      as transformers 5 holds them (which is also accepted as it is), with the router as `mlp.gate`.
+    """
+    out = dict(tensors)
+    for name in [n for n in out if n.endswith("self_attn.qkv_proj.weight")]:
+        p = name.removesuffix("qkv_proj.weight")
+        q, k, v = out.pop(name).split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+        out[p + "q_proj.weight"], out[p + "k_proj.weight"], out[p + "v_proj.weight"] = q, k, v
+    for name in [n for n in out if n.endswith("mlp.gate_up_proj.weight")]:
+        p = name.removesuffix("gate_up_proj.weight")
+        out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = out.pop(name).chunk(2)
+    for name in [n for n in out if ".block_sparse_moe." in n]:
+        new = name.replace(".block_sparse_moe.", ".mlp.")
+        for old, hf in ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")):
+            if ".experts." in new:
+                new = new.replace(old, hf)
+        out[new] = out.pop(name)
+    if cfg.num_experts:
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}.mlp.experts."
+            per = [f"{p}{e}.{n}_proj.weight" for e in range(cfg.num_experts) for n in ("gate", "up", "down")]
+            if not any(n in out for n in per):
+                continue
+            missing = [n for n in per if n not in out]
+            if missing:
+                raise KeyError(f"expert weights missing from checkpoint: {missing[:3]}")
+            gate_up, down = [], []
+            for e in range(cfg.num_experts):
+                gate, up = out.pop(f"{p}{e}.gate_proj.weight"), out.pop(f"{p}{e}.up_proj.weight")
+                gate_up.append(torch.cat([gate, up]))
+                down.append(out.pop(f"{p}{e}.down_proj.weight"))
+            out[p + "gate_up_proj"], out[p + "down_proj"] = torch.stack(gate_up), torch.stack(down)
+    return out

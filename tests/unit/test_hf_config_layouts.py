@@ -129,14 +129,18 @@ def test_logits_match_transformers(tmp_path: Path, case: Case) -> None:
         assert (wrong - ref).abs().max().item() > 1e-2
 
 
-def test_mistral_sliding_window_is_refused(tmp_path: Path) -> None:
+def test_mistral_sliding_window_matches_transformers(tmp_path: Path) -> None:
+    """Once refused (no sliding-window attention here), now implemented: tests/integration/
+    test_model_archs.py checks every family's window in depth."""
     folder = build(tmp_path, "mistral", sliding_window=16)
     # transformers applies the window: the first 16 rows agree with full attention, later ones do not
     ref, full = hf_logits(folder), hf_logits(folder, sliding_window=None)
     torch.testing.assert_close(ref[:16], full[:16])
     assert (ref[16:] - full[16:]).abs().max().item() > 1e-2
-    with pytest.raises(ValueError, match="sliding_window=16.*smaller than max_position_embeddings=512"):
-        load_model(str(folder))
+    model, _ = load_model(str(folder))
+    assert model.config.sliding_window == 16 and model.config.layer_types is None
+    with torch.inference_mode():
+        assert (model.dense_forward(IDS) - ref).abs().max().item() <= 1e-4
 
 
 def test_llama_o_proj_bias_is_refused(tmp_path: Path) -> None:
@@ -148,7 +152,8 @@ def test_llama_o_proj_bias_is_refused(tmp_path: Path) -> None:
     "cfg, match",
     [
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "type 'yarn'"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32}}, "implement: beta_fast"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32}}, "type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 4, "beta_fast": 32}}, "implement: beta_fast"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic'"),
         ({"rope_scaling": {"type": "su", "factor": 4.0}}, "rope_scaling: unsupported rope_scaling type 'su'"),
         ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "missing low_freq_factor"),
@@ -169,12 +174,32 @@ def test_llama_o_proj_bias_is_refused(tmp_path: Path) -> None:
         ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
         ({"mlp_bias": True}, "mlp_bias=true"),
         ({"sliding_window": 64}, "sliding_window=64"),  # a Llama whose window transformers would drop
-        # MistralConfig's default window
-        ({"model_type": "mistral", "max_position_embeddings": 32768}, "sliding_window=4096"),
-        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
-         "sliding_window=64"),
         ({"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        # other families' fields
+        ({"logit_scale": 0.5}, "logit_scale=0.5"),
+        ({"query_pre_attn_scalar": 64}, "query_pre_attn_scalar=64: not implemented for llama"),
+        ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0},
+         "attn_logit_softcapping=50.0: not implemented for gemma3_text"),
+        ({"model_type": "gemma2", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"model_type": "gemma3", "text_config": {}}, "model_type 'gemma3' not supported.*gemma3_text"),
+        ({"model_type": "olmo2"}, "model_type 'olmo2' not supported"),
+        # phi3's long-context RoPE
+        ({"model_type": "phi3", "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+          "long_factor": [2.0] * 8, "rope_theta": 1e4}}, "unsupported rope_scaling type 'longrope'"),
+        ({"model_type": "phi3", "rope_scaling": {"type": "su", "short_factor": [1.0] * 8}}, "longrope"),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
+        # gemma3: per-layer-type RoPE, but no scaling on the sliding layers
+        ({"model_type": "gemma3_text", "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+         "sliding layers is not implemented"),
+        ({"model_type": "gemma3_text", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+         "per layer type"),
+        # mistral slides every layer: layer_types naming full layers is ambiguous
+        ({"model_type": "mistral", "sliding_window": 64, "layer_types": ["full_attention"] * 2},
+         "ambiguous"),
+        ({"model_type": "qwen3_moe", "num_experts": 4, "num_local_experts": 8}, "disagree"),
     ],
 )  # fmt: skip
 def test_unimplemented_config_is_refused(tmp_path: Path, cfg: dict[str, Any], match: str) -> None:
@@ -195,6 +220,15 @@ def test_unimplemented_config_is_refused(tmp_path: Path, cfg: dict[str, Any], ma
         {"model_type": "mistral", "sliding_window": None},
         {"model_type": "mistral", "sliding_window": 512},  # the window covers the whole context
         {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+        # once refused, now implemented: sliding windows (mistral's default one), the newer families
+        {"model_type": "mistral", "max_position_embeddings": 32768},
+        {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+        {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 64},
+        {"model_type": "phi3", "sliding_window": 64},
+        {"model_type": "gemma2"},
+        {"model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4},
+        {"model_type": "mixtral", "sliding_window": 64},
+        {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2},
         {"partial_rotary_factor": 1.0, "hidden_act": "swish", "mlp_bias": False},
     ],
 )  # fmt: skip
