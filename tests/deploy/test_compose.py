@@ -370,9 +370,9 @@ def test_secrets_are_generated_once_and_mounted_read_only(files: list[str]) -> N
     assert s["prometheus"]["depends_on"]["init-secrets"]["condition"] == "service_completed_successfully"
     for role in WORKERS:
         assert not any(v["source"] == "metrics-key" for v in s[role]["volumes"])
-    # Redis: its password and nothing else
+    # Redis: its password (read-only) and its data (test_redis_persists_keys_in_a_volume), nothing else
     redis = s["redis"]
-    assert [v["source"] for v in redis["volumes"]] == ["redis-secret"]
+    assert [v["source"] for v in redis["volumes"]] == ["redis-secret", "redis-data"]
     assert redis["volumes"][0]["read_only"] is True
     assert redis["command"][:2] == ["sh", "-c"]
     assert as_printed('--requirepass "$(cat /run/secrets/redis/password)"') in redis["command"][2]
@@ -497,3 +497,26 @@ def test_tensor_parallel_override_prefill_2_and_two_decodes_at_1() -> None:
     header = (ROOT / "compose.tp.yaml").read_text()
     assert "docker compose -f compose.yaml -f compose.cpu.yaml -f compose.tp.yaml up" in header
     assert "CPU only for now" in header
+
+
+@pytest.mark.parametrize("files", [GPU, CPU, TP], ids=["gpu", "cpu", "tp"])
+def test_redis_persists_keys_in_a_volume(files: list[str]) -> None:
+    """API keys and their limits survive a restart of the redis container (docs/redis.md): an append-only
+    file, fsynced every second, in a named volume at /data; no RDB snapshots. What these settings do is
+    tested against a real server in tests/integration/test_redis_persistence.py."""
+    c = config(files)
+    redis = c["services"]["redis"]
+    command = redis["command"][2]
+    assert command.startswith("exec redis-server ")
+    flags = dict(re.findall(r"--([a-z-]+) (\"[^\"]*\"|\S+)", command))
+    assert flags["dir"] == "/data"
+    assert flags["appendonly"] == "yes"
+    assert flags["appendfsync"] == "everysec"
+    assert flags["save"] == '""'  # the AOF alone: no snapshot forks
+    (data,) = (v for v in redis["volumes"] if v["target"] == "/data")
+    assert (data["type"], data["source"]) == ("volume", "redis-data")  # named: kept across `down`/`up`
+    assert not data.get("read_only")
+    assert "redis-data" in c["volumes"] and not c["volumes"]["redis-data"].get("external")
+    assert "/data" not in redis.get("tmpfs", [])  # the container's root stays read-only, /data a volume
+    assert redis["read_only"] is True
+    assert "docs/redis.md" in (ROOT / "compose.yaml").read_text()

@@ -183,6 +183,13 @@ def test_kubernetes_validate_strict_refuses_an_unknown_field(
         ({"tls": {"enabled": True, "certManager": {"issuerRef": {"kind": "ClusterIssuer"}}}}, "/tls"),
         ({"router": {"config": {"require_api_key": False}}}, "/router/config"),  # auth.* owns it
         ({"engine": {"ssl_certfile": "/x.pem"}}, "/engine"),  # tls.* owns it
+        ({"redis": {"persistence": {"enabled": True, "size": "lots"}}}, "/redis/persistence/size"),
+        (
+            {"redis": {"persistence": {"enabled": True, "accessModes": ["ReadOnlyMany"]}}},
+            "/redis/persistence",
+        ),
+        ({"redis": {"persistence": {"enabled": True, "existingClaim": "Not_A_Name"}}}, "/redis/persistence"),
+        ({"redis": {"persistence": {"enabled": "yes"}}}, "/redis/persistence/enabled"),
     ],
 )
 def test_schema_invalid_values_are_refused(bad: dict[str, Any], where: str) -> None:
@@ -254,6 +261,7 @@ def test_default_render(rendered: dict[str, dict[str, str]]) -> None:
         "ConfigMap",
         "Deployment",
         "NetworkPolicy",
+        "PersistentVolumeClaim",  # the in-chart Redis' data (redis.persistence)
         "PodDisruptionBudget",
         "Secret",
         "Service",
@@ -306,6 +314,73 @@ def test_in_chart_redis_password_comes_from_a_secret(rendered: dict[str, dict[st
             "SPLITSERVE_ROUTER_REDIS_URL" if role == "router" else "SPLITSERVE_REDIS_URL"
         ), "Kubernetes expands $(VAR) only from variables defined before"
     assert password not in yaml.safe_dump(m[("Deployment", f"{FULL}-prefill")])
+
+
+def redis_opts(m: Manifests) -> dict[str, str]:
+    (redis,) = workloads(m)["redis"]["containers"]
+    args = redis["args"]
+    return dict(zip(args[::2], args[1::2], strict=True))
+
+
+def redis_data_volume(m: Manifests) -> dict[str, Any]:
+    pod = workloads(m)["redis"]
+    (redis,) = pod["containers"]
+    (mount,) = (vm for vm in redis["volumeMounts"] if vm["mountPath"] == "/data")
+    assert not mount.get("readOnly")
+    (volume,) = (v for v in pod["volumes"] if v["name"] == mount["name"])
+    return volume
+
+
+def test_in_chart_redis_persists_api_keys(rendered: dict[str, dict[str, str]], tmp_path: Path) -> None:
+    """By default the in-chart Redis keeps its data (the API keys: docs/redis.md) across restarts: an
+    append-only file fsynced every second in /data, a PVC the chart makes and keeps on uninstall. What
+    these settings do is tested against a real server in tests/integration/test_redis_persistence.py."""
+    m = objects(rendered["default"])
+    opts = redis_opts(m)
+    assert (opts["--dir"], opts["--appendonly"], opts["--appendfsync"]) == ("/data", "yes", "everysec")
+    assert opts["--save"] == ""  # the append-only file alone: no snapshot forks
+    assert redis_data_volume(m) == {
+        "name": "data",
+        "persistentVolumeClaim": {"claimName": f"{FULL}-redis-data"},
+    }
+    pvc = m[("PersistentVolumeClaim", f"{FULL}-redis-data")]
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"  # `helm uninstall` keeps keys
+    assert pvc["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert "storageClassName" not in pvc["spec"]  # the cluster's default StorageClass
+    sts = m[("StatefulSet", f"{FULL}-redis")]["spec"]
+    assert sts["replicas"] == 1 and "volumeClaimTemplates" not in sts  # upgrades need no StatefulSet deletion
+    # the redis image's user owns the volume (fsGroup), and only it runs there
+    assert workloads(m)["redis"]["securityContext"]["fsGroup"] == 999
+
+    # size and class; "-" is the explicit empty class (no dynamic provisioning)
+    custom = {"redis": {"persistence": {"enabled": True, "size": "5Gi", "storageClass": "fast-ssd"}}}
+    pvc = objects(render(custom))[("PersistentVolumeClaim", f"{FULL}-redis-data")]
+    assert (pvc["spec"]["storageClassName"], pvc["spec"]["resources"]["requests"]["storage"]) == (
+        "fast-ssd",
+        "5Gi",
+    )
+    no_class = render({"redis": {"persistence": {"enabled": True, "storageClass": "-"}}})
+    assert (
+        objects(no_class)[("PersistentVolumeClaim", f"{FULL}-redis-data")]["spec"]["storageClassName"] == ""
+    )
+    # a claim of one's own: mounted, none made
+    own_claim = render({"redis": {"persistence": {"enabled": True, "existingClaim": "redis-keys"}}})
+    mine = objects(own_claim)
+    assert redis_data_volume(mine)["persistentVolumeClaim"] == {"claimName": "redis-keys"}
+    assert not [name for kind, name in mine if kind == "PersistentVolumeClaim"]
+    assert redis_opts(mine)["--appendonly"] == "yes"
+    # off: as before, nothing kept (an emptyDir, no append-only file), no PVC
+    off = objects(render({"redis": {"persistence": {"enabled": False}}}))
+    assert redis_data_volume(off) == {"name": "data", "emptyDir": {}}
+    assert redis_opts(off)["--appendonly"] == "no" and "--appendfsync" not in redis_opts(off)
+    assert not [name for kind, name in off if kind == "PersistentVolumeClaim"]
+    # an external Redis persists (or not) on its own: the chart makes no PVC for it
+    assert not [n for k, n in objects(rendered["external-redis"]) if k == "PersistentVolumeClaim"]
+    # the variants pass kubernetes-validate --strict as well (the default render: the test above)
+    for name, r in (("redis-no-class", no_class), ("redis-existing-claim", own_claim)):
+        assert len(kubernetes_validate([r["splitserve/templates/redis.yaml"]], tmp_path, name)) >= 3, name
 
 
 def test_external_redis(rendered: dict[str, dict[str, str]]) -> None:
@@ -449,12 +524,16 @@ def test_every_container_runs_non_root_read_only_without_capabilities(
                 rdma = any(r.startswith("rdma/") for r in c.get("resources", {}).get("limits", {}))
                 assert set(sc["capabilities"].get("add", [])) <= ({"IPC_LOCK"} if rdma else set()), where
                 assert not sc.get("privileged") and sc.get("runAsUser", uid) == uid, where
-                # the writable places are volumes: /tmp and /dev/shm emptyDirs (Redis: its /data)
+                # the writable places are volumes: /tmp and /dev/shm emptyDirs (Redis: its /data, a PVC
+                # with redis.persistence, else an emptyDir)
                 mounts = {vm["mountPath"]: vm for vm in c["volumeMounts"]}
                 writable = {"/data"} if component == "redis" else {"/tmp", "/dev/shm"}
                 for path, vm in mounts.items():
                     if path in writable:
-                        assert "emptyDir" in volumes[vm["name"]], where
+                        kinds = (
+                            {"emptyDir", "persistentVolumeClaim"} if component == "redis" else {"emptyDir"}
+                        )
+                        assert kinds & set(volumes[vm["name"]]), where
                     else:
                         assert vm.get("readOnly") is True, f"{where}: {path}"
                 if component != "redis":
