@@ -22,7 +22,7 @@ class EngineConfig(BaseSettings):
     attention_backend: Literal["auto", "torch", "triton"] = Field(
         "auto", description="auto: the Triton kernels on a GPU, the torch reference on the CPU"
     )
-    block_size: int = Field(16, ge=1)
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block")
     kv_cache_memory_mb: int | None = Field(
         None, ge=1, description="paged KV cache size; default 512 on the CPU, from free memory on a GPU"
     )
@@ -32,13 +32,17 @@ class EngineConfig(BaseSettings):
     )
     cuda_graphs: bool = Field(True, description="GPU: replay decode-only steps from captured CUDA graphs")
     swap_space_mb: int = Field(256, ge=0, description="host memory for swapped-out sequences")
-    max_num_seqs: int = Field(16, ge=1)
+    max_num_seqs: int = Field(16, ge=1, description="sequences running in one batch at most")
     max_num_batched_tokens: int = Field(512, ge=1, description="per-step token budget")
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context length")
     policy: Literal["fcfs", "priority", "fair", "static"] = Field(
         "fcfs", description="fair: tenants share the engine by weight (deficit round robin)"
     )
-    preemption_mode: Literal["auto", "swap", "recompute"] = "auto"
+    preemption_mode: Literal["auto", "swap", "recompute"] = Field(
+        "auto",
+        description="a preempted sequence's KV: swapped to host memory or recomputed (auto: whichever is "
+        "estimated cheaper, swap only if the host space fits)",
+    )
     aging_s: float = Field(1.0, gt=0, description="priority, fair: each this long waited is one level up")
     tenant_weights: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         default_factory=dict,
@@ -65,7 +69,7 @@ class EngineConfig(BaseSettings):
         description="what the KV cache stores: auto (the model dtype), a narrower float, or fp8 with a "
         "calibrated power-of-two scale per layer and KV head",
     )
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of a prefix already held")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
     tensor_parallel_size: int = Field(
         1,
@@ -85,7 +89,7 @@ class ServiceConfig(BaseSettings):
 
     role: Literal["prefill", "decode"]
     host: str = Field("127.0.0.1", description="bind address")
-    port: int = Field(8100, ge=0, le=65535)
+    port: int = Field(8100, ge=0, le=65535, description="the internal HTTP API's port")
     advertise_host: str | None = Field(
         None,
         description="the address other processes reach this one at, registered in Redis (service URL, "
@@ -99,6 +103,9 @@ class ServiceConfig(BaseSettings):
     )
     kv_port: int = Field(0, ge=0, le=65535, description="decode: KV receiver port (0: any free port)")
     max_queue: int = Field(256, ge=1, description="requests waiting for KV blocks before new ones get 503")
+    served_model_name: str | None = Field(
+        None, description="the model name this service registers (what the router serves it as)"
+    )
     heartbeat_s: float = Field(1.0, gt=0)
     lease_s: float = Field(
         5.0, gt=0, description="transfer-ledger lease TTL: a silent peer's blocks are freed after it"

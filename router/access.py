@@ -33,7 +33,14 @@ from fastapi import Request
 from opentelemetry import trace
 
 from common.security.secret import is_loopback
-from router.auth.keys import ApiKey, InvalidKey, KeyStore, KeyStoreUnavailable, load_keys_file
+from router.auth.keys import (
+    ApiKey,
+    InvalidKey,
+    KeyStore,
+    KeyStoreUnavailable,
+    api_key_entry,
+    load_keys_file,
+)
 from router.auth.ratelimit import RateLimiter, retry_after_header
 from router.config import RouterConfig
 from router.errors import APIError
@@ -63,6 +70,8 @@ class Access:
         self.config, self.metrics = config, metrics
         metrics.tenants.limit = config.metrics_max_tenants
         static = load_keys_file(config.api_keys_file) if config.api_keys_file else []
+        if config.api_key is not None:
+            static += api_key_entry(config.api_key)
         self.keys = KeyStore(redis, prefix, static)
         self.limiter = RateLimiter(redis, prefix) if redis is not None else None
         if self.limiter is None and any(k.limits.any() for _, k in static):

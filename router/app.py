@@ -255,7 +255,9 @@ def build_app(config: RouterConfig | None = None) -> FastAPI:
     config = config or RouterConfig()
     log.info("loading the tokenizer of %s ...", config.model or "the default model (SmolLM2-135M)")
     t0 = time.monotonic()
-    info = load_model_info(config.model)
+    info = load_model_info(
+        config.model, chat_template=config.chat_template, max_model_len=config.max_model_len
+    )
     log.info("tokenizer loaded: %s, %d tokens, %.1f s", info.model_id, info.tokenizer.vocab_size,
              time.monotonic() - t0)  # fmt: skip
     state = ClusterState.from_url(config.redis_url, config.redis_prefix) if config.redis_url else None

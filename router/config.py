@@ -15,12 +15,19 @@ class RouterConfig(BaseSettings):
         env_prefix="SPLITSERVE_ROUTER_", frozen=True, extra="forbid", env_ignore_empty=True
     )
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="the OpenAI API's port")
     redis_url: str | None = Field(None, description="request records and the worker registry")
     redis_prefix: str = "splitserve:"
     model: str | None = Field(None, description="GGUF file or HF folder for the tokenizer; default SmolLM2")
     served_model_name: str | None = Field(None, description="the OpenAI model name; default: the model id")
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template, or the path of a file holding one, instead of the model's own",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="context length (prompt + completion); default and upper bound: the model's"
+    )
     local_prefill_threshold: int = Field(
         32, ge=0, description="prompts shorter than this (tokens) are prefilled on the decode service"
     )
@@ -69,6 +76,11 @@ class RouterConfig(BaseSettings):
     # --- who may call, and how much (docs/security.md) ---
     require_api_key: bool = Field(
         False, description="every call but /health needs an API key, even before the first key exists"
+    )
+    api_key: str | None = Field(
+        None,
+        description="one API key with every scope (20+ printable characters); required from every caller. "
+        "Prefer the environment variable: a flag shows in the process list",
     )
     api_keys_file: str | None = Field(
         None, description="static API keys, one per line: `<secret> [name=..] [tenant=..] [rpm=..] ...`"

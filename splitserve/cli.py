@@ -7,10 +7,28 @@ import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
     from common.config import EngineConfig
     from common.engine.llm_engine import LLMEngine
+    from common.runtime.logs import configure_logging
     from common.sampling_params import SamplingParams
+    from common.text.model_info import read_chat_template
+    from splitserve.flags import config_errors
+    from splitserve.launch import ENGINE_FLAGS, ConfigError, check_model
 
+    configure_logging(args.log_level, args.log_format, process="generate")
+    given = {
+        k: v
+        for k, v in (
+            ("model", args.model),
+            ("dtype", args.dtype),
+            ("device", args.device),
+            ("kv_cache_dtype", args.kv_cache_dtype),
+            ("max_model_len", args.max_model_len),
+        )
+        if v is not None
+    }
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens,
@@ -19,10 +37,21 @@ def _generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        engine = LLMEngine.from_config(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
-    except (ValueError, FileNotFoundError) as e:
+        config = EngineConfig(**given)
+        check_model(config.model)
+        template = read_chat_template(args.chat_template) if args.chat_template else None
+        engine = LLMEngine.from_config(config)
+    except ValidationError as e:
+        print(config_errors(e, {v: k for k, v in ENGINE_FLAGS.items()}, "SPLITSERVE_"), file=sys.stderr)
+        return 2
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:  # the model cannot be served
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if template is not None:
+        engine.tokenizer.chat_template = template
     prompt = args.prompt
     if not args.raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -30,6 +59,76 @@ def _generate(args: argparse.Namespace) -> int:
         print(text, end="", flush=True)
     print()
     return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    """`splitserve config --markdown`: every serving flag, its variable and default, as a table."""
+    print(markdown_table(build_parser()), end="")
+    return 0
+
+
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("splitserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bench.cli import add_bench_parser
+    from splitserve.flags import Parser, add_log_flags, flag
+    from splitserve.keys_cli import add_keys_parser
+    from splitserve.launch import add_parsers
+
+    parser = Parser(prog="splitserve", description="Disaggregated LLM serving.")
+    parser.add_argument("--version", action="version", version=f"splitserve {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    g = sub.add_parser("generate", help="answer one prompt with the local engine")
+    g.add_argument("prompt", help="the question (the model's chat template wraps it unless --raw)")
+    flag(g, "--model", env="SPLITSERVE_MODEL", help="GGUF file or safetensors folder (default: SmolLM2-135M)")
+    flag(g, "--max-tokens", type=int, default=128, help="tokens to generate at most")
+    flag(g, "--temperature", type=float, default=0.0, help="0: greedy")
+    flag(
+        g, "--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens this likely"
+    )
+    flag(g, "--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    flag(g, "--seed", type=int, help="a seed makes sampling repeatable")
+    flag(g, "--dtype", env="SPLITSERVE_DTYPE", choices=["auto", "float32", "bfloat16"], shown_default="auto",
+         help="weights and activations (auto: bfloat16 on a GPU, float32 on the CPU)")  # fmt: skip
+    flag(g, "--device", env="SPLITSERVE_DEVICE", choices=["auto", "cpu", "cuda"], shown_default="auto",
+         help="auto: cuda when a GPU is visible")  # fmt: skip
+    flag(g, "--kv-cache-dtype", env="SPLITSERVE_KV_CACHE_DTYPE", shown_default="auto",
+         choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"],
+         help="what the KV cache stores")  # fmt: skip
+    flag(
+        g,
+        "--max-model-len",
+        type=int,
+        env="SPLITSERVE_MAX_MODEL_LEN",
+        help="context length (default: the model's)",
+    )
+    flag(g, "--chat-template", help="a Jinja chat template, or the path of a file holding one")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_log_flags(g)
+    g.set_defaults(func=_generate)
+
+    c = sub.add_parser("config", help="print every serving flag with its environment variable and default")
+    c.add_argument("--markdown", action="store_true", required=True, help="as a Markdown table")
+    c.set_defaults(func=_config)
+
+    add_bench_parser(sub)
+    add_parsers(sub)
+    add_keys_parser(sub)
+    return parser
+
+
+def markdown_table(parser: argparse.ArgumentParser) -> str:
+    from splitserve.flags import markdown_table as table
+
+    return table(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,31 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="answer one prompt with the local engine")
-    g.add_argument("prompt")
-    g.add_argument("--model", default=None, help="GGUF file or safetensors folder (default: SmolLM2-135M)")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.set_defaults(func=_generate)
-
-    from bench.cli import add_bench_parser
-    from splitserve.keys_cli import add_keys_parser
-    from splitserve.launch import add_parsers
-
-    add_bench_parser(sub)
-    add_parsers(sub)
-    add_keys_parser(sub)
-
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
 

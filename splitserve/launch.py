@@ -1,5 +1,9 @@
 """Starting services: one per process (`splitserve prefill|decode|router`), or a whole local
-deployment (`splitserve up`): embedded Redis, N prefill, M decode and the router, each its own process."""
+deployment (`splitserve up`): embedded Redis, N prefill, M decode and the router, each its own process.
+
+Every flag has help text, the environment variable that sets the same thing, and its default
+(`splitserve config --markdown` prints them all: docs/configuration.md). A bad flag, a bad variable
+or a model that is not there is one line naming it, never a traceback."""
 
 from __future__ import annotations
 
@@ -11,23 +15,20 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from types import UnionType
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
+
+from pydantic import ValidationError
+
+from common.config import EngineConfig, ServiceConfig
+from router.config import RouterConfig
+from splitserve.flags import add_log_flags, config_errors, env_or, field_help, flag
+from splitserve.placement import PlacementError, parse_devices, plan, spread, visible_gpus
 
 if TYPE_CHECKING:
-    from common.config import EngineConfig, ServiceConfig
+    from common.cluster.redis_server import RedisServer
 
-INT_FIELDS = {
-    "block_size",
-    "kv_cache_memory_mb",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "num_threads",
-    "fair_quantum_tokens",
-    "fair_bulk_prefill_tokens",
-    "tensor_parallel_size",
-}
-ENGINE_FLAGS = {  # flag -> EngineConfig field
+ENGINE_FLAGS = {  # flag -> EngineConfig field (SPLITSERVE_<FIELD>)
     "--model": "model",
     "--device": "device",
     "--dtype": "dtype",
@@ -35,8 +36,11 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--gpu-memory-utilization": "gpu_memory_utilization",
     "--block-size": "block_size",
     "--kv-cache-mb": "kv_cache_memory_mb",
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--enable-prefix-caching": "enable_prefix_caching",
     "--max-num-seqs": "max_num_seqs",
     "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--max-model-len": "max_model_len",
     "--policy": "policy",
     "--preemption-mode": "preemption_mode",
     "--tenant-weights": "tenant_weights",
@@ -45,8 +49,59 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field
     "--fair-burst-s": "fair_burst_s",
     "--threads": "num_threads",
     "--tensor-parallel-size": "tensor_parallel_size",
-    "--kv-cache-dtype": "kv_cache_dtype",
 }
+SERVICE_FLAGS = {  # flag -> ServiceConfig field (SPLITSERVE_<FIELD>); decode-only ones in DECODE_FLAGS
+    "--host": "host",
+    "--port": "port",
+    "--advertise-host": "advertise_host",
+    "--worker-id": "worker_id",
+    "--redis-url": "redis_url",
+    "--served-model-name": "served_model_name",
+    "--kv-backend": "kv_backend",
+    "--max-queue": "max_queue",
+    "--lease-s": "lease_s",
+    "--drain-timeout-s": "drain_timeout_s",
+    "--ssl-certfile": "ssl_certfile",
+    "--ssl-keyfile": "ssl_keyfile",
+}
+DECODE_FLAGS = {"--kv-port": "kv_port"}
+ROUTER_FLAGS = {  # flag -> RouterConfig field (SPLITSERVE_ROUTER_<FIELD>)
+    "--host": "host",
+    "--port": "port",
+    "--redis-url": "redis_url",
+    "--model": "model",
+    "--served-model-name": "served_model_name",
+    "--chat-template": "chat_template",
+    "--max-model-len": "max_model_len",
+    "--api-key": "api_key",
+    "--api-keys-file": "api_keys_file",
+    "--require-api-key": "require_api_key",
+    "--allow-unauthenticated": "allow_unauthenticated",
+    "--local-prefill-threshold": "local_prefill_threshold",
+    "--routing": "routing",
+    "--prefix-weight": "prefix_weight",
+    "--load-weight": "load_weight",
+    "--transfer-failure-policy": "transfer_failure_policy",
+    "--max-migrations": "max_migrations",
+    "--decode-stall-s": "decode_stall_s",
+    "--max-decode-queue": "max_decode_queue",
+    "--start-timeout-s": "start_timeout_s",
+    "--request-timeout-s": "request_timeout_s",
+    "--default-max-tokens": "default_max_tokens",
+    "--slo-ttft-ms": "slo_ttft_ms",
+    "--slo-tpot-ms": "slo_tpot_ms",
+    "--max-body-bytes": "max_body_bytes",
+    "--max-connections": "max_connections",
+    "--log-content": "log_content",
+    "--ssl-certfile": "ssl_certfile",
+    "--ssl-keyfile": "ssl_keyfile",
+    "--internal-ca-file": "internal_ca_file",
+    "--decode-urls": "decode_urls",
+    "--prefill-urls": "prefill_urls",
+}
+# `up` passes these on to the router as well as the services (the router tokenizes for the services'
+# model, answers under its name and checks lengths against its context)
+SHARED_WITH_ROUTER = ("--model", "--served-model-name", "--max-model-len")
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:
@@ -69,43 +124,62 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
     return weights
 
 
-def _tenant_weights_text(text: str) -> str:
-    """`up`: check --tenant-weights here, pass it on to the services as given."""
-    parse_tenant_weights(text)
-    return text
+def _add_config_flag(
+    p: argparse.ArgumentParser,
+    name: str,
+    model: type[Any],
+    field: str,
+    env_prefix: str,
+    dest: str,
+    default: Any = None,
+) -> None:
+    """A flag that sets one settings field: its type, choices, help and default come from the field
+    (`default`: the one shown, where the command decides it)."""
+    help_text, field_default = field_help(model, field)
+    default = field_default if default is None else default
+    annotation = model.model_fields[field].annotation
+    kwargs: dict[str, Any] = {"dest": dest, "help": help_text, "shown_default": default}
+    choices, kind = _literal_args(annotation), _base_type(annotation)
+    if field == "tenant_weights":
+        kwargs["type"] = parse_tenant_weights
+    elif choices:
+        kwargs["choices"] = choices
+    elif kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction if default else "store_true"
+    elif kind in (int, float):
+        kwargs["type"] = kind
+    elif kind is list:
+        kwargs["help"] += " (comma-separated)"
+    flag(p, name, env=f"{env_prefix}{field.upper()}", **kwargs)
 
 
-def add_service_flags(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help=f"default: $SPLITSERVE_PORT, else {default_port}")
+def _literal_args(annotation: Any) -> list[str]:
+    if get_origin(annotation) is Literal:
+        return [str(a) for a in get_args(annotation)]
+    for a in get_args(annotation) if get_origin(annotation) in (Union, UnionType) else ():
+        if get_origin(a) is Literal:
+            return [str(x) for x in get_args(a)]
+    return []
+
+
+def _base_type(annotation: Any) -> Any:
+    """int for `int | None`, list for `Annotated[list[str], ...]`, ..."""
+    if get_origin(annotation) in (Union, UnionType):
+        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    if get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return get_origin(annotation) or annotation
+
+
+def add_service_flags(p: argparse.ArgumentParser, role: str, default_port: int) -> None:
+    flags = {**SERVICE_FLAGS, **(DECODE_FLAGS if role == "decode" else {})}
+    for name, field in flags.items():  # the port's default depends on the role
+        shown = default_port if field == "port" else None
+        _add_config_flag(p, name, ServiceConfig, field, "SPLITSERVE_", field, shown)
     p.set_defaults(role_port=default_port)
-    p.add_argument(
-        "--advertise-host",
-        default=None,
-        help="address registered for other services to reach this one (default: --host)",
-    )
-    p.add_argument("--worker-id", default=None)
-    p.add_argument("--redis-url", default=None, help="Redis for the registry and request records")
-    p.add_argument("--kv-port", type=int, default=None, help="decode: KV receiver port (default: any free)")
-    p.add_argument("--ssl-certfile", default=None, help="serve the internal API over HTTPS (PEM chain)")
-    p.add_argument("--ssl-keyfile", default=None, help="the private key of --ssl-certfile")
-    p.add_argument("--max-queue", type=int, default=None)
-    p.add_argument("--lease-s", type=float, default=None, help="transfer-ledger lease TTL (default 5 s)")
-    p.add_argument(
-        "--kv-backend",
-        choices=["auto", "nixl", "tcp", "torch_dist"],
-        default=None,
-        help="decode: how prefill services write KV here (default auto: nixl where it imports)",
-    )
-    for flag, field in ENGINE_FLAGS.items():
-        kind: Callable[[str], Any] = str
-        if field in INT_FIELDS:
-            kind = int
-        elif field in ("gpu_memory_utilization", "fair_burst_s"):
-            kind = float
-        elif field == "tenant_weights":
-            kind = parse_tenant_weights
-        p.add_argument(flag, dest=f"engine_{field}", type=kind, default=None)
+    for name, field in ENGINE_FLAGS.items():
+        _add_config_flag(p, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}")
+    add_log_flags(p)
 
 
 def _given(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
@@ -114,32 +188,45 @@ def _given(args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
     }
 
 
+class ConfigError(Exception):
+    """A bad flag or variable, already worded as the lines to print."""
+
+
 def service_configs(args: argparse.Namespace) -> tuple[ServiceConfig, EngineConfig]:
     """The service and engine configs of `splitserve prefill|decode`: flags, then SPLITSERVE_* env,
-    then defaults (the port's default depends on the role)."""
-    from common.config import EngineConfig, ServiceConfig
-
-    svc_fields = {
-        k: v
-        for k, v in _given(args).items()
-        if k
-        in {
-            "host",
-            "advertise_host",
-            "port",
-            "worker_id",
-            "redis_url",
-            "kv_port",
-            "max_queue",
-            "kv_backend",
-            "lease_s",
-            "ssl_certfile",
-            "ssl_keyfile",
-        }
-    }
+    then defaults (the port's default depends on the role). ConfigError: one line per bad value."""
+    fields = set(SERVICE_FLAGS.values()) | set(DECODE_FLAGS.values())
+    svc_fields = {k: v for k, v in _given(args).items() if k in fields}
     if "port" not in svc_fields and not os.environ.get("SPLITSERVE_PORT"):
         svc_fields["port"] = args.role_port  # the role's own port (8101 prefill, 8201 decode)
-    return ServiceConfig(role=args.command, **svc_fields), EngineConfig(**_given(args, "engine_"))
+    try:
+        return ServiceConfig(role=args.command, **svc_fields), engine_config(args)
+    except ValidationError as e:
+        names = {v: k for k, v in {**SERVICE_FLAGS, **DECODE_FLAGS}.items()}
+        raise ConfigError(config_errors(e, names, "SPLITSERVE_")) from None
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    try:
+        return EngineConfig(**_given(args, "engine_"))
+    except ValidationError as e:
+        names = {v: k for k, v in ENGINE_FLAGS.items()}
+        raise ConfigError(config_errors(e, names, "SPLITSERVE_")) from None
+
+
+def check_model(model: str | None) -> None:
+    """A model path that is not there stops a command before anything starts (one line)."""
+    if model is not None and not os.path.exists(model):
+        raise ConfigError(
+            f"error: --model / SPLITSERVE_MODEL: {model!r} not found "
+            "(a .gguf file or a Hugging Face model folder)"
+        )
+
+
+def _configure_logging(args: argparse.Namespace, process: str) -> None:
+    from common.runtime.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format, process=process)
 
 
 def run_service(args: argparse.Namespace) -> int:
@@ -150,22 +237,34 @@ def run_service(args: argparse.Namespace) -> int:
     and the process exits 0."""
     import asyncio
 
-    import uvicorn
-
-    from common.runtime.http_server import server_config
     from common.security.secret import InternalSecret, SecretError
 
-    cfg, engine_cfg = service_configs(args)
+    try:
+        cfg, engine_cfg = service_configs(args)
+        check_model(engine_cfg.model)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    _configure_logging(args, cfg.worker_name)
     try:  # before loading the model: a service others can reach must check who calls it
         InternalSecret.from_env().require_for_bind(cfg.host, f"the {cfg.role} service")
     except SecretError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+    import uvicorn
+
+    from common.runtime.http_server import server_config
+
     if args.command == "decode":
         from decode_service.app import create_app
     else:
         from prefill_service.app import create_app
-    app = create_app(cfg, engine_cfg)
+    try:
+        app = create_app(cfg, engine_cfg)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:  # the model cannot be served
+        print(f"error: {cfg.worker_name}: {e}", file=sys.stderr)
+        return 2
     service = app.state.service
 
     class DrainingServer(uvicorn.Server):
@@ -191,18 +290,28 @@ def run_service(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+class StartupFailed(Exception):
+    """A process of `up` exited or timed out before it was healthy (its own output says why)."""
+
+
+def _wait_healthy(
+    name: str, url: str, proc: subprocess.Popen, timeout_s: float, start: float | None = None
+) -> float:
+    """Seconds from `start` (the process's start) until url/health answers 200; StartupFailed if the
+    process exits or time runs out."""
+    start = time.monotonic() if start is None else start
+    while time.monotonic() - start < timeout_s:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with code {proc.returncode} before becoming healthy")
+            raise StartupFailed(
+                f"{name} exited with code {proc.returncode} before it was ready (its output is above)"
+            )
         try:
             with urllib.request.urlopen(url + "/health", timeout=1) as r:
                 if r.status == 200:
-                    return
+                    return time.monotonic() - start
         except OSError:
             time.sleep(0.3)
-    raise RuntimeError(f"{url}: not healthy after {timeout_s:.0f} s")
+    raise StartupFailed(f"{name} was not ready after {timeout_s:.0f} s (--startup-timeout)")
 
 
 DRAIN_WAIT_S = 45.0  # `up` waits this long for its services to drain (their default drain_timeout_s: 30)
@@ -210,7 +319,9 @@ BACKOFF_S = (1.0, 30.0)  # a service that exits is started again after 1 s, doub
 STABLE_S = 60.0  # ... and the wait starts over once it ran this long
 
 
-def supervise(procs: list[subprocess.Popen], commands: list[list[str]]) -> None:
+def supervise(
+    procs: list[subprocess.Popen], commands: list[list[str]], envs: list[dict[str, str] | None]
+) -> None:
     """Start every service that exits again, after a backoff that doubles while it keeps exiting;
     returns only when interrupted (KeyboardInterrupt: Ctrl-C, or SIGTERM in `up`)."""
     wait = [BACKOFF_S[0]] * len(procs)
@@ -226,35 +337,82 @@ def supervise(procs: list[subprocess.Popen], commands: list[list[str]]) -> None:
             name = " ".join(commands[i][3:5])
             print(f"{name} exited with {p.returncode}; starting it again in {wait[i]:.0f} s", file=sys.stderr)
             time.sleep(wait[i])
-            procs[i] = subprocess.Popen(commands[i])
+            procs[i] = subprocess.Popen(commands[i], env=envs[i])
             started[i], wait[i] = time.monotonic(), min(2 * wait[i], BACKOFF_S[1])
+
+
+def _up_plan(args: argparse.Namespace) -> list[dict[str, str]]:
+    """Each service's own environment additions: CUDA_VISIBLE_DEVICES, and its share of the GPU memory
+    when services share a device. PlacementError for an impossible plan."""
+    n = args.prefill + args.decode
+    tp = args.engine_tensor_parallel_size or EngineConfig().tensor_parallel_size
+    devices = args.devices
+    if devices is None and args.prefill_devices is None and args.decode_devices is None:
+        gpus = visible_gpus()
+        if gpus is None:  # no GPU: nothing to place
+            return [{} for _ in range(n)]
+        devices = spread(gpus, n, tp)
+    placed = plan(args.prefill, args.decode, tp, devices, args.prefill_devices, args.decode_devices)
+    assert placed is not None
+    util = args.engine_gpu_memory_utilization or EngineConfig().gpu_memory_utilization
+    out = []
+    for p in placed:
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(p.devices)}
+        if p.share > 1 and args.engine_gpu_memory_utilization is None:
+            env["SPLITSERVE_GPU_MEMORY_UTILIZATION"] = f"{util / p.share:.4f}"
+        out.append(env)
+    return out
 
 
 def up(args: argparse.Namespace) -> int:
     """`splitserve up`: everything on this machine; a service that exits is started again (with
     backoff); Ctrl-C or SIGTERM drains and stops them all."""
-    from common.cluster.redis_server import RedisServer
+    try:
+        engine = engine_config(args)  # every service would refuse a bad value: say it once, here
+        check_model(engine.model)
+        placement = _up_plan(args)
+        if args.api_key is not None:
+            from router.auth.keys import api_key_entry
+
+            api_key_entry(args.api_key)
+        if args.chat_template is not None:
+            from common.text.model_info import read_chat_template
+
+            read_chat_template(args.chat_template)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except (PlacementError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _configure_logging(args, "up")
     from common.security.secret import ensure_for_children
 
     ensure_for_children()  # one internal secret for this deployment's processes, unless one is given
-    redis = None
+    for name, value in (("SPLITSERVE_LOG_LEVEL", args.log_level), ("SPLITSERVE_LOG_FORMAT", args.log_format)):
+        if value is not None:  # every child logs the same way
+            os.environ[name] = value
+    redis: RedisServer | None = None
     redis_url = args.redis_url
-    if redis_url is None:
-        redis = RedisServer()
-        redis.start()
-        redis_url = redis.url
     procs: list[subprocess.Popen] = []
     commands: list[list[str]] = []
+    envs: list[dict[str, str] | None] = []
     me = [sys.executable, "-m", "splitserve"]
     engine_flags = [
         x
         for f, field in ENGINE_FLAGS.items()
-        if (v := getattr(args, f"engine_{field}")) is not None
-        for x in (f, str(v))
+        if (v := getattr(args, f"engine_{field}")) is not None and field != "enable_prefix_caching"
+        for x in (f, str(v) if not isinstance(v, dict) else args.tenant_weights_text)
     ]
-    threads = ["--threads", str(args.threads_per_service)] if args.threads_per_service else []
+    if args.engine_enable_prefix_caching is not None:
+        engine_flags.append(
+            "--enable-prefix-caching" if args.engine_enable_prefix_caching else "--no-enable-prefix-caching"
+        )
+    extra = ["--threads", str(args.threads_per_service)] if args.threads_per_service else []
     if args.kv_backend:
-        threads += ["--kv-backend", args.kv_backend]
+        extra += ["--kv-backend", args.kv_backend]
+    if args.served_model_name:
+        extra += ["--served-model-name", args.served_model_name]
 
     def stop(*_: Any) -> None:
         for p in procs:
@@ -279,25 +437,30 @@ def up(args: argparse.Namespace) -> int:
     try:
         port = args.base_port
         services = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
-        for role, i in services:
+        _check_free(args.host, args.port, "--port")
+        for k in range(len(services)):  # an old stack still draining there would answer our health checks
+            _check_free("127.0.0.1", port + 1 + k, "--base-port")
+        if redis_url is None:
+            redis = _start_redis(args.redis_data)
+            redis_url = redis.url
+            kept = f"kept in {args.redis_data}" if args.redis_data else "not kept: --redis-data DIR keeps it"
+            print(f"  redis: {redis_url} ({kept})", flush=True)
+        urls, starts = [], []
+        for (role, i), place in zip(services, placement, strict=True):
             port += 1
-            cmd = [
-                *me,
-                role,
-                "--port",
-                str(port),
-                "--redis-url",
-                redis_url,
-                "--worker-id",
-                f"{role}-{i}",
-                *engine_flags,
-                *threads,
-            ]
+            cmd = [*me, role, "--port", str(port), "--redis-url", redis_url, "--worker-id", f"{role}-{i}"]
+            cmd += [*engine_flags, *extra]
+            env = {**os.environ, **place} if place else None
             commands.append(cmd)
-            procs.append(subprocess.Popen(cmd, start_new_session=False))
-            print(f"  {role}-{i}: http://127.0.0.1:{port}", flush=True)
-        for (role, i), p in zip(services, procs, strict=True):
-            _wait_healthy(f"http://127.0.0.1:{args.base_port + 1 + services.index((role, i))}", p)
+            envs.append(env)
+            procs.append(subprocess.Popen(cmd, env=env))
+            starts.append(time.monotonic())
+            urls.append(f"http://127.0.0.1:{port}")
+            where = f" on GPU {place['CUDA_VISIBLE_DEVICES']}" if place else ""
+            print(f"  {role}-{i}: starting at {urls[-1]}{where}", flush=True)
+        for (role, i), url, p, t0 in zip(services, urls, procs, starts, strict=True):
+            took = _wait_healthy(f"{role}-{i}", url, p, args.startup_timeout, t0)
+            print(f"  {role}-{i}: ready at {url} ({took:.1f} s)", flush=True)
         router_cmd = [*me, "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
         # The router tokenizes for the model the services load: their flag, else their environment's
         # SPLITSERVE_MODEL (the router reads SPLITSERVE_ROUTER_MODEL, which a user setting only the
@@ -305,18 +468,33 @@ def up(args: argparse.Namespace) -> int:
         served = args.engine_model or os.environ.get("SPLITSERVE_MODEL")
         if served:
             router_cmd += ["--model", served]
+        if args.served_model_name:
+            router_cmd += ["--served-model-name", args.served_model_name]
+        if args.engine_max_model_len:
+            router_cmd += ["--max-model-len", str(args.engine_max_model_len)]
+        if args.chat_template:
+            router_cmd += ["--chat-template", args.chat_template]
+        router_env = None
+        if args.api_key is not None:  # through the environment: a flag would show in the process list
+            router_env = {**os.environ, "SPLITSERVE_ROUTER_API_KEY": args.api_key}
         commands.append(router_cmd)
-        procs.append(subprocess.Popen(router_cmd))
+        envs.append(router_env)
+        procs.append(subprocess.Popen(router_cmd, env=router_env))
         url = f"http://{args.host}:{args.port}"
-        _wait_healthy(url, procs[-1])
+        took = _wait_healthy("router", url, procs[-1], args.startup_timeout)
+        print(f"  router: ready at {url} ({took:.1f} s)", flush=True)
+        auth = ' -H "Authorization: Bearer $SPLITSERVE_API_KEY"' if args.api_key is not None else ""
         print(
-            f"\nsplitserve is up: {url}  (redis {redis_url})\n\ntry:\n  curl {url}/v1/chat/completions "
+            f"\nsplitserve is up: {url}  (redis {redis_url})\n\ntry:\n  curl {url}/v1/chat/completions{auth} "
             '-H \'content-type: application/json\' \\\n    -d \'{"model": "default", "temperature": 0, '
             '"messages": [{"role": "user", "content": "What is the capital of France?"}]}\'\n',
             flush=True,
         )
-        supervise(procs, commands)
+        supervise(procs, commands, envs)
         return 0
+    except StartupFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nshutting down", file=sys.stderr)
         return 0
@@ -324,145 +502,144 @@ def up(args: argparse.Namespace) -> int:
         stop()
 
 
+def _check_free(host: str, port: int, flag_name: str) -> None:
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no owner
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise StartupFailed(
+                f"port {port} on {host} is taken ({e.strerror}): choose another {flag_name}"
+            ) from None
+
+
+def _start_redis(data_dir: str | None) -> RedisServer:
+    from common.cluster.redis_server import RedisServer
+
+    redis = RedisServer(data_dir=data_dir) if data_dir else RedisServer()
+    redis.start()
+    return redis
+
+
 def run_router(args: argparse.Namespace) -> int:
     """`splitserve router`: the OpenAI-compatible front door (flags override SPLITSERVE_ROUTER_* env)."""
-    from router.app import serve
-    from router.config import RouterConfig
-
-    given = {
-        k: v
-        for k, v in vars(args).items()
-        if v is not None
-        and k
-        in {
-            "host",
-            "port",
-            "redis_url",
-            "model",
-            "local_prefill_threshold",
-            "routing",
-            "prefix_weight",
-            "load_weight",
-            "decode_urls",
-            "prefill_urls",
-            "transfer_failure_policy",
-            "max_migrations",
-            "decode_stall_s",
-            "max_decode_queue",
-            "start_timeout_s",
-            "require_api_key",
-            "api_keys_file",
-            "allow_unauthenticated",
-            "ssl_certfile",
-            "ssl_keyfile",
-            "internal_ca_file",
-            "max_body_bytes",
-            "log_content",
-        }
-    }
     from common.security.secret import SecretError
+    from router.app import serve
 
+    fields = set(ROUTER_FLAGS.values())
     try:
-        serve(RouterConfig(**given))
-    except (SecretError, ValueError) as e:
+        config = RouterConfig(**{k: v for k, v in _given(args).items() if k in fields})
+    except ValidationError as e:
+        print(
+            config_errors(e, {v: k for k, v in ROUTER_FLAGS.items()}, "SPLITSERVE_ROUTER_"), file=sys.stderr
+        )
+        return 2
+    try:
+        check_model(config.model)
+    except ConfigError as e:
+        print(str(e).replace("SPLITSERVE_MODEL", "SPLITSERVE_ROUTER_MODEL"), file=sys.stderr)
+        return 2
+    _configure_logging(args, "router")
+    try:
+        serve(config)
+    except (SecretError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
 
 
 def add_parsers(sub: Any) -> None:
-    r = sub.add_parser("router", help="run the router (OpenAI API)")
-    r.add_argument("--host", default=None)
-    r.add_argument("--port", type=int, default=None)
-    r.add_argument("--redis-url", default=None, help="worker registry and request records")
-    r.add_argument("--model", default=None, help="the model the services serve (for its tokenizer)")
-    r.add_argument(
-        "--local-prefill-threshold",
-        type=int,
-        default=None,
-        help="prompts shorter than this many tokens are prefilled on the decode service",
+    r = sub.add_parser(
+        "router", help="run the router (OpenAI API)", description="The OpenAI-compatible router."
     )
-    r.add_argument(
-        "--routing",
-        choices=["prefix_aware", "least_loaded"],
-        default=None,
-        help="prefix_aware (default): weigh the prompt blocks each service holds against its load; "
-        "least_loaded: load alone",
-    )
-    r.add_argument(
-        "--prefix-weight",
-        type=float,
-        default=None,
-        help="prefix_aware: cost of a prompt block to compute (1)",
-    )
-    r.add_argument(
-        "--load-weight",
-        type=float,
-        default=None,
-        help="prefix_aware: cost of a queued prompt block or a running sequence (1)",
-    )
-    r.add_argument(
-        "--transfer-failure-policy",
-        choices=["retry", "recompute", "fail"],
-        default=None,
-        help="when a prefill or its KV transfer fails (default retry on another prefill service)",
-    )
-    r.add_argument(
-        "--max-migrations", type=int, default=None, help="moves to another decode service per request (3)"
-    )
-    r.add_argument(
-        "--decode-stall-s", type=float, default=None, help="seconds of silence that fail a decode stream (15)"
-    )
-    r.add_argument(
-        "--max-decode-queue", type=int, default=None, help="503 once every decode has this many waiting"
-    )
-    r.add_argument(
-        "--start-timeout-s",
-        type=float,
-        default=None,
-        help="503 for a request that cannot get its first token this soon (default: no limit)",
-    )
-    r.add_argument(
-        "--require-api-key",
-        action="store_true",
-        default=None,
-        help="every call but /health needs an API key, even before one exists (splitserve keys create)",
-    )
-    r.add_argument("--api-keys-file", default=None, help="static API keys, one per line (docs/security.md)")
-    r.add_argument(
-        "--allow-unauthenticated",
-        action="store_true",
-        default=None,
-        help="serve without API keys on an address other machines can reach",
-    )
-    r.add_argument("--ssl-certfile", default=None, help="serve HTTPS: certificate chain (PEM)")
-    r.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: private key")
-    r.add_argument("--internal-ca-file", default=None, help="CA bundle for the services' HTTPS")
-    r.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (8 MiB)")
-    r.add_argument(
-        "--log-content",
-        action="store_true",
-        default=None,
-        help="put prompts and completions in spans (off: they are the users' data)",
-    )
-    r.add_argument("--decode-urls", default=None, help="comma-separated; instead of the registry")
-    r.add_argument("--prefill-urls", default=None, help="comma-separated; instead of the registry")
+    for name, field in ROUTER_FLAGS.items():
+        _add_config_flag(r, name, RouterConfig, field, "SPLITSERVE_ROUTER_", field)
+    add_log_flags(r)
     r.set_defaults(func=run_router)
     for role, port in (("prefill", 8101), ("decode", 8201)):
-        p = sub.add_parser(role, help=f"run one {role} service")
-        add_service_flags(p, port)
+        p = sub.add_parser(role, help=f"run one {role} service", description=f"One {role} service.")
+        add_service_flags(p, role, port)
         p.set_defaults(func=run_service)
-    u = sub.add_parser("up", help="run Redis, prefill, decode and the router on this machine")
-    u.add_argument("--prefill", type=int, default=1, help="number of prefill services")
-    u.add_argument("--decode", type=int, default=1, help="number of decode services")
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=8000, help="router port")
-    u.add_argument("--base-port", type=int, default=8100, help="services listen on base+1, base+2, ...")
-    u.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    u.add_argument("--threads-per-service", type=int, default=None)
-    u.add_argument("--kv-backend", choices=["auto", "nixl", "tcp", "torch_dist"], default=None)
-    for flag, field in ENGINE_FLAGS.items():
-        if flag != "--threads":
-            check = _tenant_weights_text if field == "tenant_weights" else str
-            u.add_argument(flag, dest=f"engine_{field}", type=check, default=None)
-    u.set_defaults(func=up, engine_num_threads=None)
+    add_up_parser(sub)
+
+
+def add_up_parser(sub: Any) -> None:
+    u = sub.add_parser(
+        "up",
+        help="run Redis, prefill, decode and the router on this machine",
+        description="Redis, prefill and decode services and the router on this machine, each its own "
+        "process; a service that exits is started again; Ctrl-C drains and stops them all. Engine flags "
+        "go to every service.",
+    )
+
+    def from_env(name: str, env: str, kind: Any, fallback: Any, help_text: str) -> None:
+        """An `up` flag whose variable `up` reads itself (no settings class does)."""
+        value = env_or(env, kind)
+        flag(u, name, env=env, type=kind, default=fallback if value is None else value,
+             shown_default=fallback, help=help_text)  # fmt: skip
+
+    from_env("--prefill", "SPLITSERVE_UP_PREFILL", int, 1, "number of prefill services")
+    from_env("--decode", "SPLITSERVE_UP_DECODE", int, 1, "number of decode services")
+    from_env("--host", "SPLITSERVE_ROUTER_HOST", str, "127.0.0.1", "the router's bind address")
+    from_env("--port", "SPLITSERVE_ROUTER_PORT", int, 8000, "the router's port")
+    flag(u, "--base-port", type=int, default=8100, help="services listen on base+1, base+2, ...")
+    flag(u, "--redis-url", help="use this Redis instead of an embedded one")
+    from_env(
+        "--redis-data",
+        "SPLITSERVE_REDIS_DATA",
+        str,
+        None,
+        "the embedded Redis keeps its data (API keys, limits, usage) in this folder (append-only file, "
+        "fsync every second): keys survive a restart; default: nothing kept",
+    )
+    from_env(
+        "--startup-timeout",
+        "SPLITSERVE_STARTUP_TIMEOUT",
+        float,
+        600.0,
+        "seconds each process gets to become healthy (a large model loads for minutes)",
+    )
+    from_env(
+        "--devices",
+        "SPLITSERVE_DEVICES",
+        _devices,
+        None,
+        "GPUs for the services, comma-separated: each service takes --tensor-parallel-size consecutive "
+        "ones, prefill services first (default: every visible GPU, spread; none on a machine without one)",
+    )
+    flag(u, "--prefill-devices", type=_devices, help="the prefill services' GPUs (instead of --devices)")
+    flag(u, "--decode-devices", type=_devices, help="the decode services' GPUs (instead of --devices)")
+    flag(u, "--threads-per-service", type=int, help="torch CPU threads per service (--threads)")
+    _add_config_flag(u, "--kv-backend", ServiceConfig, "kv_backend", "SPLITSERVE_", "kv_backend")
+    _add_config_flag(u, "--served-model-name", ServiceConfig, "served_model_name", "SPLITSERVE_",
+                     "served_model_name")  # fmt: skip
+    _add_config_flag(
+        u, "--chat-template", RouterConfig, "chat_template", "SPLITSERVE_ROUTER_", "chat_template"
+    )
+    _add_config_flag(u, "--api-key", RouterConfig, "api_key", "SPLITSERVE_ROUTER_", "api_key")
+    for name, field in ENGINE_FLAGS.items():
+        if name != "--threads":
+            _add_config_flag(u, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}")
+    add_log_flags(u)
+    u.set_defaults(func=_up_defaults, engine_num_threads=None)
+
+
+def _devices(text: str) -> list[str]:
+    try:
+        return parse_devices(text)
+    except PlacementError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _up_defaults(args: argparse.Namespace) -> int:
+    if args.prefill < 0 or args.decode < 1:
+        print("error: --decode must be at least 1 and --prefill at least 0", file=sys.stderr)
+        return 2
+    args.tenant_weights_text = (
+        ",".join(f"{k}={v}" for k, v in args.engine_tenant_weights.items())
+        if args.engine_tenant_weights
+        else None
+    )
+    return up(args)

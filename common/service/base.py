@@ -78,6 +78,8 @@ class Service:
         self.aengine = AsyncEngine(engine)
         self.jobs: dict[str, Job] = {}
         self.incarnation = uuid.uuid4().hex[:12]  # this start of the process (registry, KV endpoint)
+        # the name the router serves this model under (registered, and in /health)
+        self.served_model = cfg.served_model_name or engine.model.config.model_id
         self.draining = False  # SIGTERM came: no new work, what runs finishes (drain_timeout_s)
         self.state: ClusterState | None = None
         self.records: RecordWriter | None = None
@@ -178,6 +180,7 @@ class Service:
             )
             await self.kv_events.start()
         capacity = {
+            "model": self.served_model,
             "total_blocks": self.aengine.load.total_blocks,
             "block_size": self.engine.config.block_size,
             "max_num_seqs": self.engine.config.max_num_seqs,
@@ -316,6 +319,7 @@ class Service:
                 "role": self.cfg.role,
                 "worker_id": self.cfg.worker_name,
                 "incarnation": self.incarnation,
+                "model": self.served_model,
                 "engine": self.engine.placement.describe(),
                 **self.load(),
             }

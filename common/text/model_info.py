@@ -33,8 +33,40 @@ class ModelInfo:
     tokenizer: Tokenizer
 
 
-def load_model_info(path: str | None = None) -> ModelInfo:
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file's path, or the template itself (it holds Jinja `{{`/`{%`)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat template {value!r}: no such file, and not a Jinja template either")
+
+
+def load_model_info(
+    path: str | None = None, *, chat_template: str | None = None, max_model_len: int | None = None
+) -> ModelInfo:
+    """The model's tokenizer, chat template and context length; `chat_template` (a path or the template)
+    replaces the model's own, `max_model_len` shortens the context (never lengthens it: ValueError)."""
+    info = _load_model_info(path)
+    if chat_template is not None:
+        info.tokenizer.chat_template = read_chat_template(chat_template)
+    if max_model_len is not None:
+        if max_model_len > info.context_length:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the context length of {info.model_id} "
+                f"({info.context_length})"
+            )
+        info = ModelInfo(info.model_id, max_model_len, info.tokenizer)
+    return info
+
+
+def _load_model_info(path: str | None) -> ModelInfo:
     path = default_model_path() if path is None else path
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"model {path!r} not found: expected a .gguf file or a Hugging Face model folder"
+        )
     if os.path.isfile(path) and path.endswith(".gguf"):
         import gguf
 

@@ -481,8 +481,17 @@ def load_keys_file(path: str) -> list[tuple[str, ApiKey]]:
         return parse_keys_text(f.read(), origin=path)
 
 
+def api_key_entry(secret: str) -> list[tuple[str, ApiKey]]:
+    """`--api-key` (SPLITSERVE_ROUTER_API_KEY): one static key with every scope, as vLLM's flag gives.
+    ValueError that never repeats the secret when it is not 20+ printable characters without spaces."""
+    if len(secret) < 20 or not _TOKEN_RE.fullmatch(secret):
+        raise ValueError("--api-key must be 20 to 512 printable ASCII characters without spaces")
+    return parse_keys_text(f"{secret} name=api-key scopes={','.join(sorted(SCOPES))}", origin="--api-key")
+
+
 __all__ = [
     "SCOPES",
+    "api_key_entry",
     "ApiKey",
     "InvalidKey",
     "KeyStore",

@@ -240,6 +240,7 @@ def test_schema_settings_are_config_fields() -> None:
     chart_owned |= {
         "require_api_key",
         "allow_unauthenticated",
+        "api_key",  # a secret: never in router.config (a ConfigMap)
         "api_keys_file",
         "ssl_certfile",
         "ssl_keyfile",

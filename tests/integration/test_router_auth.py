@@ -17,7 +17,7 @@ import pytest
 from common.cluster.redis_server import RedisServer
 from common.cluster.state import connect
 from router.auth.keys import KeyStore, Limits
-from tests.support.cluster import Cluster, Proc, free_port, wait_until
+from tests.support.cluster import Cluster, Proc, free_port, wait_router_sees, wait_until
 
 pytestmark = pytest.mark.services
 
@@ -249,3 +249,47 @@ def test_keys_seen_before_ride_out_a_redis_outage(tmp_path) -> None:  # type: ig
     finally:
         c.stop()
         redis.stop()
+
+
+def test_vllm_style_router_flags(stack, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--api-key (from the environment, as `splitserve up` passes it), --served-model-name,
+    --max-model-len and --chat-template on a real router in front of the stack's decode service."""
+    redis_url, _, _ = stack
+    secret = "vllm-style-api-key-0123456789"
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[[{{ m.content }}]]{% endfor %}")
+    c = Cluster(redis_url, str(tmp_path))
+    try:
+        router = c.start(
+            "router",
+            "--served-model-name",
+            "my-model",
+            "--max-model-len",
+            "64",
+            "--chat-template",
+            str(template),
+            env={"SPLITSERVE_ROUTER_API_KEY": secret},
+        )
+        wait_router_sees(router, decode=1)
+        auth = {"Authorization": f"Bearer {secret}"}
+        assert httpx.get(router.url + "/v1/models").status_code == 401
+        models = httpx.get(router.url + "/v1/models", headers=auth).json()["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("my-model", 64)]
+        tok = httpx.post(
+            router.url + "/tokenize",
+            headers=auth,
+            json={
+                "model": "my-model",
+                "messages": [{"role": "user", "content": "Hi"}],
+                "return_token_strs": True,
+            },
+        ).json()
+        assert "".join(tok["token_strs"]).replace("Ġ", " ") == "[[Hi]]", tok
+        r = complete(router, secret, max_tokens=4, model="my-model")
+        assert r.status_code == 200 and r.json()["model"] == "my-model", r.text
+        long = complete(router, secret, max_tokens=16, model="my-model", prompt="word " * 60)
+        assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded", (
+            long.text
+        )
+    finally:
+        c.stop()

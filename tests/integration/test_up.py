@@ -51,6 +51,8 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
             "1",
             "--kv-cache-mb",
             "64",
+            # GPU placement, checked in the environment each child gets (no GPU here: they run on CPU)
+            *([] if real else ["--devices", "0,1", "--redis-data", str(tmp_path / "redis")]),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -63,6 +65,20 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
             time.sleep(0.5)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 4, "redis, prefill, decode and router run as their own processes"
+        text = (tmp_path / "up.log").read_text()
+        for name in ("prefill-0", "decode-0", "router"):  # each process as it becomes healthy
+            assert f"  {name}: ready at http://" in text, text
+        if not real:
+            devices = {
+                role: c.environ().get("CUDA_VISIBLE_DEVICES")
+                for c in children
+                for role in ("prefill", "decode", "router")
+                if role in c.cmdline()[3:4]
+            }
+            assert devices == {"prefill": "0", "decode": "1", "router": None}, devices
+            # --redis-data: the embedded Redis keeps an append-only file there (tests/integration/
+            # test_redis_persistence.py restarts one and finds the keys)
+            assert "kept in" in text and any((tmp_path / "redis").rglob("*.aof*")), text
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             timeout=60,
@@ -112,3 +128,16 @@ def _children(proc: subprocess.Popen) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def test_up_stops_with_one_line_when_a_service_cannot_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A model the services refuse (here: 5 ranks cannot shard the tiny model) stops `up` at once: each
+    service says why in one line, `up` names the one it waited for, nothing is restarted, no traceback."""
+    port, base = free_port(), free_port() + 100
+    cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
+    cmd += ["--threads-per-service", "1", "--kv-cache-mb", "64", "--tensor-parallel-size", "5"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "error: prefill-0: tensor_parallel_size=5 does not divide" in r.stderr, r.stderr
+    assert "error: prefill-0 exited with code 2 before it was ready" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "starting it again" not in r.stderr, r.stderr
