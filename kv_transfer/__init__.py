@@ -67,10 +67,13 @@ def resolve_backend(name: str) -> tuple[str, str]:
     choice can be logged and shown: never a silent fallback."""
     if name != "auto":
         _check(name)
+        if name in _NEEDS and name not in available_backends():  # before the model loads, not after
+            extra = " (pip install 'splitserve[nixl]', Linux x86_64 only)" if name == "nixl" else ""
+            raise ValueError(f"kv_backend={name} but its library does not import here{extra}; or use tcp")
         return name, "configured"
     if "nixl" in available_backends():
         return "nixl", "auto: nixl imports"
-    return "tcp", "auto: nixl does not import here (pip install nixl-cu12 on Linux x86_64)"
+    return "tcp", "auto: nixl does not import here (pip install 'splitserve[nixl]' on Linux x86_64)"
 
 
 def _check(backend: str) -> None:

@@ -246,9 +246,12 @@ def run_service(args: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     _configure_logging(args, cfg.worker_name)
+    from kv_transfer import resolve_backend
+
     try:  # before loading the model: a service others can reach must check who calls it
         InternalSecret.from_env().require_for_bind(cfg.host, f"the {cfg.role} service")
-    except SecretError as e:
+        resolve_backend(cfg.kv_backend)  # a transfer library that is not there: say so before the model loads
+    except (SecretError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -245,6 +245,9 @@ class RedisServer:
         self._proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,
+            # its own session: a terminal's Ctrl-C (SIGINT to the whole foreground group) reaches the
+            # services, which drain and deregister, but not Redis, which its owner stops after them
+            start_new_session=True,
         )  # fmt: skip
         self.port = port
         atexit.register(self.stop)

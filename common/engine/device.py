@@ -48,7 +48,9 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         return "triton" if device.type == "cuda" and triton_importable() else "torch"
     if not triton_importable():
-        raise ValueError("attention_backend=triton but the triton package is not installed")
+        raise ValueError(
+            "attention_backend=triton but the triton package is not installed (pip install 'splitserve[gpu]')"
+        )
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "attention_backend=triton needs a CUDA device (or TRITON_INTERPRET=1 to interpret the kernels "

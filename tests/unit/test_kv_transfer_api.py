@@ -52,3 +52,18 @@ def test_endpoint_parses_and_prints_every_scheme() -> None:
             Endpoint.parse(bad)
     with pytest.raises(ValueError, match="not a tcp KV endpoint"):
         Endpoint.parse("nixl://a:1", "tcp")
+
+
+def test_a_configured_backend_whose_library_is_missing_is_refused_naming_the_extra(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """kv_backend=nixl where NIXL is not installed (a run-only venv): a clear error before the model loads,
+    never a silent fallback; auto says which it took and why."""
+    import kv_transfer
+
+    monkeypatch.setattr(kv_transfer, "available_backends", lambda: ["tcp"])
+    with pytest.raises(ValueError, match=r"kv_backend=nixl .*pip install 'splitserve\[nixl\]'"):
+        kv_transfer.resolve_backend("nixl")
+    assert kv_transfer.resolve_backend("auto") == (
+        "tcp",
+        "auto: nixl does not import here (pip install 'splitserve[nixl]' on Linux x86_64)",
+    )
+    assert kv_transfer.resolve_backend("tcp") == ("tcp", "configured")

@@ -17,13 +17,22 @@ from kv_transfer.base import TransferError
 from kv_transfer.layout import block_bytes
 
 
+class NixlMissing(TransferError, ValueError):
+    """NIXL does not import here. Also a ValueError: a service started with kv_backend=nixl then stops with
+    this one line (`splitserve decode|prefill|up` print the ValueErrors of building a service), not a
+    traceback."""
+
+
 def make_agent(role: str) -> Any:
     """A NIXL agent with the UCX backend, no progress thread (we poll), no metadata listener (we exchange
     metadata on our own control connection). Names are unique per process and start."""
     try:
         from nixl_cu12 import nixl_agent, nixl_agent_config
     except ImportError as e:
-        raise TransferError(f"the nixl backend needs the nixl-cu12 package: {e}") from e
+        raise NixlMissing(
+            f"kv_backend=nixl but NIXL does not import here ({e}): install the nixl extra "
+            "(pip install 'splitserve[nixl]', Linux x86_64 only), or use kv_backend=auto or tcp"
+        ) from e
     config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"])
     agent = nixl_agent(f"splitserve-{role}-{uuid.uuid4().hex[:12]}", config)
     if "UCX" not in agent.backends:
