@@ -8,8 +8,16 @@ other machines can reach unless `allow_unauthenticated` is set. `allow_unauthent
 `require_api_key`) is the explicit opt-out: calls without a key are served even once keys exist, and a
 key that is sent is still checked.
 
-Scopes: "inference" may generate, list models and read its own tenant's request records; "metrics" may
-read /metrics; "admin" may do everything, and read any tenant's records.
+Scopes: "inference" may generate, tokenize, list models and read its own tenant's request records;
+"metrics" may read /metrics; "admin" may do everything, and read any tenant's records.
+
+The key is checked on the request's headers before its body is read (`authenticate`, called by the
+app's BodyLimit middleware for every request that may carry a body, then by the route's dependency for
+the rest): a caller without a valid key is answered 401 at once, whatever body it announces. Revocations
+reach this router's key cache within a second (`KeyStore.follow_revocations`, started here).
+
+/tokenize and /detokenize are charged one request (no tokens) against the key's limits, like a
+generation (`admit(..., generation=False)`), but are not counted as the tenant's generations.
 
 Observability (docs/operations.md, "Metrics"): each generation past authentication counts once in
 `splitserve_router_tenant_requests_total{tenant,status}` at `admit` (status "accepted" or
@@ -31,7 +39,9 @@ from typing import Any
 
 from fastapi import Request
 from opentelemetry import trace
+from starlette.datastructures import Headers
 
+from common.runtime.logs import current_request_id
 from common.security.secret import is_loopback
 from router.auth.keys import (
     ApiKey,
@@ -49,6 +59,9 @@ from router.metrics import TENANT_NONE, RouterMetrics
 log = logging.getLogger(__name__)
 POLL_S = 1.0
 LIMITS_TIMEOUT_S = 1.0  # a rate-limit check that Redis does not answer this soon is skipped (counted)
+# request.state: the key the BodyLimit middleware authenticated from the headers (None: anonymous), set
+# under AUTHENTICATED so the route's dependency does not check it again
+AUTHENTICATED = "authenticated"
 
 
 @dataclass
@@ -82,9 +95,11 @@ class Access:
         self.anonymous_ok = config.allow_unauthenticated and not config.require_api_key
         self._redis = redis
         self._poll: asyncio.Task[None] | None = None
+        self._revocations: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Find out whether keys exist; refuse an open router on a reachable address."""
+        """Find out whether keys exist; refuse an open router on a reachable address; follow
+        revocations (with Redis)."""
         if not self.enabled and self._redis is not None:
             with contextlib.suppress(KeyStoreUnavailable):
                 self.enabled = await self.keys.any_keys()
@@ -101,12 +116,15 @@ class Access:
             )  # fmt: skip
             if self._redis is not None:
                 self._poll = asyncio.create_task(self._watch())
+        if self._redis is not None:  # cached keys revoked elsewhere are dropped within a second
+            self._revocations = asyncio.create_task(self.keys.follow_revocations())
 
     async def stop(self) -> None:
-        if self._poll is not None:
-            self._poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poll
+        for task in (self._poll, self._revocations):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _watch(self) -> None:
         while not self.enabled:
@@ -120,29 +138,45 @@ class Access:
 
     # ---- authentication --------------------------------------------------------------------------
 
+    async def authenticate(self, headers: Headers) -> ApiKey | None:
+        """The caller's key, from its `Authorization` header alone (None while auth is off, or for a call
+        without one under the allow_unauthenticated opt-out); APIError 401 for a missing or refused key,
+        503 when Redis cannot say. The scope is the route's to check (`require`)."""
+        if not self.enabled or (self.anonymous_ok and "authorization" not in headers):
+            return None
+        try:
+            return await self.keys.authenticate(headers.get("authorization"))
+        except InvalidKey as e:
+            self.metrics.auth_refused.labels(e.reason).inc()
+            trace.get_current_span().add_event("splitserve.auth_refused", {"splitserve.reason": e.reason})
+            raise APIError(
+                401,
+                str(e),
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": 'Bearer realm="splitserve"'},
+            ) from None
+        except KeyStoreUnavailable as e:
+            # what Redis said is the log's (with the request id), never the client's
+            log.warning("request %s: cannot check its API key: %s", current_request_id() or "-", e)
+            raise APIError(
+                503,
+                "cannot check API keys now; retry later",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+                detail=str(e),
+            ) from None
+
     def require(self, scope: str) -> Callable[[Request], Awaitable[ApiKey | None]]:
-        """A FastAPI dependency: the caller's key (None while auth is off); 401/403 otherwise."""
+        """A FastAPI dependency: the caller's key (None while auth is off); 401/403 otherwise. A key the
+        BodyLimit middleware already authenticated (request.state) is not checked again."""
 
         async def dependency(request: Request) -> ApiKey | None:
-            if not self.enabled or (self.anonymous_ok and "authorization" not in request.headers):
+            state = request.scope.get("state") or {}
+            if AUTHENTICATED in state:
+                key = state[AUTHENTICATED]
+            else:
+                key = await self.authenticate(request.headers)
+            if key is None:
                 return None
-            try:
-                key = await self.keys.authenticate(request.headers.get("authorization"))
-            except InvalidKey as e:
-                self.metrics.auth_refused.labels(e.reason).inc()
-                trace.get_current_span().add_event("splitserve.auth_refused", {"splitserve.reason": e.reason})
-                raise APIError(
-                    401,
-                    str(e),
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": 'Bearer realm="splitserve"'},
-                ) from None
-            except KeyStoreUnavailable as e:
-                raise APIError(
-                    503,
-                    f"cannot check API keys now: {e}",
-                    headers={"Retry-After": str(self.config.retry_after_s)},
-                ) from None
             if scope not in key.scopes and "admin" not in key.scopes:
                 self.metrics.auth_refused.labels("forbidden").inc()
                 trace.get_current_span().add_event(
@@ -169,15 +203,28 @@ class Access:
     # ---- limits ----------------------------------------------------------------------------------
 
     async def admit(
-        self, key: ApiKey | None, request_id: str, tokens: int, prompt_tokens: int | None = None
+        self,
+        key: ApiKey | None,
+        request_id: str,
+        tokens: int,
+        prompt_tokens: int | None = None,
+        *,
+        generation: bool = True,
     ) -> Admission:
         """Charge one request and `tokens` (prompt + max output) to the key, and hold a concurrency slot;
         429 with Retry-After and the x-ratelimit-* headers when a limit says no. Counted for the key's
-        tenant either way; `prompt_tokens` (of `tokens`) lets `release` count prompt and output apart."""
+        tenant either way; `prompt_tokens` (of `tokens`) lets `release` count prompt and output apart.
+        `generation` False (/tokenize, /detokenize): charged alike, not counted as the tenant's
+        generation."""
         tenant = self.metrics.tenant(key.tenant if key is not None else None)
         admission = Admission(key, request_id, 0, {}, tenant, prompt_tokens)
+
+        def count(status: str) -> None:
+            if generation:
+                self.metrics.tenant_requests.labels(tenant, status).inc()
+
         if key is None or self.limiter is None or not key.limits.any():
-            self.metrics.tenant_requests.labels(tenant, "accepted").inc()
+            count("accepted")
             return admission
         hold_s = self.config.request_timeout_s + 60  # a router that dies frees its slots this late
         try:
@@ -187,15 +234,15 @@ class Access:
             # Redis unreachable: serve the request unmetered rather than lock every limited key out for
             # the outage (limits share a budget, they guard no secret); counted and logged, not silent
             self.metrics.limits_unenforced.inc()
-            self.metrics.tenant_requests.labels(tenant, "accepted").inc()
+            count("accepted")
             log.warning("rate limits of %s not enforced for %s: %r", key.key_id, request_id, e)
             return admission
         if d.allowed:
-            self.metrics.tenant_requests.labels(tenant, "accepted").inc()
+            count("accepted")
             admission.charged_tokens, admission.headers, admission.charged = tokens, dict(d.headers), True
             return admission
         self.metrics.rate_limited.labels(d.reason).inc()
-        self.metrics.tenant_requests.labels(tenant, "rate_limited").inc()
+        count("rate_limited")
         trace.get_current_span().add_event(
             "splitserve.rate_limited",
             {"splitserve.limit": d.reason, "splitserve.tenant": key.tenant, "splitserve.key_id": key.key_id},

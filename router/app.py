@@ -15,12 +15,13 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.cluster.kv_events import KVIndex
@@ -33,7 +34,7 @@ from common.runtime.telemetry import fastapi_telemetry, setup_tracing
 from common.security.internal_auth import SignedCalls
 from common.security.secret import InternalSecret
 from common.text.model_info import ModelInfo, load_model_info
-from router.access import Access
+from router.access import AUTHENTICATED, Access
 from router.auth.keys import ApiKey
 from router.config import RouterConfig
 from router.errors import APIError, install_handlers
@@ -117,7 +118,13 @@ def create_app(
     server = Server(config, model_info, orch, metrics, access)
     started = int(time.time())
     install_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    # the key is checked on the headers before a body is read: no valid key, no wait for a body
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=config.max_body_bytes,
+        timeout_s=config.body_timeout_s,
+        authenticate=access.authenticate,
+    )
     # outermost: every response carries x-request-id (the generation id when there is one: handlers set
     # request.state.request_id, else a fresh id), every request gets one access line (413s and 408s
     # too), and an unhandled error becomes an OpenAI-style 500 here, so it gets the header as well
@@ -141,17 +148,26 @@ def create_app(
     async def chat_completions(request: Request, key: ApiKey | None = inference) -> Response:
         return await server.generate(request, chat=True, key=key)
 
-    @app.post(
-        "/tokenize", dependencies=[inference], openapi_extra={"requestBody": tokenize_body_schema(served)}
-    )
-    async def tokenize_endpoint(request: Request) -> dict[str, Any]:
-        return tokenize(server.model, await request.body())
+    async def metered(
+        request: Request, key: ApiKey | None, work: Callable[[bytes], dict[str, Any]]
+    ) -> Response:
+        """/tokenize, /detokenize: charged one request (no tokens) to the key's limits before the body
+        is parsed, as a generation is (429 past them); its concurrency slot is held while it runs."""
+        request_id = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex}"
+        admission = await access.admit(key, request_id, 0, generation=False)
+        try:
+            result = work(await request.body())
+        finally:
+            await access.release(admission, 0)
+        return JSONResponse(result, headers=admission.headers)
 
-    @app.post(
-        "/detokenize", dependencies=[inference], openapi_extra={"requestBody": detokenize_body_schema(served)}
-    )
-    async def detokenize_endpoint(request: Request) -> dict[str, Any]:
-        return detokenize(server.model, await request.body())
+    @app.post("/tokenize", openapi_extra={"requestBody": tokenize_body_schema(served)})
+    async def tokenize_endpoint(request: Request, key: ApiKey | None = inference) -> Response:
+        return await metered(request, key, lambda body: tokenize(server.model, body))
+
+    @app.post("/detokenize", openapi_extra={"requestBody": detokenize_body_schema(served)})
+    async def detokenize_endpoint(request: Request, key: ApiKey | None = inference) -> Response:
+        return await metered(request, key, lambda body: detokenize(server.model, body))
 
     @app.get("/v1/models", dependencies=[inference])
     async def models() -> dict[str, Any]:
@@ -170,7 +186,8 @@ def create_app(
             decode = len(await orch.pool.candidates("decode"))
             prefill = len(await orch.pool.candidates("prefill"))
         except Exception as e:  # Redis down: the router cannot route anything
-            return JSONResponse({"status": "error", "error": repr(e)}, status_code=503)
+            log.warning("health: the worker registry cannot be read: %r", e)  # the log's, not the caller's
+            return JSONResponse({"status": "error", "error": "worker registry unavailable"}, status_code=503)
         return JSONResponse({"status": "ok", "decode_workers": decode, "prefill_workers": prefill})
 
     @app.get("/metrics", dependencies=[Depends(access.require("metrics"))])
@@ -202,17 +219,39 @@ def _internal_tls(config: RouterConfig) -> ssl.SSLContext | bool:
 
 
 class BodyLimit:
-    """A request body of more than `max_bytes` gets 413 (by its Content-Length before reading, else as
-    soon as it grows past the limit); one that does not arrive within `timeout_s` gets 408."""
+    """The key first, then the body. A request that may carry a body (not GET, HEAD, OPTIONS) is
+    authenticated on its headers alone (`authenticate`: 401 or 503 at once, the body never read; the key
+    is left in request.state for the route's dependency, which checks its scope). Then a body of more
+    than `max_bytes` gets 413 (by its Content-Length before reading, else as soon as it grows past the
+    limit); one that does not arrive within `timeout_s` gets 408. Answers given before the body was
+    read close the connection (its unread body would otherwise be the next request's head)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout_s: float,
+        authenticate: Callable[[Headers], Awaitable[Any]] | None = None,
+    ) -> None:
         self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        self.authenticate = authenticate
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        too_large = APIError(413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large")
+        unread = {"Connection": "close"}
+        if self.authenticate is not None:
+            try:
+                key = await self.authenticate(Headers(scope=scope))
+            except APIError as e:
+                e.headers.update(unread)
+                await e.response()(scope, receive, send)
+                return
+            scope.setdefault("state", {})[AUTHENTICATED] = key
+        too_large = APIError(
+            413, f"request body exceeds {self.max_bytes} bytes", code="request_too_large", headers=unread
+        )
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
                 await too_large.response()(scope, receive, send)

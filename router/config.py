@@ -107,7 +107,7 @@ class RouterConfig(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0, description="a request's body must arrive this soon")
     keep_alive_s: int = Field(5, ge=1, description="idle keep-alive connections are closed after this")
     max_connections: int | None = Field(
-        None, ge=1, description="open connections at once; beyond it new ones get 503"
+        1024, ge=1, description="open connections (and requests in flight) at once; beyond, new ones get 503"
     )
     log_content: bool = Field(
         False,

@@ -1,4 +1,8 @@
-"""OpenAI-style errors: one exception type, one body shape, and the handlers that render them."""
+"""OpenAI-style errors: one exception type, one body shape, and the handlers that render them.
+
+What a client reads is `message`: never a worker id, a host, an upstream service's error text or an
+exception's repr (docs/security.md, "Round 2"). What went wrong inside goes in `detail`, which only the
+router's log and the request's trace see, next to the request id the client has (x-request-id)."""
 
 from __future__ import annotations
 
@@ -31,10 +35,14 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = dict(headers or {})
+        # the cause, for the log and the trace only (a worker id, an upstream's answer, an exception):
+        # never part of the body
+        self.detail = detail
 
     @property
     def type(self) -> str:
@@ -51,9 +59,9 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return APIError(400, message, param, code)
 
 
-def unavailable(message: str, retry_after_s: int) -> APIError:
+def unavailable(message: str, retry_after_s: int, detail: str | None = None) -> APIError:
     """503 with Retry-After: nothing to route to, or every service too busy; the client may retry."""
-    return APIError(503, message, headers={"Retry-After": str(retry_after_s)})
+    return APIError(503, message, headers={"Retry-After": str(retry_after_s)}, detail=detail)
 
 
 def from_validation(errors: list[Any]) -> APIError:

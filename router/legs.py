@@ -85,8 +85,9 @@ class Legs:
             except Busy:
                 message = "every decode service is at capacity; retry later"
                 raise unavailable(message, self.retry_after_s) from None
-            except Unreachable as e:
-                raise unavailable(f"no decode service could be reached ({e})", self.retry_after_s) from None
+            except Unreachable as e:  # which ones and why: the log's (the error's detail), not the client's
+                message = "no decode service could be reached; retry later"
+                raise unavailable(message, self.retry_after_s, detail=f"unreachable: {e}") from None
             if span.is_recording():
                 span.set_attributes({
                     "splitserve.mode": mode,
@@ -105,12 +106,14 @@ class Legs:
         while True:
             frame = await self._stream.next_frame(stall_s)
             if not isinstance(frame, TokenFrame):
-                raise unexpected(frame, "tokens")
+                raise unexpected(frame, "tokens", self._stream.worker)
             out.take_prompt_logprobs(frame.prompt_logprobs)
             new = out.accept(frame.index, frame.token_ids, frame.logprobs)
             if frame.finished:
                 if frame.finish_reason not in ("stop", "length"):
-                    raise APIError(502, f"decode service ended the request ({frame.finish_reason})")
+                    why = f"{frame.finish_reason!r}"[:100]
+                    detail = f"decode service {self._stream.worker.id} ended it: {why}"
+                    raise APIError(502, "the decode service ended the request early", detail=detail)
                 out.finish_reason = frame.finish_reason
             if new:
                 return new

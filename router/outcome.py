@@ -1,9 +1,12 @@
 """How each request is counted and traced: its root span (OpenTelemetry GenAI conventions), what it
 produced and when (`Run`), and at its end the request metrics, TTFT / ITL / TPOT / end-to-end
-histograms and the SLO judgement (the request's own targets, else the router's)."""
+histograms and the SLO judgement (the request's own targets, else the router's). An error's `detail` (the
+worker, the upstream's answer, the exception: never in the client's body) is logged here with the request
+id, and put on the request's span."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +24,7 @@ from router.placement import Route
 from router.slo import Targets
 
 _tracer = tracer(__name__)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +43,7 @@ class Run:
     error: str | None = None
     text: list[str] | None = None  # the completion, kept only when log_content is on
     done: bool = False  # the end ran (it may be reached twice: the stream's end and its safety net)
+    request_id: str | None = None  # once admitted: the id the client has (x-request-id)
 
 
 def path(route: Route | None) -> str:
@@ -77,6 +82,7 @@ class Outcomes:
     def admitted(self, run: Run, parsed: Parsed, request_id: str) -> None:
         """The request's attributes on its span, once it is let in; its content only when opted in."""
         span, req = run.span, parsed.req
+        run.request_id = request_id
         if span.is_recording():
             span.set_attributes({
                 "gen_ai.request.model": req.model,
@@ -107,6 +113,8 @@ class Outcomes:
     def ended(self, run: Run, route: Route | None, targets: Targets, error: BaseException | None) -> None:
         """Count the request's end and end its span."""
         status = run.outcome if not isinstance(error, APIError) or error.status >= 500 else "rejected"
+        if isinstance(error, APIError) and error.detail:
+            _log_detail(run, error)
         self.metrics.requests.labels(run.endpoint, status).inc()
         self.metrics.output_tokens.inc(run.output_tokens)
         if run.counted_inflight:
@@ -133,6 +141,19 @@ class Outcomes:
                 self.metrics.slo_misses.labels("tpot").inc()
                 met = False
         self.metrics.judge(met)
+
+
+def _log_detail(run: Run, error: APIError) -> None:
+    """What the client was not told (the error's detail): in the log with the request id, and on the
+    request's span."""
+    log.warning(
+        "request %s failed: %d %s: %s", run.request_id or "-", error.status, error.message, error.detail
+    )
+    if run.span.is_recording():
+        run.span.add_event(
+            "splitserve.error",
+            {"splitserve.status": error.status, "splitserve.detail": error.detail or ""},
+        )
 
 
 def _end_span(run: Run, route: Route | None) -> None:

@@ -208,8 +208,8 @@ class Placer:
             wants_prefill = len(ids) >= self.config.local_prefill_threshold and decodes
             prefills = await self.pool.candidates("prefill") if wants_prefill else []
         except Exception as e:  # the registry (Redis) is down: nothing can be routed
-            log.exception("worker registry lookup failed")
-            raise unavailable(f"worker registry unavailable: {e!r}", self.config.retry_after_s) from e
+            log.exception("worker registry lookup failed")  # the cause: the log, never the client
+            raise unavailable("worker registry unavailable", self.config.retry_after_s) from e
         if not decodes:
             raise unavailable("no decode service is available", self.config.retry_after_s)
         if self.config.routing == "prefix_aware":

@@ -8,8 +8,9 @@ strings for the ids) when `return_token_strs` is true. /detokenize takes `{model
 
 The ids are the ones the generation endpoints would send to the workers for the same input: with the
 default flags the prompt goes through `router.parse.tokenize_prompt` itself, and otherwise through the
-same template and tokenizer calls with the caller's flags. Nothing is generated, so nothing is charged
-to the key's rate limits; the key needs the `inference` scope all the same (see router/app.py).
+same template and tokenizer calls with the caller's flags. Nothing is generated, but the work is real:
+each call is charged one request to the key's `rpm` (and holds a concurrency slot while it runs) before
+its body is parsed, under the `inference` scope (see router/app.py).
 """
 
 from __future__ import annotations

@@ -161,9 +161,10 @@ class Trip:
                     self.metrics.transfer_failures.labels(policy, "retried").inc()
                     self.metrics.prefill_retries.inc()
                     continue
-                if policy == "fail":
+                if policy == "fail":  # which service and why: the log line above, not the client's
                     self.metrics.transfer_failures.labels(policy, "failed").inc()
-                    raise APIError(502, f"prefill failed: {e}", code="prefill_failed") from e
+                    message = "prefill failed; the request was not served"
+                    raise APIError(502, message, code="prefill_failed", detail=f"{prefill.id}: {e}") from e
                 # recompute, or retry with no other prefill service left: the decode service prefills
                 self.metrics.transfer_failures.labels(policy, "recomputed").inc()
                 if not self.output.ids:  # not yet answered: the header and the record say so
@@ -194,14 +195,17 @@ class Trip:
             self.placer.lost.add(old.id)
         if self.migrations >= self.config.max_migrations:
             self.metrics.migrations.labels("gave_up").inc()
-            raise APIError(502, f"{e.message}; gave up after {self.migrations} migration(s)")
+            message = f"{e.message}; gave up after {self.migrations} migration(s)"
+            raise APIError(502, message, detail=e.detail)
         self.migrations += 1
         self.metrics.migrations.labels("stalled" if e.stalled else "lost").inc()
         log.warning("request %s: migrating off %s after %d tokens: %s", self.id, old and old.id,
-                    len(self.output.ids), e.message)  # fmt: skip
+                    len(self.output.ids), e.detail or e.message)  # fmt: skip
         trace.get_current_span().add_event(
-            "splitserve.migration", {"splitserve.from": old.id if old else "", "splitserve.reason": e.message}
+            "splitserve.migration",
+            {"splitserve.from": old.id if old else "", "splitserve.reason": e.detail or e.message},
         )
+        # the record is the key holder's to read: the generic reason (the detail is the log's)
         await self.record.migrating(self.migrations, old.id if old else None, e.message)
 
     def _count_prefix(self) -> None:

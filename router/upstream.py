@@ -1,7 +1,9 @@
 """The wire to the prefill and decode services: the generate stream, the prefill call, abort.
 
 Every wait is bounded by the request's deadline (unix time, the same value sent to the services);
-upstream failures become APIErrors the client can be shown (502, 503, 504).
+upstream failures become APIErrors the client can be shown (502, 503, 504). Their messages are generic:
+the worker, its answer (an upstream error body is never reflected) and the exception are the error's
+`detail`, for the log and the trace only.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ from router.workers import Worker
 log = logging.getLogger(__name__)
 MSGPACK = {"content-type": "application/msgpack"}
 T = TypeVar("T")
+DETAIL_CHARS = 500  # of an upstream's answer kept in an error's detail (the log line)
+DECODE_FAILED = "the decode service serving this request failed"
+DECODE_STALLED = "the decode service serving this request stopped answering"
 
 
 class SettledTransport(httpx.AsyncBaseTransport):
@@ -66,10 +71,10 @@ class PrefillFailed(Exception):
 
 class DecodeLost(APIError):
     """The decode stream broke, closed early or went silent: another decode service may finish the
-    request (the router migrates it)."""
+    request (the router migrates it). `detail` says which and how (the log's); the message is generic."""
 
-    def __init__(self, message: str, stalled: bool = False, worker: Worker | None = None) -> None:
-        super().__init__(502, message)
+    def __init__(self, detail: str, stalled: bool = False, worker: Worker | None = None) -> None:
+        super().__init__(502, DECODE_STALLED if stalled else DECODE_FAILED, detail=detail)
         self.stalled, self.worker = stalled, worker  # worker: the decode service it was lost on
 
 
@@ -117,7 +122,8 @@ class DecodeStream:
                 DecodeLost(f"decode stream from {self.worker.id} broke: {e!r}", worker=self.worker)
             )
         except ProtocolError as e:
-            await self._queue.put(APIError(502, f"decode stream: {e}"))
+            detail = f"decode stream from {self.worker.id}: {e}"
+            await self._queue.put(APIError(502, "the decode service sent an invalid answer", detail=detail))
 
     def push_back(self, frame: Any) -> None:
         """Return a frame taken early (while racing the prefill call) to the front of the stream."""
@@ -146,7 +152,7 @@ class DecodeStream:
                 if resp.status_code == 503:  # D's queue is full: try the next one
                     busy = True
                     continue
-                raise APIError(_client_status(resp.status_code), f"decode service {w.id}: {text}")
+                raise upstream_error(resp.status_code, "decode", f"decode service {w.id}: {text}")
             stream = cls(w, resp, deadline)
             try:
                 frame = await stream.next_frame()
@@ -155,7 +161,7 @@ class DecodeStream:
                     await stream.aclose()
                     continue
                 if not isinstance(frame, Reserved):
-                    raise unexpected(frame, "reserved")
+                    raise unexpected(frame, "reserved", w)
             except BaseException:
                 await stream.aclose()
                 raise
@@ -201,15 +207,17 @@ async def call_prefill(client: httpx.AsyncClient, w: Worker, req: PrefillRequest
     except httpx.TransportError as e:
         raise PrefillFailed(f"{w.id}: {e!r}") from e
     if resp.status_code == 504:  # past the deadline: another worker would be too
-        raise APIError(504, f"prefill service {w.id}: {await error_text(resp)}", code="deadline_exceeded")
+        raise upstream_error(504, "prefill", f"prefill service {w.id}: {await error_text(resp)}")
     if resp.status_code >= 500 or resp.status_code == 409:  # 409: still busy with this id (another try)
         raise PrefillFailed(f"{w.id} answered {resp.status_code}: {await error_text(resp)}")
     if resp.status_code != 200:
-        raise APIError(502, f"prefill service {w.id} refused: {await error_text(resp)}")
+        detail = f"prefill service {w.id} refused ({resp.status_code}): {await error_text(resp)}"
+        raise APIError(502, "the prefill service failed the request", detail=detail)
     try:
         result = decode(resp.content, PrefillResult)
     except ProtocolError as e:
-        raise APIError(502, f"prefill service {w.id}: {e}") from e
+        detail = f"prefill service {w.id}: {e}"
+        raise APIError(502, "the prefill service sent an invalid answer", detail=detail) from e
     return result
 
 
@@ -224,10 +232,15 @@ async def post_abort(client: httpx.AsyncClient, w: Worker, request_id: str, time
         log.warning("request %s: abort on %s failed: %r", request_id, w.id, e)
 
 
-def unexpected(frame: Any, wanted: str) -> APIError:
+def unexpected(frame: Any, wanted: str, worker: Worker | None = None) -> APIError:
+    """A decode stream's frame that is not the `wanted` kind: the service's ErrorFrame, or nonsense."""
+    source = f"decode service {worker.id}" if worker is not None else "decode service"
     if isinstance(frame, ErrorFrame):
-        return APIError(_client_status(frame.code), f"decode service: {frame.error}")
-    return APIError(502, f"decode stream: expected a {wanted!r} frame, got {getattr(frame, 'kind', frame)!r}")
+        detail = f"{source} ended the request ({frame.code}): {frame.error}"
+        return upstream_error(frame.code, "decode", detail)
+    got = f"{getattr(frame, 'kind', type(frame).__name__)!r}"[:100]
+    detail = f"{source}: expected a {wanted!r} frame, got {got}"
+    return APIError(502, "the decode service sent an invalid answer", detail=detail)
 
 
 def _client_status(upstream: int) -> int:
@@ -236,8 +249,20 @@ def _client_status(upstream: int) -> int:
     return upstream if upstream in (400, 504) else 502
 
 
+def upstream_error(upstream: int, role: str, detail: str) -> APIError:
+    """The client's error for a `role` ("decode", "prefill") service's error code: a generic message by
+    status (`_client_status`); what the service said, and which one it was, only in `detail`."""
+    status, detail = _client_status(upstream), detail[:DETAIL_CHARS]
+    if status == 504:
+        return APIError(504, "deadline exceeded", code="deadline_exceeded", detail=detail)
+    if status == 400:
+        return APIError(400, f"the {role} service refused the request", detail=detail)
+    return APIError(502, f"the {role} service failed the request", detail=detail)
+
+
 async def error_text(resp: httpx.Response) -> str:
-    """An upstream error body as text: an ErrorFrame's or a JSON error's message, else the raw text."""
+    """An upstream error body as text, for an error's `detail` (never its message): an ErrorFrame's or a
+    JSON error's message, else the raw text."""
     body = await resp.aread()
     with contextlib.suppress(ProtocolError):
         return decode(body, ErrorFrame).error

@@ -7,12 +7,21 @@ public `key_id` ("k_" + 12 hex) is part of the secret, so authenticating one is 
                               revoked, salt, hash (HMAC-SHA256(salt, secret)); never the secret itself
     {prefix}apikeys           set of every key id (for `list`)
     {prefix}apikeys:any       marker, set on the first create and never unset: auth is on from then on
+    {prefix}apikeys:version   counter, raised by every revocation: routers watch it (below)
 
 Small setups without Redis give the router a static keys file instead (`load_keys_file`); only the
 SHA-256 of each secret is kept in memory. `KeyStore` serves both.
 
-Successful authentications are cached for `cache_s` (0.5 s by default) per secret, so a revocation or an
-expiry takes effect within a second on every router while a busy key costs Redis one read per cache_s.
+Successful authentications are cached for `cache_s` (0.5 s by default) per secret, so a busy key costs
+Redis one read per cache_s; while Redis cannot be asked, a key verified within `stale_s` is still served.
+
+Revocation wins over both caches:
+- a key Redis reports revoked, expired or gone (deleted) is dropped from the cache at once and remembered
+  as refused, so a Redis outage or pause right after cannot bring it back (it gets 401, not a pass);
+- a router (`follow_revocations`) reads the version counter every REVOCATION_POLL_S and, when it moved,
+  reads its cached keys again in one pipeline: a revocation made anywhere reaches every router within a
+  second, even if no request for the key came in between and Redis stops answering right after;
+- a cache entry is written only if no revocation was learned while its Redis read was in flight.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import datetime as dt
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 import time
@@ -32,12 +42,14 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+log = logging.getLogger(__name__)
 SCOPES = frozenset({"inference", "metrics", "admin"})
 SECRET_PREFIX = "sk-ss-"
 _SECRET_RE = re.compile(r"sk-ss-(k_[0-9a-f]{12})-([A-Za-z0-9_-]{43})")
 _TOKEN_RE = re.compile(r"[\x21-\x7e]{1,512}")  # printable ASCII, no spaces, bounded (we hash it)
 MIN_STATIC_SECRET_CHARS = 20
 CACHE_MAX_ENTRIES = 10_000
+REVOCATION_POLL_S = 0.25  # how often a router reads the revocation counter (follow_revocations)
 # Compared against when the key id is unknown, so an unknown id costs the same work as a wrong secret
 _DUMMY_SALT = secrets.token_hex(16)
 _DUMMY_HASH = hmac.new(_DUMMY_SALT.encode(), b"dummy", hashlib.sha256).hexdigest()
@@ -183,6 +195,11 @@ class KeyStore:
         # authentications only. Younger than cache_s it answers without Redis; younger than stale_s it
         # answers when Redis cannot.
         self._verified: dict[str, tuple[ApiKey, float]] = {}
+        # sha256(secret) -> "revoked" | "expired" | "unknown": keys Redis said are refused, after they had
+        # been verified (or, revoked and expired ones, after their secret matched); never served from a
+        # cache again, and answered 401 while Redis cannot be asked. Oldest dropped past CACHE_MAX_ENTRIES.
+        self._refused: dict[str, str] = {}
+        self._learned = 0  # raised whenever a refusal is learned: a Redis read older than it is not cached
         self._static = list(static)
         self._static_by_id = {key.key_id: key for _, key in self._static}
         self._create_script = redis.register_script(_CREATE_LUA) if redis is not None else None
@@ -197,6 +214,10 @@ class KeyStore:
     @property
     def _marker(self) -> str:
         return f"{self.prefix}apikeys:any"
+
+    @property
+    def _version(self) -> str:
+        return f"{self.prefix}apikeys:version"
 
     def _client(self) -> aioredis.Redis:
         if self.redis is None:
@@ -276,10 +297,10 @@ class KeyStore:
             exists = await client.exists(self._key(key_id))
             if exists:
                 await client.hset(self._key(key_id), "revoked", "1")
+                await client.incr(self._version)  # every router re-reads its cached keys (module doc)
         except (RedisError, OSError) as e:
             raise KeyStoreUnavailable(f"Redis: {e}") from e
-        for digest in [d for d, (k, _) in self._verified.items() if k.key_id == key_id]:
-            self._verified.pop(digest, None)
+        self._forget(key_id, "revoked")
         return bool(exists)
 
     async def any_keys(self) -> bool:
@@ -312,20 +333,34 @@ class KeyStore:
         if match is None:
             raise InvalidKey("malformed" if token.startswith(SECRET_PREFIX) else "unknown")
         key_id = match.group(1)
+        learned = self._learned
         try:
             row = await self._fetch(key_id) if self.redis is not None else {}
         except KeyStoreUnavailable:
+            refused = self._refused.get(digest)
+            if refused is not None:  # Redis said so before it went away: revocation wins
+                raise InvalidKey(refused) from None
             if hit is None or now - hit[1] > self.stale_s:
                 raise
             self.served_stale += 1
             return self._admit(hit[0])
         if not row or "hash" not in row or "salt" not in row:
             hmac.compare_digest(_secret_hash(_DUMMY_SALT, token), _DUMMY_HASH)  # same work as a miss
+            if hit is not None:  # a key verified before, gone from Redis now (deleted)
+                self._refuse(digest, "unknown")
             raise InvalidKey("unknown")
         if not hmac.compare_digest(_secret_hash(row["salt"], token), row["hash"]):
+            if hit is not None:
+                self._refuse(digest, "unknown")
             raise InvalidKey("unknown")
-        key = self._admit(self._from_hash(key_id, row))  # raises on revoked / expired: not cached
+        key = self._from_hash(key_id, row)
+        if key.status != "active":  # the secret matched: remember the refusal, drop any cached copy
+            self._refuse(digest, key.status)
+            raise InvalidKey(key.status)
+        self._refused.pop(digest, None)
         keep_s = max(self.cache_s, self.stale_s)
+        if self._learned != learned:  # a revocation was learned meanwhile: this read may predate it
+            keep_s = 0
         if keep_s > 0:
             if len(self._verified) >= CACHE_MAX_ENTRIES:
                 self._verified = {d: e for d, e in self._verified.items() if now - e[1] <= keep_s}
@@ -333,6 +368,62 @@ class KeyStore:
                     self._verified.clear()
             self._verified[digest] = (key, now)
         return key
+
+    def _refuse(self, digest: str, reason: str) -> None:
+        """Redis refused this secret's key: out of the cache, and remembered (module doc)."""
+        news = self._verified.pop(digest, None) is not None or self._refused.pop(digest, None) != reason
+        while len(self._refused) >= CACHE_MAX_ENTRIES:
+            self._refused.pop(next(iter(self._refused)))
+        self._refused[digest] = reason
+        if news:  # not for a refused key tried again: that would keep other keys' reads from the cache
+            self._learned += 1
+
+    def _forget(self, key_id: str, reason: str) -> None:
+        """Every cached secret of `key_id` refused for `reason`."""
+        for digest in [d for d, (k, _) in self._verified.items() if k.key_id == key_id]:
+            self._refuse(digest, reason)
+        self._learned += 1
+
+    async def follow_revocations(self, poll_s: float = REVOCATION_POLL_S) -> None:
+        """Until cancelled: read the revocation counter every `poll_s`; when it moved (or on the first
+        read), read every cached Redis key again and drop those revoked, expired or deleted. Redis
+        errors are retried at the next poll (a revocation made during an outage lands when it ends)."""
+        seen: str | None | object = object()  # nothing read yet
+        while True:
+            await asyncio.sleep(poll_s)
+            if not self._verified:  # nothing cached to drop: Redis is not asked (the next one rechecks)
+                seen = object()
+                continue
+            try:
+                async with asyncio.timeout(self.redis_timeout_s):
+                    version = await self._client().get(self._version)
+                if version != seen:
+                    self._learned += 1  # a read in flight may predate the revocation: not cached
+                    await self.recheck_cached()
+                    seen = version
+            except (RedisError, OSError, TimeoutError, KeyStoreUnavailable) as e:
+                log.debug("revocation check failed (retried): %r", e)
+
+    async def recheck_cached(self) -> None:
+        """Read every cached Redis key again (one pipeline); drop those Redis refuses now."""
+        ids = sorted({k.key_id for k, _ in self._verified.values() if k.source == "redis"})
+        if not ids:
+            return
+        async with asyncio.timeout(self.redis_timeout_s):
+            async with self._client().pipeline(transaction=False) as pipe:
+                for key_id in ids:
+                    pipe.hgetall(self._key(key_id))
+                rows = await pipe.execute()
+        for key_id, row in zip(ids, rows, strict=True):
+            if not row or "hash" not in row:
+                self._forget(key_id, "unknown")
+                continue
+            try:
+                status = self._from_hash(key_id, row).status
+            except (ValueError, TypeError):
+                continue  # a row this version cannot read: left to the next authentication
+            if status != "active":
+                self._forget(key_id, status)
 
     @staticmethod
     def _admit(key: ApiKey) -> ApiKey:
