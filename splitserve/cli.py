@@ -121,8 +121,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_parsers(sub)
+    _add_planner_parser(sub)
     add_keys_parser(sub)
     return parser
+
+
+def _add_planner_parser(sub: argparse._SubParsersAction) -> None:
+    from splitserve.flags import add_log_flags, env_or, flag
+
+    p = sub.add_parser(
+        "planner",
+        help="decide how many prefill and decode workers to run (dry run: logs the decisions)",
+        description="Reads the worker registry (Redis) and the router's TTFT/TPOT histograms, decides the "
+        "prefill and decode worker counts (planner/policy.py has the rules), and prints each decision with "
+        "its inputs as one JSON line. The actuator is a dry run for now.",
+    )
+    flag(p, "--redis-url", env="SPLITSERVE_REDIS_URL", default=env_or("SPLITSERVE_REDIS_URL"),
+         shown_default=None, help="the worker registry (required)")  # fmt: skip
+    flag(p, "--router-url", help="the router whose /metrics gives TTFT and TPOT (none: load signals only)")
+    flag(p, "--api-key", env="SPLITSERVE_PLANNER_API_KEY", default=env_or("SPLITSERVE_PLANNER_API_KEY"),
+         shown_default=None, help="a key with the metrics scope, when the router requires keys")  # fmt: skip
+    flag(p, "--interval-s", type=float, default=10.0, help="seconds between decisions")
+    flag(p, "--rounds", type=int, help="stop after this many decisions (default: run until stopped)")
+    flag(p, "--ttft-target-s", type=float, default=1.0, help="p90 time to first token to keep under")
+    flag(p, "--tpot-target-s", type=float, default=0.05, help="p90 time per output token to keep under")
+    for role in ("prefill", "decode"):
+        flag(p, f"--min-{role}", type=int, default=1, help=f"{role} workers at least")
+        flag(p, f"--max-{role}", type=int, default=8, help=f"{role} workers at most")
+    flag(p, "--budget", type=int, default=16, help="prefill + decode workers at most")
+    add_log_flags(p)
+
+    def run(args: argparse.Namespace) -> int:
+        from planner.main import main
+
+        return main(args)
+
+    p.set_defaults(func=run)
 
 
 def markdown_table(parser: argparse.ArgumentParser) -> str:

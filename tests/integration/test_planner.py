@@ -1,0 +1,71 @@
+"""The planner against real processes: a real Redis, a decode service and a router on the tiny model.
+Its signals come from the worker registry and the router's /metrics; `splitserve planner` prints one JSON
+decision per round with its inputs, and holds (the floor) when Redis is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from common.cluster.redis_server import RedisServer
+from planner.signals import SignalReader
+from tests.support.cluster import Cluster, free_port
+
+pytestmark = pytest.mark.services
+
+
+def test_signals_and_decisions_from_a_real_stack(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    redis = RedisServer(port=free_port()).start()
+    redis_url = redis.url
+    c = Cluster(redis_url, str(tmp_path))
+    try:
+        c.start("decode", "--threads", "1", "--kv-cache-mb", "32")
+        router = c.start("router")
+        c.wait_routed()
+
+        async def read_around_traffic():  # type: ignore[no-untyped-def]
+            reader = SignalReader(redis.url, router.url)
+            try:
+                await reader.read()  # the baseline of the router's histograms
+                async with httpx.AsyncClient(timeout=60) as client:
+                    for _ in range(3):
+                        body = {"model": "default", "prompt": "Hello there", "max_tokens": 4}
+                        r = await client.post(router.url + "/v1/completions", json=body)
+                        assert r.status_code == 200, r.text
+                return await reader.read()
+            finally:
+                await reader.close()
+
+        s = asyncio.run(read_around_traffic())
+        assert s is not None
+        assert (s.prefill.workers, s.decode.workers) == (0, 1)
+        assert s.prefill.latency_s is not None and s.prefill.latency_s > 0  # p90 TTFT of those three
+        assert s.decode.latency_s is not None and 0 <= s.decode.kv_used < 1
+
+        cmd = [sys.executable, "-m", "splitserve", "planner", "--redis-url", redis.url]
+        cmd += ["--router-url", router.url, "--rounds", "2", "--interval-s", "0.2"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        assert len(lines) == 2
+        first = lines[0]
+        # no prefill worker runs: the floor (1) asks for one; the decode worker is enough for no traffic
+        assert (first["prefill"], first["decode"]) == (1, 1), first
+        assert first["signals"]["prefill"]["workers"] == 0 and first["signals"]["decode"]["workers"] == 1
+        assert set(first["inputs"]) == {"prefill", "decode"} and first["reason"]
+    finally:
+        c.stop()
+        redis.stop()
+    # Redis gone: every round is an outage; the decisions hold at the floor, never below
+    cmd = [sys.executable, "-m", "splitserve", "planner", "--redis-url", redis_url, "--rounds", "2"]
+    cmd += ["--interval-s", "0.1", "--min-decode", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    held = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(d["prefill"], d["decode"]) for d in held] == [(1, 2), (1, 2)]
+    assert all("holding" in d["reason"] for d in held) and "signals unavailable" in out.stderr
