@@ -27,7 +27,7 @@ from common.config import EngineConfig, ServiceConfig
 from common.connector.decode import DecodeConnector
 from common.connector.remote_kv import IncomingKV
 from common.engine.api import AddRequest, Admission, Finish, KVArrived, RemoteKV, TokenOutput
-from common.engine.llm_engine import LLMEngine
+from common.engine.llm_engine import LLMEngine, fault
 from common.protocol import ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
 from common.runtime.telemetry import context_from, span_scope, tracer
 from common.service.base import Interrupt, Job, Service
@@ -180,6 +180,10 @@ class DecodeService(Service):
                     yield frame(await self._admitted(job, ev))
                 elif isinstance(ev, TokenOutput):
                     job.finish_reason = ev.finish_reason
+                    if (why := fault(ev.finish_reason)) is not None:  # the engine failed on it, and goes on
+                        job.error = why
+                        yield frame(ErrorFrame(rid, why, 500))
+                        return
                     if ev.token_ids:
                         job.tl.on_frame(self.metrics, ev.index, len(ev.token_ids), ev.finish_reason)
                     else:
@@ -219,7 +223,7 @@ class DecodeService(Service):
             await self.connector.end(job.rkv, self.receiver.wait_idle)
         if job.finish_reason is None:
             await self.aengine.submit(Finish(job.request_id, "abort"))
-        outcome = "finished" if job.finish_reason else "aborted"
+        outcome = "aborted" if not job.finish_reason else "failed" if job.error else "finished"
         self.metrics.requests.labels(role="decode", outcome=outcome).inc()
         self.close_job(job)
         job.tl.close(self.metrics, job.req, self.cfg.worker_name, job.error)

@@ -24,7 +24,7 @@ from common.config import EngineConfig, ServiceConfig
 from common.connector.prefill import PrefillConnector
 from common.connector.remote_kv import OutgoingKV, TransferState
 from common.engine.api import AddRequest, Admission, Finish, TokenOutput
-from common.engine.llm_engine import LLMEngine
+from common.engine.llm_engine import LLMEngine, fault
 from common.parallel.plan import split_endpoints
 from common.protocol import PrefillRequest, PrefillResult
 from common.runtime.telemetry import context_from, span_ctx, tracer
@@ -42,6 +42,10 @@ class Interrupted(Exception):
     def __init__(self, ev: Interrupt) -> None:
         super().__init__(ev.error)
         self.code = ev.code
+
+
+class EngineFault(Exception):
+    """The engine failed on this request (and goes on serving the others)."""
 
 
 class PrefillService(Service):
@@ -172,6 +176,11 @@ class PrefillService(Service):
         except TimeoutError as e:
             fail(span, e)
             return error_response(504, "deadline exceeded on the prefill service")
+        except EngineFault as e:
+            self.metrics.requests.labels(role="prefill", outcome="failed").inc()
+            fail(rkv.span, str(e))
+            fail(span, str(e))
+            return error_response(500, str(e))
         except Interrupted as e:
             outcome = "aborted" if e.code == 499 else "decode_lease_expired"
             self.metrics.requests.labels(role="prefill", outcome=outcome).inc()
@@ -198,6 +207,8 @@ class PrefillService(Service):
             if isinstance(ev, Admission):
                 num_cached = ev.num_cached_tokens
             elif isinstance(ev, TokenOutput) and ev.finished:
+                if (why := fault(ev.finish_reason)) is not None:
+                    raise EngineFault(why)
                 return ev, num_cached
 
     async def _end(self, job: Job, rkv: OutgoingKV, computed: bool) -> None:

@@ -256,6 +256,14 @@ class RouterMetrics:
         )
         for role in WORKER_ROLES:
             workers.labels(role).set_function(functools.partial(_known_workers, orch.pool, role))
+        untrusted = getattr(orch.pool, "untrusted", None)
+        if untrusted is not None:  # the registry's pool (a static list has no entries to distrust)
+            Gauge(
+                p + "registry_untrusted_entries",
+                "Registry entries left out because their signature is missing or does not verify (written "
+                "into Redis by something without the internal secret); since start",
+                registry=r,
+            ).set_function(untrusted)
         index = getattr(orch.pool, "index", None)  # prefix-aware routing's KV index (kv_events.py)
         if index is not None:
             for name, attr, text in (

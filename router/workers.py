@@ -35,7 +35,7 @@ class WorkerPool:
     # The registry's figures are refreshed by heartbeats once a second, so re-reading them for every
     # request buys nothing but Redis round trips on the request path.
     CACHE_S = 0.25
-    STALE_S = 10.0  # how long a last known list outlives a registry that is unreadable or empty
+    STALE_S = 10.0  # how long a last known list outlives a registry that went unreadable or empty
 
     def __init__(
         self,
@@ -49,7 +49,9 @@ class WorkerPool:
         self.static = {"decode": list(decode_urls), "prefill": list(prefill_urls)}
         self.in_flight: Counter[str] = Counter()  # worker url -> requests this router has on it
         self._cache: dict[str, tuple[float, list[Worker]]] = {}  # role -> (read at, workers)
-        self._known: dict[str, tuple[list[Worker], float]] = {}  # role -> last non-empty list, when read
+        self._known: dict[str, list[Worker]] = {}  # role -> the last non-empty list read
+        # role -> when its registry read first came back empty or failed since that list (None: it did not)
+        self._lost_since: dict[str, float | None] = {}
         self.stale_reads = 0  # candidates served from the last known list (Redis away or emptied)
         self._incarnations: dict[str, str] = {}  # worker id -> the process start last seen
         self._following: dict[str, list[tuple[str, str, int]]] = {}  # role -> what the index follows
@@ -57,8 +59,9 @@ class WorkerPool:
     async def candidates(self, role: str) -> list[Worker]:
         """Workers of `role`, best first. When the registry (Redis) cannot be read, or comes back empty
         (restarted: workers re-register within a heartbeat), the last list read serves for up to
-        STALE_S: a down or restarted Redis must not stop routing. With no list yet, the error
-        propagates."""
+        STALE_S from the first such read — however long ago that list was read: a router that routed
+        nothing for a while has no older news of its workers than a busy one. A down or restarted Redis
+        must not stop routing. With no list yet, the error propagates."""
         if self.static[role]:
             workers = [Worker(url, url) for url in self.static[role]]
         elif self.state is not None:
@@ -81,7 +84,7 @@ class WorkerPool:
     async def _read(self, role: str) -> list[Worker]:
         assert self.state is not None
         now = time.monotonic()
-        known, seen = self._known.get(role, ([], 0.0))
+        known = self._known.get(role, [])
         try:
             alive = await self.state.registry.alive(role)
             workers = [Worker(w.id, w.url.rstrip("/"), w.load, w.incarnation, w.capacity) for w in alive]
@@ -95,14 +98,25 @@ class WorkerPool:
                 if was and was != w.incarnation:
                     log.warning("%s %s restarted (incarnation %s -> %s)", role, w.id, was, w.incarnation)
                 self._incarnations[w.id] = w.incarnation
-            self._known[role] = (workers, now)
+            self._known[role] = workers
+            self._lost_since[role] = None
             if self.index is not None:
                 self._follow(role, workers)
-        elif known and now - seen < self.STALE_S:
-            self.stale_reads += 1
-            workers = known
+        elif known:
+            lost = self._lost_since.get(role)
+            if lost is None:
+                self._lost_since[role] = lost = now
+            if now - lost < self.STALE_S:
+                self.stale_reads += 1
+                workers = known
         self._cache[role] = (now, workers)
         return workers
+
+    def untrusted(self) -> int:
+        """Registry entries left out because their signature is missing or wrong (forged: written
+        straight into Redis), since start (common/cluster/registry.py)."""
+        registry = getattr(self.state, "registry", None)
+        return sum(getattr(registry, "untrusted", {}).values())
 
     def _follow(self, role: str, workers: list[Worker]) -> None:
         """Tell the KV index which workers exist now (both roles: it follows their union)."""

@@ -1,7 +1,15 @@
 """The worker registry in Redis: every prefill and decode service, its URLs, capacity and load.
 
-    worker:{id}       hash: role, url, kv_endpoint, capacity/load (JSON), last_seen; TTL = heartbeat
+    worker:{id}       hash: role, url, kv_endpoint, capacity/load (JSON), last_seen, incarnation, sig;
+                      TTL = heartbeat
     workers:{role}    set of worker ids; entries whose hash has expired are dropped lazily by alive()
+
+Redis is not trusted with where prompts go: `sig` signs the entry's id, role, url, kv_endpoint,
+incarnation and capacity with the internal secret (common/security/identity.py), and alive() leaves out
+(counts in `untrusted`, logs once per worker) an entry whose signature is missing or does not verify —
+one written straight into Redis. Load and last_seen are not signed (heartbeats rewrite them): a forger
+can make a real service look busier or idler, not send a request anywhere else. Without a configured
+secret (loopback development) nothing is checked: there is nothing to sign with.
 """
 
 from __future__ import annotations
@@ -11,12 +19,16 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.typing import EncodableT
+
+from common.security.identity import WorkerIdentity
+from common.security.secret import InternalSecret
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -43,9 +55,15 @@ class WorkerInfo:
 
 
 class WorkerRegistry:
-    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: float = 5.0) -> None:
+    def __init__(
+        self, client: aioredis.Redis, prefix: str, ttl_s: float = 5.0, secret: InternalSecret | None = None
+    ) -> None:
         self.redis, self.prefix, self.ttl_s = client, prefix, ttl_s
+        # signs what register() writes and checks what alive() reads (default: SPLITSERVE_INTERNAL_SECRET)
+        self.secret = InternalSecret.from_env() if secret is None else secret
         self._heartbeat = client.register_script(_HEARTBEAT_LUA)
+        self.untrusted: Counter[str] = Counter()  # entries left out by alive(), by reason: unsigned, forged
+        self._reported: set[tuple[str, str]] = set()  # (worker id, reason) logged already
 
     def key(self, worker_id: str) -> str:
         return f"{self.prefix}worker:{worker_id}"
@@ -75,6 +93,7 @@ class WorkerRegistry:
             "load": json.dumps(dict(load)),
             "last_seen": repr(time.time()),
             "incarnation": incarnation,
+            "sig": WorkerIdentity(worker_id, role, url, kv_endpoint, incarnation, capacity).sign(self.secret),
         }
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(key)  # drop fields of an earlier registration
@@ -96,7 +115,8 @@ class WorkerRegistry:
             await pipe.execute()
 
     async def alive(self, role: str) -> list[WorkerInfo]:
-        """Workers of `role` whose registration has not expired, sorted by id."""
+        """Workers of `role` whose registration has not expired and is signed with the internal secret,
+        sorted by id."""
         ids = sorted(cast(set[str], await self.redis.smembers(self.index_key(role))))
         async with self.redis.pipeline(transaction=False) as pipe:
             for worker_id in ids:
@@ -107,8 +127,8 @@ class WorkerRegistry:
             if not h:
                 gone.append(worker_id)
                 continue
-            workers.append(
-                WorkerInfo(
+            try:
+                info = WorkerInfo(
                     id=worker_id,
                     role=h["role"],
                     url=h["url"],
@@ -118,19 +138,51 @@ class WorkerRegistry:
                     last_seen=float(h["last_seen"]),
                     incarnation=h.get("incarnation", ""),
                 )
-            )
+            except (KeyError, ValueError, TypeError):
+                self._distrust(worker_id, "malformed", h.get("url", "?"))
+                continue
+            why = self._check(info, h.get("sig", ""))
+            if why:
+                self._distrust(worker_id, why, info.url)
+                continue
+            workers.append(info)
         if gone:
             # Expired hashes vanish on their own; their index entries are cleaned here, when seen.
             await self.redis.srem(self.index_key(role), *gone)
         return workers
+
+    def _check(self, w: WorkerInfo, sig: str) -> str:
+        """Why the entry is not to be trusted ("" when it is): unsigned, forged (or signed with another
+        secret). Everything passes without a configured secret."""
+        if not self.secret.configured:
+            return ""
+        if not sig:
+            return "unsigned"
+        ident = WorkerIdentity(w.id, w.role, w.url, w.kv_endpoint, w.incarnation, w.capacity)
+        return "" if ident.verify(self.secret, sig) else "forged"
+
+    def _distrust(self, worker_id: str, why: str, url: str) -> None:
+        self.untrusted[why] += 1
+        if (worker_id, why) not in self._reported:
+            if len(self._reported) > 10_000:
+                self._reported.clear()
+            self._reported.add((worker_id, why))
+            log.warning(
+                "registry entry %r (url %s) ignored: %s — not written by a service holding the internal "
+                "secret (or by one with another secret)",
+                worker_id, url, why,
+            )  # fmt: skip
 
 
 class Heartbeat:
     """Registers a worker, then refreshes it every interval_s with load_fn()'s numbers.
 
     If the registration expired (a long stall, a Redis restart) it registers again; Redis errors are
-    logged and retried on the next beat rather than killing the task.
+    logged (once per outage) and retried RETRY_S later rather than killing the task, so a Redis that
+    comes back empty has the worker again within RETRY_S, not a whole interval later.
     """
+
+    RETRY_S = 0.2
 
     def __init__(
         self,
@@ -156,15 +208,24 @@ class Heartbeat:
         self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.worker_id}")
 
     async def _run(self) -> None:
+        failing = False
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(min(self.interval_s, self.RETRY_S) if failing else self.interval_s)
             try:
                 load = self.load_fn()
                 if not await self.registry.heartbeat(self.worker_id, load):
                     log.warning("worker %s registration had expired; registering again", self.worker_id)
                     await self.registry.register(*self._registration, load, self.incarnation)
+                if failing:
+                    log.info("heartbeat for worker %s works again", self.worker_id)
+                failing = False
             except Exception:
-                log.exception("heartbeat for worker %s failed", self.worker_id)
+                if not failing:
+                    retry_s = min(self.interval_s, self.RETRY_S)
+                    log.exception(
+                        "heartbeat for worker %s failed; retrying every %g s", self.worker_id, retry_s
+                    )
+                failing = True
 
     async def stop(self, deregister: bool = True) -> None:
         """Stop beating; by default also remove the worker so routers stop picking it at once."""

@@ -3,6 +3,14 @@
 Its boundary (common/engine/api.py): commands in (`handle`), one `StepResult` out per `step()`. It
 works in token ids only; text (detokenization, stop strings) belongs to whoever shows it: the router,
 or `generate()` here for offline use.
+
+Faults are per request where they can be: when a step raises, the step's sequences are run again
+without keeping anything, halves at a time (bisection), to find the ones that raise on their own. Those
+end with finish_reason "error: <why>" (`fault`) and the rest of the step runs; the engine goes on. A
+fault no request explains raises out of step() as before (the service exits: docs/architecture.md, "An
+engine that fails"): a device error or out-of-memory, a step that fails only as a whole, one where every
+sequence fails alone, tensor parallelism (the worker ranks are mid-step), and more than MAX_FAULTS
+failed requests within FAULT_WINDOW_S (the engine, not the requests, is what fails).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +41,7 @@ from common.engine.api import (
 from common.engine.device import CPU_KV_CACHE_MB, Placement, graph_batch_sizes, kv_blocks_for_gpu
 from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner
+from common.engine.sampler import Sampled
 from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.sequence import Sequence
 from common.engine.speed import StepSpeed
@@ -54,6 +64,18 @@ if TYPE_CHECKING:  # imported lazily: only an engine with tensor parallelism nee
     from common.engine.tp_workers import TPWorkers
 
 log = logging.getLogger("splitserve.engine")
+
+FAULT = "error"  # finish_reason "error: <why>": the engine failed on this request (see the module doc)
+MAX_FAULTS, FAULT_WINDOW_S = 8, 60.0
+# what a fault of the device itself says (the CUDA context may be gone: nothing on it can be trusted)
+_DEVICE_FAULTS = ("CUDA", "cuda", "cuBLAS", "cuDNN", "cudnn", "device-side", "HIP", "NCCL", "out of memory")
+
+
+def fault(finish_reason: str | None) -> str | None:
+    """Why the engine failed the request, if this finish_reason says it did; else None."""
+    if finish_reason is None or not finish_reason.startswith(FAULT + ":"):
+        return None
+    return finish_reason[len(FAULT) + 1 :].strip()
 
 
 @dataclass
@@ -229,6 +251,7 @@ class LLMEngine:
         log.info("engine on %s", ", ".join(f"{k}={v}" for k, v in self.placement.describe().items()))
         self._swapped_kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._seqs: dict[str, Sequence] = {}  # every request the engine knows, until it has let go of it
+        self._faults: deque[float] = deque()  # when requests were failed for a fault (the last window's)
 
     @classmethod
     def from_config(cls, config: EngineConfig, connector: KVConnector | None = None) -> LLMEngine:
@@ -322,6 +345,9 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:  # on a GPU an embedding out of range is a device assert
+            raise ValueError(f"token ids must be in [0, {vocab})")
         if not 0 <= num_output_tokens < len(ids):
             raise ValueError(f"num_output_tokens must be in [0, {len(ids)}), got {num_output_tokens}")
         if num_output_tokens >= params.max_tokens:
@@ -423,7 +449,10 @@ class LLMEngine:
             return result
         meta = self.connector.build_meta(out)
         t0 = time.perf_counter()
-        sampled = self.runner.run(out, meta)
+        try:
+            sampled = self.runner.run(out, meta)
+        except Exception as e:
+            out, sampled = self._isolate_fault(e, out, meta, result)
         decodes = sum(
             1 for seq, n in out.scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         )
@@ -440,6 +469,69 @@ class LLMEngine:
             )
             self._let_go(seq)
         return result
+
+    def _isolate_fault(
+        self, error: Exception, out: SchedulerOutput, meta: object, result: StepResult
+    ) -> tuple[SchedulerOutput, list[Sampled | None]]:
+        """The step raised `error`: fail the sequences that raise on their own (an output each in
+        `result`), run the rest of the step, and return it with its samples. Raises `error` when no
+        request explains it (module doc).
+
+        The probes recompute each group's tokens without keeping anything (no sample, no prompt
+        logprob, no KV shipped): the KV they write is what the step writes anyway, at positions the
+        sequences have not computed yet. The rest then runs with the step's transfer metadata (layer
+        writes posted before the fault are posted again: the same bytes to the same blocks)."""
+        if not self._attributable(error):
+            raise error
+        log.warning("engine step failed (%r): looking for the request(s) that cause it", error)
+
+        def culprits(group: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Exception]]:
+            try:
+                self.runner.run(SchedulerOutput(scheduled=group), None, commit=False)
+                return []
+            except Exception as e:
+                if not self._attributable(e):
+                    raise
+                if len(group) == 1:
+                    return [(group[0][0], e)]
+            half = len(group) // 2
+            return culprits(group[:half]) + culprits(group[half:])
+
+        found = culprits(out.scheduled)
+        if not found:  # the step fails only as a whole (or not again): no request to blame
+            raise error
+        if len(found) == len(out.scheduled) > 1:  # every request fails alone: the engine, not them
+            raise error
+        now = time.monotonic()
+        self._faults.extend([now] * len(found))
+        while self._faults and now - self._faults[0] > FAULT_WINDOW_S:
+            self._faults.popleft()
+        if len(self._faults) > MAX_FAULTS:
+            raise RuntimeError(
+                f"the engine failed on {len(self._faults)} requests within {FAULT_WINDOW_S:g} s "
+                f"(the last: {error!r})"
+            ) from error
+        for seq, e in found:
+            why = f"the engine failed on this request: {e!r}"[:500]
+            log.error("request %s: %s; the step's other requests go on", seq.seq_id, why)
+            reason = f"{FAULT}: {why}"
+            self.scheduler.finish(seq, reason)
+            result.outputs.append(TokenOutput(seq.seq_id, [], seq.num_output_tokens, reason))
+            self._let_go(seq)
+        failed = {id(seq) for seq, _ in found}
+        rest = dataclasses.replace(out, scheduled=[(s, n) for s, n in out.scheduled if id(s) not in failed])
+        return rest, (self.runner.run(rest, meta) if rest.scheduled else [])
+
+    def _attributable(self, error: BaseException) -> bool:
+        """Whether a request could explain `error`: not with tensor parallelism (the worker ranks are
+        somewhere in the step), not a fault of the device or of memory."""
+        if self.tp_workers is not None or isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)):
+            return False
+        accelerator = getattr(torch, "AcceleratorError", None)
+        if accelerator is not None and isinstance(error, accelerator):
+            return False
+        text = str(error)
+        return not any(s in text for s in _DEVICE_FAULTS)
 
     def _move_swapped(self, out: SchedulerOutput) -> None:
         """Swap KV out and in; the tensor-parallel workers do the same to their shards, first thing

@@ -13,6 +13,9 @@ connector's worker side is called once per layer, as soon as that layer's K/V ar
 With tensor parallelism rank 0's runner hands each step's `StepInputs` to `share_step` (which sends it
 to the other ranks) before its forward; a worker rank's runner runs it with `run_shard`, making the
 same forward and logits calls, so every collective inside the model meets its peers.
+
+Prompt logprobs are scored in slices of at most PROMPT_LOGPROB_ROWS rows: a long prompt chunk never
+makes a (chunk x vocab) logits tensor (and its float32 log-softmax), only (slice x vocab) ones.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from common.kv.kv_cache import PagedKVCache
 from common.model.attention import AttentionMetadata, KernelMetadata
 from common.model.llama import LlamaForCausalLM
 
+# Rows of prompt logprobs scored at once: each slice makes (rows x vocab) logits and a float32 copy of
+# them (~128 MiB each for a 128k vocabulary) however long the prompt chunk is.
+PROMPT_LOGPROB_ROWS = 256
+
 
 @dataclass
 class StepInputs:
@@ -43,7 +50,8 @@ class StepInputs:
     context_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
-    # prompt logprobs: (sequence index in out.scheduled, first row, first position, row count)
+    # prompt logprobs: (sequence index in out.scheduled, first row, first position, row count), in slices
+    # of at most PROMPT_LOGPROB_ROWS rows (every rank makes the same compute_logits calls, one per slice)
     prompt_rows: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
@@ -88,9 +96,9 @@ class ModelRunner:
                 # scored twice); the row at position p scores token p + 1
                 first = max(start, len(seq.prompt_logprobs) - 1)
                 last = min(end, seq.num_prompt_tokens - 1)
-                if last > first:
-                    row0 = step.query_start_loc[-1] + first - start
-                    step.prompt_rows.append((i, row0, first, last - first))
+                for pos in range(first, last, PROMPT_LOGPROB_ROWS):
+                    row0 = step.query_start_loc[-1] + pos - start
+                    step.prompt_rows.append((i, row0, pos, min(PROMPT_LOGPROB_ROWS, last - pos)))
             step.ids.extend(seq.token_ids[start:end])
             step.positions.extend(range(start, end))
             bt = seq.block_table
@@ -115,17 +123,21 @@ class ModelRunner:
         return AttentionMetadata(qsl, ctx_lens, table_t, slot_t)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput, transfer: Any | None = None) -> list[Sampled | None]:
+    def run(
+        self, out: SchedulerOutput, transfer: Any | None = None, commit: bool = True
+    ) -> list[Sampled | None]:
         """Forward the step and sample; one entry per scheduled sequence (None: chunk mid-prompt).
         `transfer` is the connector's metadata for this step: each layer is handed to its worker side.
-        Sequences that asked for prompt logprobs get this step's rows scored (seq.prompt_logprobs)."""
+        Sequences that asked for prompt logprobs get this step's rows scored (seq.prompt_logprobs).
+        commit=False computes all of it and keeps none (no prompt logprobs stored): a probe of whether
+        the step raises (LLMEngine's fault isolation); its KV writes are the ones the step makes anyway."""
         step = self.prepare(out)
         if self.share_step is not None:  # with the other ranks' share of the step's KV writes
             self.share_step(step, self.connector.rank_meta(transfer) if transfer is not None else None)
         hidden = self.forward(step, transfer)
         result: list[Sampled | None] = [None] * len(out.scheduled)
         for i, row0, pos0, n in step.prompt_rows:
-            self._score_prompt(out.scheduled[i][0], hidden[row0 : row0 + n], pos0)
+            self._score_prompt(out.scheduled[i][0], hidden[row0 : row0 + n], pos0, commit)
         if not step.sample_rows:
             return result
         logits = self.model.compute_logits(hidden[step.sample_rows])  # (N, vocab)
@@ -174,12 +186,15 @@ class ModelRunner:
         if step.sample_rows:
             self.model.compute_logits(hidden[step.sample_rows])
 
-    def _score_prompt(self, seq: Any, hidden: torch.Tensor, pos0: int) -> None:
-        """Logprobs of prompt tokens pos0 + 1 .. pos0 + n from the rows of positions pos0 .. pos0 + n - 1."""
+    def _score_prompt(self, seq: Any, hidden: torch.Tensor, pos0: int, commit: bool = True) -> None:
+        """Logprobs of prompt tokens pos0 + 1 .. pos0 + n from the rows of positions pos0 .. pos0 + n - 1
+        (one slice: n <= PROMPT_LOGPROB_ROWS)."""
         assert seq.prompt_logprobs is not None
         k = seq.params.prompt_logprobs or 0
         targets = seq.token_ids[pos0 + 1 : pos0 + 1 + hidden.shape[0]]
-        seq.prompt_logprobs.extend(prompt_logprobs(self.model.compute_logits(hidden), targets, k))
+        scored = prompt_logprobs(self.model.compute_logits(hidden), targets, k)
+        if commit:
+            seq.prompt_logprobs.extend(scored)
 
     def _decode_only(self, step: StepInputs) -> bool:
         assert self.graphs is not None

@@ -33,6 +33,7 @@ from common.protocol import MAX_FRAME_BYTES, AbortRequest, Message, ProtocolErro
 from common.runtime.access import AccessLog
 from common.runtime.logs import adopt_loggers
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
+from common.security.identity import WorkerIdentity, audience
 from common.security.internal_auth import InternalAuthMiddleware
 from common.security.secret import InternalSecret
 from common.service.metrics import EngineCollector, ServiceMetrics, TransportCount
@@ -81,6 +82,7 @@ class Service:
         # the name the router serves this model under (registered, and in /health)
         self.served_model = cfg.served_model_name or engine.model.config.model_id
         self.draining = False  # SIGTERM came: no new work, what runs finishes (drain_timeout_s)
+        self.identity: WorkerIdentity | None = None  # signed at /health and in the registry, from start()
         self.state: ClusterState | None = None
         self.records: RecordWriter | None = None
         self.heartbeat: Heartbeat | None = None
@@ -162,9 +164,19 @@ class Service:
                 f"tensor-parallel rank {rank} exited"
             )
         self.aengine.start()
+        capacity = {
+            "model": self.served_model,
+            "total_blocks": self.aengine.load.total_blocks,
+            "block_size": self.engine.config.block_size,
+            "max_num_seqs": self.engine.config.max_num_seqs,
+        }
+        self.identity = WorkerIdentity(
+            self.cfg.worker_name, self.cfg.role, self.cfg.url, kv_endpoint, self.incarnation, capacity
+        )
         if not self.cfg.redis_url:
             return
         self.state = ClusterState.from_url(self.cfg.redis_url)
+        self.state.registry.secret = self.secret  # the registry entry is signed with it
         self.records = RecordWriter(self.state.records)
         if self.engine.config.enable_prefix_caching:
             # Before registering: a router that sees this incarnation finds its (empty) snapshot.
@@ -179,12 +191,6 @@ class Service:
                 snapshot,
             )
             await self.kv_events.start()
-        capacity = {
-            "model": self.served_model,
-            "total_blocks": self.aengine.load.total_blocks,
-            "block_size": self.engine.config.block_size,
-            "max_num_seqs": self.engine.config.max_num_seqs,
-        }
         self.heartbeat = Heartbeat(
             self.state.registry,
             self.cfg.worker_name,
@@ -301,6 +307,7 @@ class Service:
             secret=self.secret,
             max_body=MAX_FRAME_BYTES,
             on_refused=lambda reason: self.metrics.internal_auth_refused.labels(reason).inc(),
+            audience=audience(self.cfg.worker_name, self.incarnation),  # calls signed for this process only
         )
         # outermost: request ids (x-request-id, the id of every line logged meanwhile) and one access
         # line per request, refused ones included (common/runtime/access.py)
@@ -323,6 +330,8 @@ class Service:
                 "engine": self.engine.placement.describe(),
                 **self.load(),
             }
+            if self.identity is not None:  # who answers here, signed: what a caller signs its calls for
+                body["identity"] = self.identity.to_json(self.secret)
             return JSONResponse(body, status_code=503 if self.draining else 200)  # readiness fails
 
         @app.get("/metrics")

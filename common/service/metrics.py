@@ -23,11 +23,13 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # a decode side whose lease expired; internal auth: common/security/internal_auth.py `check` and the body
 # limit of its middleware; preemptions: the scheduler's two kinds.
 OUTCOMES = {
-    "prefill": ("finished", "refused", "transfer_failed", "aborted", "decode_lease_expired"),
-    "decode": ("finished", "refused", "aborted"),
+    "prefill": ("finished", "refused", "transfer_failed", "aborted", "decode_lease_expired", "failed"),
+    "decode": ("finished", "refused", "aborted", "failed"),  # failed: an engine fault put down to it
 }
 TRANSFER_FAILURES = ("TransferError", "PreflightError", "AuthError", "decode_lease_expired")
-INTERNAL_AUTH_REFUSALS = ("missing", "malformed", "stale", "bad_signature", "replayed", "too_large")
+INTERNAL_AUTH_REFUSALS = (
+    "missing", "malformed", "stale", "bad_signature", "wrong_audience", "replayed", "too_large",
+)  # fmt: skip
 PREEMPTION_KINDS = ("swap", "recompute")
 # The KV transfer's figures are labelled by backend and by rank (the tensor-parallel rank whose KV shard
 # moved; 0 until there is tensor parallelism): a bounded set, never a request id.

@@ -24,7 +24,8 @@ from common.protocol import (
     encode,
 )
 from common.sampling_params import SamplingParams
-from common.security.internal_auth import SignedCalls, sign_headers
+from common.security.identity import audience
+from common.security.internal_auth import sign_headers
 from common.security.secret import InternalSecret
 from tests.support.cluster import INTERNAL_SECRET, Cluster, free_port, get_json, internal_auth
 
@@ -57,6 +58,11 @@ def refusals(url: str) -> dict[str, float]:
     return out
 
 
+def audience_of(url: str) -> str:
+    h = get_json(url + "/health")
+    return audience(h["worker_id"], h["incarnation"])
+
+
 def idle(url: str) -> bool:
     h = get_json(url + "/health")
     return bool(h["free_blocks"] == h["total_blocks"] and h["running"] == h["waiting"] == 0)
@@ -78,8 +84,9 @@ def test_every_forged_call_gets_401_and_reserves_nothing(decode_) -> None:  # ty
         assert r.status_code == 401 and reason in r.json()["error"]["message"], (reason, r.text)
     r = httpx.post(url + path, content=body, headers=tampered)
     assert r.status_code == 401, r.text
-    # a call recorded on the wire and sent again: the first goes through, the copy does not
-    good = sign_headers(RIGHT, "POST", path, body)
+    # a call recorded on the wire and sent again: the first goes through, the copy does not (a call is
+    # signed for the one process it is meant for: the worker id and incarnation /health names)
+    good = sign_headers(RIGHT, "POST", path, body, audience=audience_of(url))
     assert httpx.post(url + path, content=body, headers=good).status_code == 200
     r = httpx.post(url + path, content=body, headers=good)
     assert r.status_code == 401 and "replayed" in r.text
@@ -96,11 +103,13 @@ def test_a_forged_abort_does_not_stop_the_request(decode_) -> None:  # type: ign
     rid = uuid.uuid4().hex
     req = GenerateRequest(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=24, ignore_eos=True), mode="local")
 
+    aim = audience_of(decode_.url)
+
     async def main() -> tuple[int, str | None, list[int]]:
         tokens: list[int] = []
         async with (
             httpx.AsyncClient(timeout=60, auth=internal_auth) as signed,
-            httpx.AsyncClient(timeout=60, auth=SignedCalls(WRONG)) as forged,
+            httpx.AsyncClient(timeout=60) as forged,
             httpx.AsyncClient(timeout=60) as anonymous,
             signed.stream("POST", decode_.url + "/internal/generate", content=encode(req)) as r,
         ):
@@ -111,9 +120,12 @@ def test_a_forged_abort_does_not_stop_the_request(decode_) -> None:  # type: ign
                     if isinstance(m, TokenFrame):
                         tokens += m.token_ids
                         if not refused:  # the request is running: try to abort it without the secret
-                            for c in (forged, anonymous):
+                            body = encode(AbortRequest(rid))
+                            # signed for this very process, with a secret that is not the cluster's
+                            wrong = sign_headers(WRONG, "POST", "/internal/abort", body, audience=aim)
+                            for c, headers in ((forged, wrong), (anonymous, {})):
                                 a = await c.post(
-                                    decode_.url + "/internal/abort", content=encode(AbortRequest(rid))
+                                    decode_.url + "/internal/abort", content=body, headers=headers
                                 )
                                 refused.append(a.status_code)
                         if m.finished:
