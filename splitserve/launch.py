@@ -8,6 +8,7 @@ or a model that is not there is one line naming it, never a traceback."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import signal
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import UnionType
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -322,26 +325,39 @@ BACKOFF_S = (1.0, 30.0)  # a service that exits is started again after 1 s, doub
 STABLE_S = 60.0  # ... and the wait starts over once it ran this long
 
 
-def supervise(
-    procs: list[subprocess.Popen], commands: list[list[str]], envs: list[dict[str, str] | None]
-) -> None:
-    """Start every service that exits again, after a backoff that doubles while it keeps exiting;
-    returns only when interrupted (KeyboardInterrupt: Ctrl-C, or SIGTERM in `up`)."""
-    wait = [BACKOFF_S[0]] * len(procs)
-    started = [time.monotonic()] * len(procs)
+@dataclass
+class Child:
+    """One process `up` runs and restarts."""
+
+    name: str  # "prefill-0", "router"
+    role: str
+    cmd: list[str]
+    env: dict[str, str] | None
+    proc: subprocess.Popen
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    wait: float = BACKOFF_S[0]
+
+
+def supervise(children: list[Child], tick: Callable[[], None] | None = None) -> None:
+    """Start every child that exits again, after a backoff that doubles while it keeps exiting; `tick`
+    runs every half second (the autoscaler may add and remove children). Returns only when interrupted
+    (KeyboardInterrupt: Ctrl-C, or SIGTERM in `up`)."""
     while True:
         time.sleep(0.5)
-        for i, p in enumerate(procs):
-            if p.poll() is None:
+        if tick is not None:
+            tick()
+        for c in list(children):
+            if c.proc.poll() is None:
                 continue
-            now = time.monotonic()
-            if now - started[i] > STABLE_S:
-                wait[i] = BACKOFF_S[0]
-            name = " ".join(commands[i][3:5])
-            print(f"{name} exited with {p.returncode}; starting it again in {wait[i]:.0f} s", file=sys.stderr)
-            time.sleep(wait[i])
-            procs[i] = subprocess.Popen(commands[i], env=envs[i])
-            started[i], wait[i] = time.monotonic(), min(2 * wait[i], BACKOFF_S[1])
+            if time.monotonic() - c.started > STABLE_S:
+                c.wait = BACKOFF_S[0]
+            print(
+                f"{c.name} exited with {c.proc.returncode}; starting it again in {c.wait:.0f} s",
+                file=sys.stderr,
+            )
+            time.sleep(c.wait)
+            c.proc = subprocess.Popen(c.cmd, env=c.env)
+            c.started, c.wait = time.monotonic(), min(2 * c.wait, BACKOFF_S[1])
 
 
 def _up_plan(args: argparse.Namespace) -> list[dict[str, str]]:
@@ -397,14 +413,13 @@ def up(args: argparse.Namespace) -> int:
             os.environ[name] = value
     redis: RedisServer | None = None
     redis_url = args.redis_url
-    procs: list[subprocess.Popen] = []
-    commands: list[list[str]] = []
-    envs: list[dict[str, str] | None] = []
+    children: list[Child] = []
+    retiring: list[Child] = []  # stopped by the autoscaler, still draining
     me = [sys.executable, "-m", "splitserve"]
     engine_flags = [
         x
-        for f, field in ENGINE_FLAGS.items()
-        if (v := getattr(args, f"engine_{field}")) is not None and field != "enable_prefix_caching"
+        for f, field_name in ENGINE_FLAGS.items()
+        if (v := getattr(args, f"engine_{field_name}")) is not None and field_name != "enable_prefix_caching"
         for x in (f, str(v) if not isinstance(v, dict) else args.tenant_weights_text)
     ]
     if args.engine_enable_prefix_caching is not None:
@@ -418,11 +433,12 @@ def up(args: argparse.Namespace) -> int:
         extra += ["--served-model-name", args.served_model_name]
 
     def stop(*_: Any) -> None:
-        for p in procs:
+        everyone = [c.proc for c in children + retiring]
+        for p in everyone:
             if p.poll() is None:
                 p.terminate()  # the services drain (up to their drain_timeout_s) and exit 0
         deadline = time.monotonic() + DRAIN_WAIT_S
-        for p in procs:
+        for p in everyone:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -437,33 +453,39 @@ def up(args: argparse.Namespace) -> int:
     # Ctrl-C even when started with SIGINT ignored (a background job of a non-interactive shell
     # inherits that, and Python then leaves it ignored): `kill -INT` must stop `up` either way
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    ports = iter(range(args.base_port + 1, 65536))
+    index = {"prefill": 0, "decode": 0}
+
+    def start_service(role: str, place: dict[str, str], redis_url: str) -> tuple[Child, str]:
+        port, i = next(ports), index[role]
+        index[role] += 1
+        cmd = [*me, role, "--port", str(port), "--redis-url", redis_url, "--worker-id", f"{role}-{i}"]
+        cmd += [*engine_flags, *extra]
+        env = {**os.environ, **place} if place else None
+        child = Child(f"{role}-{i}", role, cmd, env, subprocess.Popen(cmd, env=env))
+        where = f" on GPU {place['CUDA_VISIBLE_DEVICES']}" if place else ""
+        url = f"http://127.0.0.1:{port}"
+        print(f"  {child.name}: starting at {url}{where}", flush=True)
+        return child, url
+
     try:
-        port = args.base_port
-        services = [("prefill", i) for i in range(args.prefill)] + [("decode", i) for i in range(args.decode)]
+        roles = ["prefill"] * args.prefill + ["decode"] * args.decode
         _check_free(args.host, args.port, "--port")
-        for k in range(len(services)):  # an old stack still draining there would answer our health checks
-            _check_free("127.0.0.1", port + 1 + k, "--base-port")
+        for k in range(len(roles)):  # an old stack still draining there would answer our health checks
+            _check_free("127.0.0.1", args.base_port + 1 + k, "--base-port")
         if redis_url is None:
             redis = _start_redis(args.redis_data)
             redis_url = redis.url
             kept = f"kept in {args.redis_data}" if args.redis_data else "not kept: --redis-data DIR keeps it"
             print(f"  redis: {redis_url} ({kept})", flush=True)
-        urls, starts = [], []
-        for (role, i), place in zip(services, placement, strict=True):
-            port += 1
-            cmd = [*me, role, "--port", str(port), "--redis-url", redis_url, "--worker-id", f"{role}-{i}"]
-            cmd += [*engine_flags, *extra]
-            env = {**os.environ, **place} if place else None
-            commands.append(cmd)
-            envs.append(env)
-            procs.append(subprocess.Popen(cmd, env=env))
-            starts.append(time.monotonic())
-            urls.append(f"http://127.0.0.1:{port}")
-            where = f" on GPU {place['CUDA_VISIBLE_DEVICES']}" if place else ""
-            print(f"  {role}-{i}: starting at {urls[-1]}{where}", flush=True)
-        for (role, i), url, p, t0 in zip(services, urls, procs, starts, strict=True):
-            took = _wait_healthy(f"{role}-{i}", url, p, args.startup_timeout, t0)
-            print(f"  {role}-{i}: ready at {url} ({took:.1f} s)", flush=True)
+        urls = []
+        for role, place in zip(roles, placement, strict=True):
+            child, url = start_service(role, place, redis_url)
+            children.append(child)
+            urls.append(url)
+        for child, url in zip(list(children), urls, strict=True):
+            took = _wait_healthy(child.name, url, child.proc, args.startup_timeout, child.started)
+            print(f"  {child.name}: ready at {url} ({took:.1f} s)", flush=True)
         router_cmd = [*me, "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
         # The router tokenizes for the model the services load: their flag, else their environment's
         # SPLITSERVE_MODEL (the router reads SPLITSERVE_ROUTER_MODEL, which a user setting only the
@@ -480,11 +502,12 @@ def up(args: argparse.Namespace) -> int:
         router_env = None
         if args.api_key is not None:  # through the environment: a flag would show in the process list
             router_env = {**os.environ, "SPLITSERVE_ROUTER_API_KEY": args.api_key}
-        commands.append(router_cmd)
-        envs.append(router_env)
-        procs.append(subprocess.Popen(router_cmd, env=router_env))
+        router = Child(
+            "router", "router", router_cmd, router_env, subprocess.Popen(router_cmd, env=router_env)
+        )
+        children.append(router)
         url = f"http://{args.host}:{args.port}"
-        took = _wait_healthy("router", url, procs[-1], args.startup_timeout)
+        took = _wait_healthy("router", url, router.proc, args.startup_timeout)
         print(f"  router: ready at {url} ({took:.1f} s)", flush=True)
         auth = ' -H "Authorization: Bearer $SPLITSERVE_API_KEY"' if args.api_key is not None else ""
         print(
@@ -493,7 +516,29 @@ def up(args: argparse.Namespace) -> int:
             '"messages": [{"role": "user", "content": "What is the capital of France?"}]}\'\n',
             flush=True,
         )
-        supervise(procs, commands, envs)
+        tick = None
+        if args.autoscale:
+            from splitserve.autoscale import Autoscaler
+
+            scaler = Autoscaler(args, redis_url, f"http://127.0.0.1:{args.port}")
+            assert redis_url is not None
+
+            def tick() -> None:
+                wanted = scaler.tick()
+                if wanted is None:
+                    return
+                for role in ("prefill", "decode"):
+                    mine = [c for c in children if c.role == role]
+                    for _ in range(wanted[role] - len(mine)):
+                        child, _url = start_service(role, {}, redis_url)
+                        children.append(child)
+                    for c in mine[wanted[role] :][::-1]:  # the newest first; it drains, then exits
+                        print(f"  {c.name}: stopping (autoscale)", flush=True)
+                        children.remove(c)
+                        retiring.append(c)
+                        c.proc.terminate()
+
+        supervise(children, tick)
         return 0
     except StartupFailed as e:
         print(f"error: {e}", file=sys.stderr)
@@ -625,6 +670,38 @@ def add_up_parser(sub: Any) -> None:
     for name, field in ENGINE_FLAGS.items():
         if name != "--threads":
             _add_config_flag(u, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}")
+    flag(u, "--autoscale", action="store_true",
+         help="the planner sets how many prefill and decode services run (docs/operations.md)")  # fmt: skip
+    flag(u, "--autoscale-interval-s", type=float, default=10.0, help="--autoscale: seconds between decisions")
+    flag(
+        u,
+        "--autoscale-cooldown-s",
+        type=float,
+        default=30.0,
+        help="--autoscale: seconds between changes of a role",
+    )
+    flag(u, "--autoscale-down-after-s", type=float, default=120.0,
+         help="--autoscale: a role stays this long under target before it loses a service")  # fmt: skip
+    flag(u, "--autoscale-window-s", type=float, default=45.0,
+         help="--autoscale: a role's pressure is the highest seen over this many seconds")  # fmt: skip
+    flag(
+        u,
+        "--ttft-target-s",
+        type=float,
+        default=1.0,
+        help="--autoscale: p90 time to first token to keep under",
+    )
+    flag(
+        u,
+        "--tpot-target-s",
+        type=float,
+        default=0.05,
+        help="--autoscale: p90 time per output token to keep under",
+    )
+    for role in ("prefill", "decode"):
+        flag(u, f"--min-{role}", type=int, default=1, help=f"--autoscale: {role} services at least")
+        flag(u, f"--max-{role}", type=int, default=4, help=f"--autoscale: {role} services at most")
+    flag(u, "--budget", type=int, default=8, help="--autoscale: prefill + decode services at most")
     add_log_flags(u)
     u.set_defaults(func=_up_defaults, engine_num_threads=None)
 
@@ -639,6 +716,9 @@ def _devices(text: str) -> list[str]:
 def _up_defaults(args: argparse.Namespace) -> int:
     if args.prefill < 0 or args.decode < 1:
         print("error: --decode must be at least 1 and --prefill at least 0", file=sys.stderr)
+        return 2
+    if args.autoscale and (args.devices or args.prefill_devices or args.decode_devices):
+        print("error: --autoscale places no GPUs yet: leave out --devices", file=sys.stderr)
         return 2
     args.tenant_weights_text = (
         ",".join(f"{k}={v}" for k, v in args.engine_tenant_weights.items())

@@ -6,6 +6,7 @@ suite's one check of the real model's text through every process. The Ctrl-C run
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -141,3 +142,56 @@ def test_up_stops_with_one_line_when_a_service_cannot_start(tmp_path) -> None:  
     assert "error: prefill-0: tensor_parallel_size=5 does not divide" in r.stderr, r.stderr
     assert "error: prefill-0 exited with code 2 before it was ready" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "starting it again" not in r.stderr, r.stderr
+
+
+def test_up_autoscale_adds_a_decode_service_under_pressure_and_removes_it_after(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`up --autoscale`: the planner acting on up's own services. A TPOT target no CPU can meet makes
+    traffic put decode over target: a second decode service starts and the router routes to it; when the
+    traffic stops, the role stays under target long enough and the newest decode service drains away."""
+    port, base = free_port(), free_port() + 100
+    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read after the process ends
+    cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
+    cmd += ["--threads-per-service", "1", "--kv-cache-mb", "64", "--autoscale", "--autoscale-interval-s", "1"]
+    cmd += ["--autoscale-cooldown-s", "2", "--autoscale-down-after-s", "3", "--autoscale-window-s", "3"]
+    cmd += ["--tpot-target-s", "0.000001", "--max-decode", "2", "--max-prefill", "1"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def text() -> str:
+        return (tmp_path / "up.log").read_text()
+
+    def wait_for(what: str, cond, timeout_s: float = 120) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert proc.poll() is None and time.monotonic() < deadline, f"{what}:\n{text()}"
+            time.sleep(0.3)
+
+    def decode_workers() -> int:
+        try:
+            return int(httpx.get(url + "/health", timeout=5).json().get("decode_workers", 0))
+        except (httpx.HTTPError, ValueError):
+            return -1
+
+    try:
+        wait_for("up", lambda: "splitserve is up" in text())
+        body = {"model": "default", "prompt": "Count with me:", "max_tokens": 24, "temperature": 0}
+        deadline = time.monotonic() + 90
+        while "decode-1: starting" not in text():  # traffic until the planner asks for a second decode
+            assert time.monotonic() < deadline, text()
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        wait_for("the second decode service routed", lambda: decode_workers() == 2)
+        decisions = [
+            json.loads(line.split("autoscale: ", 1)[1])
+            for line in text().splitlines()
+            if "autoscale: {" in line
+        ]
+        assert any(d["decode"] == 2 and "over target" in d["reason"] for d in decisions), decisions
+        wait_for("the second decode service stopped", lambda: "decode-1: stopping (autoscale)" in text())
+        wait_for("one decode service left", lambda: decode_workers() == 1)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
