@@ -12,7 +12,17 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-ROOT = -1  # the parent of a prompt's first block
+ROOT = -1  # the parent of a prompt's first block in the shared namespace (cache salt "")
+
+
+def cache_root(salt: str) -> int:
+    """The parent of a prompt's first block under a cache salt: prompts with different salts share no
+    block hash, so they share no cached KV and learn nothing of each other's prompts (the router salts
+    each request with its tenant by default: RouterConfig.prefix_cache_scope). "" is the shared ROOT."""
+    if not salt:
+        return ROOT
+    h = hashlib.blake2b(salt.encode(), digest_size=8, person=b"splitserve-salt")
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def block_hash(parent: int, tokens: Sequence[int]) -> int:
@@ -23,12 +33,15 @@ def block_hash(parent: int, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def prefix_chain(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
-    """The hashes of token_ids' full blocks, in order (at most max_blocks of them)."""
+def prefix_chain(
+    token_ids: Sequence[int], block_size: int, max_blocks: int | None = None, root: int = ROOT
+) -> list[int]:
+    """The hashes of token_ids' full blocks, in order (at most max_blocks of them), chained from `root`
+    (`cache_root` of the request's salt)."""
     n = len(token_ids) // block_size
     if max_blocks is not None:
         n = min(n, max_blocks)
-    chain, parent = [], ROOT
+    chain, parent = [], root
     for i in range(n):
         parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         chain.append(parent)

@@ -26,7 +26,9 @@ from common.sampling_params import SamplingParams, TokenLogprob
 # peer would ignore them and sample differently, so it is refused instead
 # 4: KV layer headers may carry a head slice, kv_done a sender rank (tensor parallelism), NIXL begins
 # the sender's agent; a version-3 receiver would ignore the slice and write it as whole blocks
-PROTOCOL_VERSION = 4
+# 5: generate and prefill requests carry a cache salt; a version-4 peer would ignore it and share one
+# tenant's prefix cache with every other
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 16 << 20  # one message: a 1M-token prompt is ~5 MB of msgpack ints
 _LEN = struct.Struct(">I")
 
@@ -147,6 +149,10 @@ class GenerateRequest(Message, tag="generate"):
     # queue differently; the tokens are the same, so they need no new protocol version.
     tenant: str = ""
     priority: int = 0
+    # The prefix-cache namespace (common/prefix_hash.py cache_root): the router salts each request with its
+    # tenant unless an operator shares the cache; prompts under different salts share no cached KV. A peer
+    # that ignored it would share one tenant's cache with another: part of protocol version 5.
+    cache_salt: str = ""
 
 
 class Reserved(Message, tag="reserved"):
@@ -206,6 +212,7 @@ class PrefillRequest(Message, tag="prefill"):
     num_output_tokens: int = 0  # as in GenerateRequest: the token sampled here is output number this
     tenant: str = ""  # as in GenerateRequest
     priority: int = 0
+    cache_salt: str = ""  # as in GenerateRequest
 
 
 class PrefillResult(Message, tag="prefill_result"):

@@ -149,8 +149,9 @@ class DecodeService(Service):
         try:
             n_out = req.num_output_tokens
             add = AddRequest(
-                rid, req.token_ids, req.sampling, req.priority, remote_kv, n_out, tenant=req.tenant
-            )
+                rid, req.token_ids, req.sampling, req.priority, remote_kv, n_out, tenant=req.tenant,
+                cache_salt=req.cache_salt,
+            )  # fmt: skip
             await self.aengine.submit(add)
         except BaseException:
             self.close_job(job)

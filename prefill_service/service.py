@@ -136,7 +136,10 @@ class PrefillService(Service):
         computed = False  # the engine finished computing the request by itself (token 0 sampled)
         try:
             n_out = req.num_output_tokens
-            add = AddRequest(rid, req.token_ids, params, req.priority, "send", n_out, tenant=req.tenant)
+            add = AddRequest(
+                rid, req.token_ids, params, req.priority, "send", n_out, tenant=req.tenant,
+                cache_salt=req.cache_salt,
+            )  # fmt: skip
             await self.aengine.submit(add)
             await self.record(rid, RequestState.PREFILLING, prefill_id=self.cfg.worker_name)
             out, num_cached = await self._first_token(job, req.deadline)

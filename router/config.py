@@ -32,6 +32,12 @@ class RouterConfig(BaseSettings):
         32, ge=0, description="prompts shorter than this (tokens) are prefilled on the decode service"
     )
     request_timeout_s: float = Field(600.0, gt=0, description="deadline for one request, end to end")
+    prefix_cache_scope: Literal["tenant", "shared"] = Field(
+        "tenant",
+        description="tenant: each tenant's prompts are cached apart (no tenant can tell what another sent "
+        "from cached_tokens, timing or routing); shared: one prefix cache for every tenant (more hits on "
+        "a common system prompt; only where tenants trust each other)",
+    )
     routing: Literal["prefix_aware", "least_loaded"] = Field(
         "prefix_aware",
         description="prefix_aware: weigh the prompt blocks each service already holds (KV events, needs "

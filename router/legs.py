@@ -22,6 +22,7 @@ from common.protocol import (
     encode,
 )
 from common.runtime.telemetry import span_scope, traceparent, tracer
+from router.config import RouterConfig
 from router.errors import APIError, unavailable
 from router.orchestrator import Orchestrator
 from router.output import Output
@@ -60,6 +61,7 @@ class Legs:
         self.client, self.pool, self.retry_after_s = orch.client, orch.pool, orch.config.retry_after_s
         self.id, self.output, self.deadline = request_id, output, deadline
         self.tenant, self.priority = tenant, priority
+        self.cache_salt = cache_salt(orch.config, tenant)
         self.traceparent: str | None = None  # the request's span, for the decode service
         self.first = FirstPlacement()
         self._stream: DecodeStream | None = None
@@ -73,7 +75,7 @@ class Legs:
         body = encode(
             GenerateRequest(
                 self.id, out.tokens, out.next_sampling(), mode, self.deadline, self.traceparent, len(out.ids),
-                tenant=self.tenant, priority=self.priority,
+                tenant=self.tenant, priority=self.priority, cache_salt=self.cache_salt,
             )
         )  # fmt: skip
         with span_scope(_tracer, "router.decode_reserve") as span:
@@ -159,7 +161,7 @@ class Legs:
                 req = PrefillRequest(
                     self.id, out.tokens, out.next_sampling(), r.kv_endpoint, r.block_ids, r.fence,
                     r.num_cached_tokens, self.deadline, traceparent(), len(out.ids),
-                    tenant=self.tenant, priority=self.priority,
+                    tenant=self.tenant, priority=self.priority, cache_salt=self.cache_salt,
                 )  # fmt: skip
                 first = await self._prefill_or_decode_error(call_prefill(self.client, w, req))
         finally:
@@ -217,3 +219,9 @@ class Legs:
         if self._prefill is not None:
             await self._abort(self._prefill)
         await self._close_decode()
+
+
+def cache_salt(config: RouterConfig, tenant: str) -> str:
+    """The prefix-cache namespace of a tenant's requests (common/prefix_hash.py cache_root): its own,
+    unless the operator shares one cache between tenants."""
+    return f"tenant:{tenant}" if config.prefix_cache_scope == "tenant" else ""

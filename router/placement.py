@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from common.prefix_hash import prefix_chain
+from common.prefix_hash import ROOT, cache_root, prefix_chain
 from common.runtime.telemetry import span_scope, tracer
 from router.config import RouterConfig
 from router.errors import unavailable
@@ -81,8 +81,10 @@ def rank(
     in_flight: Counter[str],
     prefix_weight: float,
     load_weight: float,
+    root: int = ROOT,
 ) -> list[Candidate]:
-    """`workers` (router.workers.Worker) as Candidates, cheapest first. With no index every hit is 0."""
+    """`workers` (router.workers.Worker) as Candidates, cheapest first. With no index every hit is 0.
+    `root`: the chain root of the request's cache salt (hits count only blocks of its own namespace)."""
     chains: dict[int, list[int]] = {}  # block size -> the prompt's chain (workers usually share one)
     out = []
     for w in workers:
@@ -91,7 +93,7 @@ def rank(
         if index is not None and bs > 0:
             chain = chains.get(bs)
             if chain is None:
-                chain = chains[bs] = prefix_chain(prompt_ids, bs)
+                chain = chains[bs] = prefix_chain(prompt_ids, bs, root=root)
             hit = index.matched_blocks(w.id, chain) if chain else 0
         unit = bs or 16  # a worker that published no block size: count in 16-token blocks
         uncached = -(-(len(prompt_ids) - hit * bs) // unit)
@@ -189,8 +191,9 @@ class Placer:
     (router/trip.py: after a lost decode service, or when the prompt's decode service is full). A
     placement covers the prompt and any output already handed out (`output`)."""
 
-    def __init__(self, pool: WorkerPool, config: RouterConfig, output: Output) -> None:
+    def __init__(self, pool: WorkerPool, config: RouterConfig, output: Output, cache_salt: str = "") -> None:
         self.pool, self.config, self.output = pool, config, output
+        self.root = cache_root(cache_salt)  # prefix hits count only the request's own namespace
         self.route: Route | None = None  # the first placement's (what the response header says)
         self.lost: set[str] = set()  # decode services this request lost: never placed there again
         # A decode service holding the prompt: another choice of the same request ran its prefill there.
@@ -219,7 +222,7 @@ class Placer:
     def _rank(self, role: str, workers: list[Worker], ids: list[int]) -> list[Worker]:
         """`workers` cheapest first for this prompt (`rank`); remembers each one's figures."""
         cfg = self.config
-        ranked = self.pool.rank(workers, ids, cfg.prefix_weight, cfg.load_weight)
+        ranked = self.pool.rank(workers, ids, cfg.prefix_weight, cfg.load_weight, self.root)
         self.scored.update({(role, c.worker.id): c for c in ranked})
         return [c.worker for c in ranked]
 

@@ -24,7 +24,7 @@ from opentelemetry import trace
 from common.runtime.telemetry import traceparent
 from router.admission import shed_event
 from router.errors import APIError, unavailable
-from router.legs import Legs
+from router.legs import Legs, cache_salt
 from router.orchestrator import Orchestrator
 from router.output import Output
 from router.parse import Parsed
@@ -42,7 +42,7 @@ class Trip:
     def __init__(self, orch: Orchestrator, request_id: str, parsed: Parsed, record: RequestRecord) -> None:
         self.id, self.config, self.metrics, self.record = request_id, orch.config, orch.metrics, record
         self.output = Output(parsed.prompt_ids, parsed.sampling)
-        self.placer = Placer(orch.pool, orch.config, self.output)
+        self.placer = Placer(orch.pool, orch.config, self.output, cache_salt(orch.config, parsed.tenant))
         self.arrival = time.time()
         deadline = self.arrival + orch.config.request_timeout_s
         self.legs = Legs(orch, request_id, self.output, deadline, parsed.tenant, parsed.priority)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.cluster.state import ClusterState
+from common.prefix_hash import ROOT
 from router.placement import Candidate, PrefixIndex, least_loaded_key, rank
 
 log = logging.getLogger(__name__)
@@ -128,12 +129,17 @@ class WorkerPool:
         return least_loaded_key(w.load, self.in_flight[w.url])
 
     def rank(
-        self, workers: list[Worker], prompt_ids: list[int], prefix_weight: float, load_weight: float
+        self,
+        workers: list[Worker],
+        prompt_ids: list[int],
+        prefix_weight: float,
+        load_weight: float,
+        root: int = ROOT,
     ) -> list[Candidate]:
-        """`workers` cheapest first for this prompt: prefix hits (when the pool has a KV index) against
-        load (router/placement.py)."""
+        """`workers` cheapest first for this prompt: prefix hits (when the pool has a KV index, counted
+        under the chain root of the request's cache salt) against load (router/placement.py)."""
         index: PrefixIndex | None = self.index
-        return rank(workers, prompt_ids, index, self.in_flight, prefix_weight, load_weight)
+        return rank(workers, prompt_ids, index, self.in_flight, prefix_weight, load_weight, root)
 
     def hold(self, worker: Worker) -> None:
         """Count a request of ours against `worker` (until release)."""

@@ -29,6 +29,7 @@ class AddRequest:
     remote_kv: RemoteKV | None = None
     num_output_tokens: int = 0  # the last n of token_ids are output already (a migrated request)
     tenant: str = ""  # whose request (fair policy: tenants share the engine by weight; "" is one too)
+    cache_salt: str = ""  # prefix-cache namespace (common/prefix_hash.py cache_root); "" is the shared one
 
 
 @dataclass(frozen=True)

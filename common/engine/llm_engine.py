@@ -54,6 +54,7 @@ from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.parallel.partition import kv_head_ranges, shard_layouts
+from common.prefix_hash import cache_root
 from common.protocol import KVCompat
 from common.sampling_params import SamplingParams
 from common.text.detokenizer import IncrementalDetokenizer
@@ -321,6 +322,7 @@ class LLMEngine:
                     remote_kv=cmd.remote_kv,
                     num_output_tokens=cmd.num_output_tokens,
                     tenant=cmd.tenant,
+                    cache_salt=cmd.cache_salt,
                 )
             case KVArrived():
                 return self.kv_arrived(cmd.request_id, cmd.first_token)
@@ -338,6 +340,7 @@ class LLMEngine:
         remote_kv: RemoteKV | None = None,
         num_output_tokens: int = 0,
         tenant: str = "",
+        cache_salt: str = "",
     ) -> str:
         """Queue a request; returns its id. ValueError if it can never run here (too long, id in use).
         With num_output_tokens, the last that many ids are output already generated elsewhere (a
@@ -363,7 +366,10 @@ class LLMEngine:
                 f"{total} tokens need more KV blocks than the cache has ({self.block_manager.num_blocks})"
             )
         now = time.monotonic()
-        seq = Sequence(ids, params, seq_id=request_id, priority=priority, arrival_time=now, tenant=tenant)
+        seq = Sequence(
+            ids, params, seq_id=request_id, priority=priority, arrival_time=now, tenant=tenant,
+            cache_root=cache_root(cache_salt),
+        )  # fmt: skip
         seq.remote_kv, seq.num_prompt_tokens = remote_kv, len(ids) - num_output_tokens
         if seq.seq_id in self._seqs:
             raise ValueError(f"request id {seq.seq_id} is already in use")

@@ -34,6 +34,7 @@ class Sequence:
         arrival_time: float | None = None,
         remote_kv: RemoteKV | None = None,
         tenant: str = "",
+        cache_root: int = -1,
     ) -> None:
         assert token_ids, "a sequence needs at least one prompt token"
         self.seq_id = seq_id if seq_id is not None else str(next(Sequence._ids))
@@ -42,6 +43,7 @@ class Sequence:
         self.params = params
         self.priority = priority  # lower runs first
         self.tenant = tenant  # whose request: the fair policy shares the engine between tenants ("" too)
+        self.cache_root = cache_root  # prefix-cache chain root of its cache salt (common/prefix_hash.py)
         self.arrival_time = arrival_time
         self.arrival_order = 0  # set by the scheduler: breaks ties between equal arrival times
         self.status = SequenceStatus.WAITING

@@ -24,7 +24,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.prefix_hash import block_hash
+from common.prefix_hash import ROOT, block_hash
 
 KVEvent = tuple[bool, int]  # (stored, hash): True when the hash entered the prefix cache, False when it left
 SNAPSHOT_TRIES = 8  # cached_hashes(): copies attempted while the engine thread changes the index
@@ -73,12 +73,13 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _prefix_hits(self, token_ids: Seq[int], num_tokens: int) -> list[int]:
-        """Block ids holding the longest cached prefix of token_ids (full blocks only)."""
+    def _prefix_hits(self, token_ids: Seq[int], num_tokens: int, root: int = ROOT) -> list[int]:
+        """Block ids holding the longest cached prefix of token_ids (full blocks only) under the chain
+        root of the sequence's cache salt."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent, bs = -1, self.block_size
+        parent, bs = root, self.block_size
         for i in range(num_tokens // bs):
             toks = token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, toks)
@@ -94,7 +95,8 @@ class BlockManager:
     ) -> bool:
         """Room for `num_tokens` (default: all of seq's tokens) plus `reserve` spare blocks?"""
         n = len(seq.token_ids) if num_tokens is None else num_tokens
-        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids) - 1)) if use_prefix_cache else []
+        limit = min(n, len(seq.token_ids) - 1)
+        hits = self._prefix_hits(seq.token_ids, limit, _root(seq)) if use_prefix_cache else []
         evictable_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         need = self.blocks_needed(n) - len(hits) + reserve
         return need <= self.num_free_blocks - evictable_hits
@@ -133,7 +135,8 @@ class BlockManager:
         """
         assert not seq.block_table, "sequence already holds blocks"
         n = len(seq.token_ids) if num_tokens is None else num_tokens
-        hits = self._prefix_hits(seq.token_ids, min(n, len(seq.token_ids) - 1)) if use_prefix_cache else []
+        limit = min(n, len(seq.token_ids) - 1)
+        hits = self._prefix_hits(seq.token_ids, limit, _root(seq)) if use_prefix_cache else []
         self.prefix_queries += len(seq.token_ids) // self.block_size
         self.prefix_hits += len(hits)
         for bid in hits:
@@ -173,7 +176,7 @@ class BlockManager:
             return []
         bs, new = self.block_size, []
         for i in range(seq.num_hashed_blocks, num_computed_tokens // bs):
-            parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else _root(seq)
             if parent is None:  # parent's content is owned elsewhere under that hash: stop the chain
                 break
             toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -231,3 +234,8 @@ class BlockManager:
             assert b.ref_count == 0 and b.hash is not None, f"cached block {bid} is referenced or unhashed"
         for h, bid in self.hash_to_block.items():
             assert self.blocks[bid].hash == h, f"hash index points at block {bid} with another hash"
+
+
+def _root(seq: object) -> int:
+    """The chain root of a sequence's cache salt (common/prefix_hash.py); ROOT for owners without one."""
+    return int(getattr(seq, "cache_root", ROOT))
