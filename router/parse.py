@@ -4,6 +4,7 @@ out max_tokens and the sampling parameters the services get. Nothing here waits 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pydantic import ValidationError
 
 from common.sampling_params import Guide, SamplingParams
 from common.text.model_info import ModelInfo
+from common.text.tokenizer import Tokenizer
 from router.auth.keys import ApiKey
 from router.config import RouterConfig
 from router.errors import from_validation, invalid
@@ -85,6 +87,24 @@ def parse(
     return Parsed(req, prompt_ids, sampling, tenant, priority, targets, echo, max_tokens == 0, mode, names)
 
 
+@functools.cache
+def max_token_chars(tok: Tokenizer) -> int:
+    """The most characters one token of `tok` stands for (special tokens' text included): a text of n
+    characters has at least n / this many tokens (byte-level BPE: a token's characters are its bytes)."""
+    return max(1, max(len(tok.id_to_token(i)) for i in range(tok.vocab_size)))
+
+
+def check_length(info: ModelInfo, text: str, param: str) -> None:
+    """400 context_length_exceeded, before tokenizing, for a text that cannot fit the context however it
+    tokenizes: an 8 MiB body costs a length check, not seconds of tokenizer time on the router."""
+    fewest = len(text) // max_token_chars(info.tokenizer)
+    if fewest >= info.context_length:
+        raise invalid(
+            f"This model's maximum context length is {info.context_length} tokens; this input has at least "
+            f"{fewest} tokens ({len(text)} characters).", param, "context_length_exceeded",
+        )  # fmt: skip
+
+
 def tokenize_prompt(info: ModelInfo, req: OpenAIRequest) -> list[int]:
     """The prompt's token ids as the services get them (POST /tokenize gives the same, router/tokenize.py)."""
     tok = info.tokenizer
@@ -96,8 +116,10 @@ def tokenize_prompt(info: ModelInfo, req: OpenAIRequest) -> list[int]:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         except (jinja2.TemplateError, ValueError) as e:
             raise invalid(f"messages cannot be formatted for this model: {e}", "messages") from e
+        check_length(info, text, "messages")
         return tok.encode(text, add_special_tokens=False)  # the template places special tokens
     if isinstance(req.prompt, str):
+        check_length(info, req.prompt, "prompt")
         return tok.encode(req.prompt)
     ids = list(req.prompt)
     if not all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids):

@@ -23,7 +23,7 @@ from pydantic_core import from_json
 
 from router.errors import from_validation, invalid
 from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, request_body_schema
-from router.parse import tokenize_prompt
+from router.parse import check_length, tokenize_prompt
 from router.served_model import ServedModel
 
 M = TypeVar("M", bound=BaseModel)
@@ -162,9 +162,11 @@ def _prompt_ids(model: ServedModel, req: TokenizeCompletionRequest | TokenizeCha
             text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
         except (jinja2.TemplateError, ValueError) as e:
             raise invalid(f"messages cannot be formatted for this model: {e}", "messages") from e
+        check_length(model.info, text, "messages")
         return tok.encode(text, add_special_tokens=req.add_special_tokens)
     if req.add_special_tokens:  # exactly what /v1/completions sends for a string prompt
         return tokenize_prompt(
             model.info, CompletionRequest.model_construct(model=req.model or "", prompt=req.prompt)
         )
+    check_length(model.info, req.prompt, "prompt")
     return tok.encode(req.prompt, add_special_tokens=False)
