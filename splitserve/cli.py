@@ -7,6 +7,7 @@ import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import jinja2
     from pydantic import ValidationError
 
     from common.config import EngineConfig
@@ -52,9 +53,15 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     if template is not None:
         engine.tokenizer.chat_template = template
-    prompt = args.prompt
+    prompt: str | list[int] = args.prompt
     if not args.raw:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        try:
+            text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        except (ValueError, jinja2.TemplateError) as e:  # a base model without a chat template, a bad one
+            print(f"error: {e} (or pass --raw)", file=sys.stderr)
+            return 2
+        # the template places the special tokens (a BOS of its own included), as the router sends it
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     for text in engine.stream(prompt, params):
         print(text, end="", flush=True)
     print()

@@ -218,12 +218,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def check_model(model: str | None) -> None:
-    """A model path that is not there stops a command before anything starts (one line)."""
-    if model is not None and not os.path.exists(model):
-        raise ConfigError(
-            f"error: --model / SPLITSERVE_MODEL: {model!r} not found "
-            "(a .gguf file or a Hugging Face model folder)"
-        )
+    """A model that is neither a path nor a hub id in the local Hugging Face cache stops a command
+    before anything starts (one line)."""
+    from common.text.model_info import ModelNotFoundError, resolve_model
+
+    if model is None:
+        return
+    try:
+        resolve_model(model)
+    except ModelNotFoundError as e:
+        raise ConfigError(f"error: --model / SPLITSERVE_MODEL: {e}") from None
 
 
 def _configure_logging(args: argparse.Namespace, process: str) -> None:

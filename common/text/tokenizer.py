@@ -1,7 +1,15 @@
 """Tokenizer and chat template: a thin layer over `tokenizers` (BPE) and jinja2 (templates).
 
 Two sources: an HF tokenizer.json (+ tokenizer_config.json), or the vocabulary embedded in a GGUF
-file, which we rebuild into the same `tokenizers` object so both paths share one encoder.
+file, which we rebuild into the same `tokenizers` object so both paths share one encoder. A GGUF holds
+one of two kinds (`tokenizer.ggml.model`):
+
+* "gpt2": byte-level BPE with merges (Llama 3, Qwen2, SmolLM2), split first by the regexes that
+  `tokenizer.ggml.pre` names;
+* "llama": SentencePiece (Llama 2, Mistral, Gemma), rebuilt as transformers 5 rebuilds it from the same
+  GGUF (our reference): a BPE over "▁"-for-space pieces with byte fallback, its merges derived from
+  the vocabulary (pieces ranked by score; Gemma's by their order in the file, and Gemma's runs of spaces
+  respelled as runs of "▁"), Llama's "▁" prefix on the text (Gemma has none).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ from typing import Any
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 # GPT-2's split: contractions, letter runs, digit runs, punctuation runs, whitespace.
 _GPT2_RE = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -41,6 +49,12 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
 
 TOKEN_TYPE_CONTROL = 3  # llama.cpp token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte
 TOKEN_TYPE_USER_DEFINED = 4
+SPIECE_SPACE = "\u2581"  # SentencePiece's "▁": a space inside a piece
+# GGUF architectures whose SentencePiece vocabulary is Gemma's (no prefix space, spaces normalised)
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+# Control tokens that end a turn although the GGUF names no eot id: generation stops on them, as in
+# llama.cpp (and as Gemma's generation_config.json says: eos and <end_of_turn>)
+_EOT_TOKENS = {"gemma": "<end_of_turn>", "gemma2": "<end_of_turn>", "gemma3": "<end_of_turn>"}
 
 
 class Tokenizer:
@@ -120,42 +134,35 @@ class Tokenizer:
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         """Rebuild the tokenizer embedded in GGUF metadata (tokenizer.ggml.* keys, values decoded)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind == "llama":
+        if kind in ("gpt2", "llama") and not meta.get("tokenizer.ggml.tokens"):
+            raise ValueError("the GGUF holds no vocabulary (tokenizer.ggml.tokens)")
+        if kind == "gpt2":
+            tok = _byte_level_bpe(meta)
+        elif kind == "llama":
+            tok = _sentencepiece_bpe(meta)
+        else:
             raise NotImplementedError(
-                "GGUF with a SentencePiece ('llama') tokenizer is not supported; "
-                "use the model's Hugging Face folder (tokenizer.json) instead"
-            )
-        if kind != "gpt2":
-            raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE_SPLITS:
-            raise NotImplementedError(
-                f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(_PRE_SPLITS))}"
+                f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE and 'llama' SentencePiece)"
             )
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        splits: list[pre_tokenizers.PreTokenizer] = [
-            pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]
-        ]
-        # The regexes above already split; ByteLevel only maps bytes to GPT-2's printable alphabet.
-        splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-        tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
-        tok.decoder = decoders.ByteLevel()
-        # Control tokens are matched as whole strings before BPE, so "<|im_end|>" is one id.
-        tok.add_tokens(
-            [
-                AddedToken(t, special=ty == TOKEN_TYPE_CONTROL, normalized=False)
-                for t, ty in zip(tokens, types, strict=True)
-                if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
-            ]
-        )
         bos = meta.get("tokenizer.ggml.bos_token_id")
-        if bos is not None and meta.get("tokenizer.ggml.add_bos_token", False):
+        # llama.cpp (and transformers) add a BOS to SentencePiece vocabularies that do not say otherwise
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+        eos_id = meta.get("tokenizer.ggml.eos_token_id")
+        head = [tokens[bos]] if bos is not None and add_bos else []
+        tail = (
+            [tokens[eos_id]] if eos_id is not None and meta.get("tokenizer.ggml.add_eos_token", False) else []
+        )
+        if head or tail:
             tok.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+                single=" ".join([*head, "$A", *tail]),
+                pair=" ".join([*head, "$A", *tail, *head, "$B", *tail]),
+                special_tokens=[
+                    (tokens[i], i)
+                    for i in dict.fromkeys(
+                        i for i, used in ((bos, head), (eos_id, tail)) if used and i is not None
+                    )
+                ],
             )
         eos_ids = [
             meta[k]
@@ -166,5 +173,118 @@ class Tokenizer:
             )
             if meta.get(k) is not None
         ]
+        eot = _EOT_TOKENS.get(meta.get("general.architecture", ""))
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+        if eot is not None and eot in tokens and types[tokens.index(eot)] == TOKEN_TYPE_CONTROL:
+            eos_ids.append(tokens.index(eot))
         eos_ids = list(dict.fromkeys(int(i) for i in eos_ids))  # dedupe, keep order
         return cls(tok, meta.get("tokenizer.chat_template"), bos, eos_ids)
+
+
+def _byte_level_bpe(meta: dict[str, Any]) -> tokenizers.Tokenizer:
+    """A "gpt2" GGUF vocabulary: byte-level BPE with its merges, split by `tokenizer.ggml.pre`."""
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_SPLITS:
+        raise NotImplementedError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(_PRE_SPLITS))}"
+        )
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    splits: list[pre_tokenizers.PreTokenizer] = [
+        pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _PRE_SPLITS[pre]
+    ]
+    # The regexes above already split; ByteLevel only maps bytes to GPT-2's printable alphabet.
+    splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens are matched as whole strings before BPE, so "<|im_end|>" is one id.
+    tok.add_tokens(
+        [
+            AddedToken(t, special=ty == TOKEN_TYPE_CONTROL, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+        ]
+    )
+    return tok
+
+
+def _sentencepiece_bpe(meta: dict[str, Any]) -> tokenizers.Tokenizer:
+    """A "llama" (SentencePiece) GGUF vocabulary as transformers 5 builds it from the same file
+    (integrations/gguf/gguf_tokenizer_mapping.py: LlamaTokenizer / GemmaTokenizer over derived merges):
+    BPE with byte fallback over pieces that spell a space "▁"."""
+    arch = meta.get("general.architecture", "llama")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    gemma = arch in _GEMMA_ARCHS
+    spelled = tokens
+    if gemma:
+        # Gemma's runs of spaces are stored as spaces; its pieces spell them "▁"
+        spelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    if meta.get("tokenizer.ggml.merges"):
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    else:
+        # Gemma's scores do not follow its merge order, the order of the pieces in the file does
+        ranks: dict[str, float] = (
+            {t: -i for i, t in enumerate(spelled)}
+            if gemma
+            else dict(zip(tokens, meta["tokenizer.ggml.scores"], strict=True))
+        )
+        merges = derive_merges(vocab, ranks)
+    unk = "<unk>" if gemma else None  # as GemmaTokenizer and LlamaTokenizer build their BPE
+    bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    tok = tokenizers.Tokenizer(bpe)
+    to_text: list[decoders.Decoder] = [
+        decoders.Replace(SPIECE_SPACE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    if gemma:  # no prefix space; every space becomes "▁"
+        tok.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    else:
+        # transformers' LlamaTokenizer prefixes "▁" to the text's first piece whatever
+        # tokenizer.ggml.add_space_prefix says, and strips that space when decoding
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement=SPIECE_SPACE, prepend_scheme="first", split=False
+        )
+        to_text.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(to_text)
+    # Control tokens are special, whole in the text, and so are bos/eos/unk/pad whatever their type
+    # (transformers makes them its special tokens); user-defined ones (Gemma's "\n\n") are whole too.
+    named = {meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "unknown", "padding")} - {None}
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
+            if ty == TOKEN_TYPE_CONTROL or i in named
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == TOKEN_TYPE_USER_DEFINED and t in vocab
+        ]
+    )
+    return tok
+
+
+def derive_merges(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary without any (SentencePiece's): every split of a piece into two
+    pieces of the vocabulary, best-ranked piece first, as transformers' `generate_merges` orders them
+    (ties: the longer left part first, then the longer right part, then the order of the pieces)."""
+    merges: list[tuple[str, str, float]] = []
+    for piece, rank in ranks.items():
+        local = [
+            (piece[:i], piece[i:], rank)
+            for i in range(1, len(piece))
+            if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]

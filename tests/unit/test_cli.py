@@ -93,7 +93,7 @@ def test_a_bad_flag_is_one_line_naming_it_and_what_it_accepts() -> None:
         (["up", "--max-num-seqs", "0"], "--max-num-seqs / SPLITSERVE_MAX_NUM_SEQS"),
         (
             ["up", "--model", "/no/such/model.gguf"],
-            "--model / SPLITSERVE_MODEL: '/no/such/model.gguf' not found",
+            "--model / SPLITSERVE_MODEL: model '/no/such/model.gguf' not found",
         ),
         (["up", "--devices", "0,1", "--decode", "2"], "1 prefill service + 2 decode services need 3"),
         (["decode", "--kv-cache-dtype", "int4"], "choose from 'auto', 'float32'"),

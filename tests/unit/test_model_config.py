@@ -161,7 +161,11 @@ def test_load_model_rejects_unknown_paths(tmp_path) -> None:
 
 
 def test_gguf_tokenizer_kinds() -> None:
-    with pytest.raises(NotImplementedError, match="SentencePiece"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(NotImplementedError, match="'t5'"):  # SentencePiece ("llama") builds; T5's does not
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "t5"})
     with pytest.raises(NotImplementedError, match="pre-tokenizer 'mystery'"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery"})
+        Tokenizer.from_gguf_metadata(
+            {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "mystery", "tokenizer.ggml.tokens": ["a"]}
+        )
+    with pytest.raises(ValueError, match="no vocabulary"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "gpt2"})
