@@ -249,7 +249,7 @@ class KVCompat(msgspec.Struct, frozen=True):
     head_dim: int
     block_size: int
     layout: str = "LBSHD"  # (layer, block, slot, kv_head, head_dim), K and V separate
-    kv_scales: str = ""  # fp8 KV: the per-(layer, KV head) scales' exponents (common/kv/quant.py)
+    kv_scales: str = ""  # fp8 KV: a digest of the rotation and the per-channel scales (common/kv/quant.py)
     protocol_version: int = PROTOCOL_VERSION
     # Tensor parallelism: this record is rank `tp_rank` of a service with `tp_size` ranks, whose KV shard
     # holds the heads `kv_head_ranges(num_kv_heads, tp_size)[tp_rank]` of every block. The two sides of

@@ -49,7 +49,7 @@ from common.engine.static_batching import StaticBatchScheduler
 from common.kv import quant
 from common.kv.block_manager import BlockManager
 from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
-from common.model.calibration import kv_amax
+from common.model.calibration import calibration_ids, kv_amax
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -178,7 +178,7 @@ class LLMEngine:
         scales: KVScales | None = None
         if kv_dtype in FP8:  # calibrated on the whole model; with tensor parallelism each rank's
             # cache keeps its heads' scales, and the preflight compares the whole model's
-            amax = kv_amax(self.model, tokenizer.encode(quant.CALIBRATION_TEXT))
+            amax = kv_amax(self.model, calibration_ids(tokenizer))
             scales = quant.scales(*amax, kv_dtype)
         self._scales_digest = scales.digest() if scales is not None else ""
 

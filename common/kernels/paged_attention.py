@@ -24,10 +24,15 @@ Layouts (as in common/kv/kv_cache.py, one layer's slice):
     seq_ids         (N,) int32                    which sequences this launch covers
 A sequence with context length 0 (CUDA-graph padding) produces zeros, and `store_kv` skips slot < 0.
 
-An fp8 cache (QUANT) holds x / scale with one scale per KV head (of this layer: k_scale, v_scale, fp32),
-written by `store_kv` as the caller quantized them; attention reads the raw values in the query's dtype
-and applies the scales where they cost least — K's to the scores, V's to the output (one KV head per
-program, so each is one scalar).
+An fp8 cache (QUANT) holds x / scale with one scale per (KV head, channel) (of this layer: k_scale,
+v_scale, (n_kv_heads, head_dim) fp32, powers of two), written by `store_kv` as the caller quantized them;
+attention reads the raw values in the query's dtype and applies the scales where they cost least: K's to
+the query before the dot (q . (s * k) = (s * q) . k, channel by channel, once per program rather than
+per key), V's to the output (sum_t p_t s v_t = s sum_t p_t v_t; one KV head per program, so each is one
+head_dim vector). Multiplying by a power of two is exact, so this equals attention over the dequantized
+values up to the order of the sums. Such a cache holds K and V rotated (common/kv/kv_cache.py
+`kv_rotation`); the caller (common/model/attention.py) rotates q before the launch and `out` after it, so
+the kernel never sees the rotation.
 
 Two per-layer options of some model families (see common/model/attention.py, the reference):
 WINDOW (sliding-window attention: a query at position p sees keys p - window + 1 .. p; a program skips
@@ -69,7 +74,7 @@ def _paged_attention_kernel(
     seq_ids_ptr,
     part_acc_ptr,  # split decode: (N, n_heads, num_splits, head_dim) fp32 unnormalized outputs
     part_ml_ptr,  # split decode: (2, N, n_heads, num_splits) fp32 running max, running sum
-    k_scale_ptr,  # QUANT: (n_kv_heads,) fp32, this layer's
+    k_scale_ptr,  # QUANT: (n_kv_heads, head_dim) fp32 contiguous, this layer's
     v_scale_ptr,
     num_splits,
     n_heads,
@@ -97,7 +102,7 @@ def _paged_attention_kernel(
     IEEE: tl.constexpr,  # fp32 dots in full precision (no TF32)
     UPCAST: tl.constexpr,  # compute the dots in fp32 (the interpreter's bf16 dot is wrong)
     SPLIT: tl.constexpr,  # decode with num_splits > 1: axis 2 is the split, results are partial
-    QUANT: tl.constexpr,  # the cache holds fp8 values scaled per KV head
+    QUANT: tl.constexpr,  # the cache holds fp8 values scaled per (KV head, channel)
     WINDOW: tl.constexpr,  # sliding-window attention
     SOFTCAP: tl.constexpr,  # soft-capped scores
 ):
@@ -132,9 +137,9 @@ def _paged_attention_kernel(
     )  # (BLOCK_M, HEAD_PAD)
     if UPCAST:
         q = q.to(tl.float32)
-    qk_scale = scale
-    if QUANT:
-        qk_scale = scale * tl.load(k_scale_ptr + kv_head)
+    if QUANT:  # K's per-channel scales, folded into the query (exact: powers of two)
+        k_scale = tl.load(k_scale_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
+        q = (q.to(tl.float32) * k_scale[None, :]).to(q.dtype)
 
     # keys this tile can see: up to the last valid query's position
     last_q = tl.minimum(n_new, (q_tile + 1) * BLOCK_Q) - 1
@@ -188,7 +193,7 @@ def _paged_attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale  # (BLOCK_M, TILE) fp32
+        s = s * scale  # (BLOCK_M, TILE) fp32
         if SOFTCAP:
             # tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|): Triton has no tanh the interpreter runs
             e = tl.exp(-2.0 * tl.abs(s / softcap))
@@ -211,8 +216,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if QUANT:
-        acc = acc * tl.load(v_scale_ptr + kv_head)
+    if QUANT:  # V's per-channel scales, on the weighted sum
+        acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
     if SPLIT:
         part = (launch_idx * n_heads + head) * num_splits + split  # (BLOCK_M,)
         ml_stride = tl.num_programs(0) * n_heads * num_splits
@@ -324,7 +329,11 @@ def _quantized(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch
     if cache.dtype not in FP8:
         return False
     if k_scale is None or v_scale is None:
-        raise ValueError(f"a {cache.dtype} KV cache needs its per-head k_scale and v_scale")
+        raise ValueError(f"a {cache.dtype} KV cache needs its k_scale and v_scale")
+    want = (cache.shape[2], cache.shape[3])  # (n_kv, head_dim)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if tuple(s.shape) != want or s.dtype != torch.float32 or not s.is_contiguous():
+            raise ValueError(f"{name}: {tuple(s.shape)} {s.dtype}; want {want} float32, contiguous")
     return True
 
 
@@ -341,7 +350,7 @@ def paged_attention_launch(
     max_new_tokens: int,  # the most new tokens any covered sequence has (sizes the grid)
     decode: bool,  # every covered sequence has exactly one new token
     num_splits: int | None = None,  # decode: programs per (sequence, KV head); None: decode_splits()
-    k_scale: torch.Tensor | None = None,  # an fp8 cache: (n_kv,) fp32, what each head was divided by
+    k_scale: torch.Tensor | None = None,  # an fp8 cache: (n_kv, hd) fp32, what each channel was divided by
     v_scale: torch.Tensor | None = None,
     window: int | None = None,  # sliding window: each query sees its last `window` positions only
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)

@@ -153,6 +153,9 @@ def paged_attention(
             q, k, v, layer, kv_cache, meta.kernel, meta.slot_mapping, scale, window, softcap
         )
     kv_cache.write(layer, meta.slot_mapping, k, v)
+    # an fp8 cache holds K and V rotated (common/kv/kv_cache.py): the query is rotated alike, the keys
+    # and values read as they are, and the output rotated back at the end (a no-op for other caches)
+    q = kv_cache.rotate(q)
     n_kv = k.shape[1]
     out = torch.empty_like(q)
     qsl = meta.query_start_loc
@@ -160,7 +163,7 @@ def paged_attention(
     if batch is not None:
         # every decode sequence in one call: its one query row against its own blocks, the padding masked
         d, hd = batch.blocks.shape[0], q.shape[2]
-        kb, vb = kv_cache.read_blocks(layer, batch.blocks)  # (D, max_blocks, block_size, n_kv, hd)
+        kb, vb = kv_cache.read_blocks(layer, batch.blocks, rotated=True)  # (D, max_blocks, bs, n_kv, hd)
         kc = kb.view(d, -1, n_kv, hd).transpose(1, 2)  # (D, n_kv, L, hd)
         vc = vb.view(d, -1, n_kv, hd).transpose(1, 2)
         qd = q[batch.rows].unsqueeze(2)  # (D, n_heads, 1, hd)
@@ -171,7 +174,7 @@ def paged_attention(
         if batch is not None and end - start == 1:
             continue  # computed above
         n_new, ctx = end - start, meta.context_lens[i]
-        kc, vc = kv_cache.gather(layer, meta.block_tables[i], ctx)  # (ctx, n_kv, hd)
+        kc, vc = kv_cache.gather(layer, meta.block_tables[i], ctx, rotated=True)  # (ctx, n_kv, hd)
         if n_new == 1:  # the step's one decode sequence (two or more went above)
             first = 0 if window is None else max(0, ctx - window)  # the keys in its window
             kd, vd = kc[first:].transpose(0, 1), vc[first:].transpose(0, 1)
@@ -187,7 +190,7 @@ def paged_attention(
             mask &= kpos > qpos - window
         oi = attend(qi, ki, vi, mask, scale, softcap)
         out[start:end] = oi.transpose(0, 1)
-    return out
+    return kv_cache.rotate(out)
 
 
 def attend(
@@ -251,13 +254,14 @@ def _triton_paged_attention(
     from common.kernels.paged_attention import paged_attention_launch, store_kv
 
     kc, vc = kv_cache.k[layer], kv_cache.v[layer]
-    sc = kv_cache.scales  # an fp8 cache's per-head scales of this layer
+    sc = kv_cache.scales  # an fp8 cache's scales of this layer: (n_kv, hd) each, per channel
     ks, vs = (None, None) if sc is None else (sc.k[layer], sc.v[layer])
     store_kv(kv_cache.quantize(k, layer, "k"), kv_cache.quantize(v, layer, "v"), kc, vc, slot_mapping)
+    q = kv_cache.rotate(q)  # fp8: into the cache's rotated basis, the output back out of it (as above)
     out = torch.empty_like(q)
     common = (q, kc, vc, out, km.block_tables, km.query_start_loc, km.context_lens)
     for ids, most, decode in ((km.decode_ids, 1, True), (km.prefill_ids, km.max_prefill_tokens, False)):
         paged_attention_launch(
             *common, ids, scale, most, decode=decode, k_scale=ks, v_scale=vs, window=window, softcap=softcap
         )
-    return out
+    return kv_cache.rotate(out)

@@ -1,5 +1,6 @@
 """The real model with a narrower KV cache (`kv_cache_dtype`): bounded logprob drift against fp32 KV,
-the same calibrated scales every time, the capacity, and fp8 under tensor parallelism."""
+the README question answered as with bf16 KV, the same calibrated scales every time (over the chat
+template's tokens too), the capacity, and fp8 under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from bench.kv_dtype import prompt_logprobs
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
+from common.model.calibration import calibration_ids
 from common.sampling_params import SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Why is the sky blue?", "2+2="]
@@ -36,6 +38,27 @@ def test_narrow_kv_drifts_little_from_fp32_kv_and_holds_more_blocks(smollm) -> N
         assert np.isfinite(drift).all() and drift.mean() < bound, (dtype, drift.mean(), drift.max())
 
 
+@pytest.mark.timeout(300)
+def test_fp8_e4m3_answers_the_readme_question_as_bf16_kv_does(smollm) -> None:  # type: ignore[no-untyped-def]
+    """Issue 28: with one fp8 scale per (layer, KV head) and no rotation, e4m3 answered "L'Étoile de la
+    Cité, ...". (A near tie: with fp32 KV "The" leads "L" by 0.08 nats, so this guards the rotation and
+    the calibration rather than proving a margin.)"""
+    _, tok = smollm
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}]))
+    greedy = SamplingParams(max_tokens=12)
+    bf16 = _engine(smollm, "bfloat16").generate([prompt], greedy)[0].token_ids
+    e4m3 = _engine(smollm, "fp8_e4m3")
+    assert e4m3.generate([prompt], greedy)[0].token_ids == bf16, tok.decode(bf16)
+    assert "Paris" in tok.decode(bf16) and e4m3.kv_cache.clamped == 0
+
+
+def test_the_calibration_covers_the_chat_template_s_special_tokens(smollm) -> None:  # type: ignore[no-untyped-def]
+    _, tok = smollm
+    plain, chat = calibration_ids(tok)
+    start = tok.encode("<|im_start|>")
+    assert len(start) == 1 and start[0] in chat and start[0] not in plain
+
+
 def test_fp8_scales_are_calibrated_the_same_every_time_and_named_in_the_preflight(smollm) -> None:  # type: ignore[no-untyped-def]
     a, b = _engine(smollm, "fp8_e4m3"), _engine(smollm, "fp8_e4m3")
     assert a.kv_compat() == b.kv_compat()
@@ -46,8 +69,9 @@ def test_fp8_scales_are_calibrated_the_same_every_time_and_named_in_the_prefligh
 
 @pytest.mark.timeout(300)
 def test_fp8_kv_with_tensor_parallelism_keeps_each_rank_s_scales(smollm) -> None:  # type: ignore[no-untyped-def]
-    """TP 2 with an fp8 cache: scales calibrated on the whole model, each rank holding its heads' (rank
-    0: 2 of the 3), the preflight naming the whole model's; logprobs stay within fp8's drift of fp32."""
+    """TP 2 with an fp8 cache: per-channel scales calibrated on the whole model, each rank holding its
+    heads' (rank 0: 2 of the 3), the preflight naming the whole model's; logprobs stay within fp8's
+    drift of fp32."""
     model, tok = smollm
     one = _engine(smollm, "fp8_e4m3")
     two = LLMEngine(
@@ -57,7 +81,7 @@ def test_fp8_kv_with_tensor_parallelism_keeps_each_rank_s_scales(smollm) -> None
     )
     try:
         assert one.kv_cache.scales is not None and two.kv_cache.scales is not None
-        assert two.kv_cache.scales.k.shape == (model.config.num_layers, 2)
+        assert two.kv_cache.scales.k.shape == (model.config.num_layers, 2, model.config.head_dim)
         assert two.kv_cache.scales.k.equal(one.kv_cache.scales.k[:, :2])
         assert two.kv_compat().kv_scales == one.kv_compat().kv_scales
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}]))

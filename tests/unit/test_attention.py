@@ -7,18 +7,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.kv.kv_cache import KVCacheSpec, KVScales, PagedKVCache
 from common.model.attention import AttentionMetadata, decode_attention, paged_attention
 
 
-def _step(new: list[int], ctx: list[int], bs: int, seed: int) -> tuple[AttentionMetadata, PagedKVCache]:
+def _step(
+    new: list[int], ctx: list[int], bs: int, seed: int, kv_dtype: torch.dtype = torch.float32
+) -> tuple[AttentionMetadata, PagedKVCache]:
     """A step of sequences with `new` tokens each and `ctx` tokens in KV after it, on shuffled blocks of
-    a random cache."""
+    a random cache (an fp8 one: stored rotated, with per-channel scales 2^-3 .. 2^0)."""
     g = torch.Generator().manual_seed(seed)
-    spec = KVCacheSpec(1, 64, bs, 3, 16)
-    cache = PagedKVCache(spec, device="cpu")
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    spec = KVCacheSpec(1, 64, bs, 3, 16, kv_dtype)
+    exps = -(torch.arange(3 * 16).view(1, 3, 16) % 4).float()
+    scales = KVScales(torch.exp2(exps), torch.exp2(exps.flip(-1))) if kv_dtype.itemsize == 1 else None
+    cache = PagedKVCache(spec, device="cpu", compute_dtype=torch.float32, scales=scales)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(kv_dtype))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(kv_dtype))
     free = torch.randperm(64, generator=g).tolist()
     tables, slots, qsl = [], [], [0]
     for n, c in zip(new, ctx, strict=True):
@@ -34,12 +38,15 @@ def _step(new: list[int], ctx: list[int], bs: int, seed: int) -> tuple[Attention
     ([1, 5, 1, 1, 3], [30, 5, 2, 17, 12]),  # decodes around prefill chunks
     ([4, 1], [4, 9]),  # one decode: the per-sequence path
 ])  # fmt: skip
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
 def test_batched_decode_attention_matches_the_per_sequence_path(
-    monkeypatch: pytest.MonkeyPatch, new: list[int], ctx: list[int]
+    monkeypatch: pytest.MonkeyPatch, new: list[int], ctx: list[int], kv_dtype: torch.dtype
 ) -> None:
+    """fp8: the cache holds K and V rotated and attention reads them so, rotating the query and its
+    output instead; the result is attention over K and V as read back (`gather`, rotated back)."""
     outs = []
     for batched in (True, False):
-        meta, cache = _step(new, ctx, bs=8, seed=sum(ctx))
+        meta, cache = _step(new, ctx, bs=8, seed=sum(ctx), kv_dtype=kv_dtype)
         if not batched:
             monkeypatch.setattr(AttentionMetadata, "decode_batch", lambda self, bs: None)
         g = torch.Generator().manual_seed(1)
@@ -49,7 +56,7 @@ def test_batched_decode_attention_matches_the_per_sequence_path(
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(outs[0]).all()
     # and both against plain attention in float64 over each sequence's keys, read back from the cache
-    meta, cache = _step(new, ctx, bs=8, seed=sum(ctx))
+    meta, cache = _step(new, ctx, bs=8, seed=sum(ctx), kv_dtype=kv_dtype)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(sum(new), h, 16, generator=g) for h in (9, 3, 3))
     cache.write(0, meta.slot_mapping, k, v)

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from common.kernels.paged_attention import paged_attention_launch, store_kv  # noqa: E402
-from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache  # noqa: E402
+from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache, kv_rotation  # noqa: E402
 from common.model.attention import AttentionMetadata, KernelMetadata, paged_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,7 +45,7 @@ def make_step(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     spare_blocks: int = 3,
-    kv_dtype: torch.dtype | None = None,  # the cache's, if not `dtype` (fp8: with per-head scales)
+    kv_dtype: torch.dtype | None = None,  # the cache's, if not `dtype` (fp8: with per-channel scales)
 ) -> Step:
     g = torch.Generator().manual_seed(seed)
     need = [-(-c // block_size) for _, c in seqs]
@@ -79,12 +79,13 @@ def make_step(
 
 
 def new_cache(spec: KVCacheSpec, compute_dtype: torch.dtype) -> PagedKVCache:
-    """An empty cache; an fp8 one with a different power-of-two scale for every (layer, head), K and V."""
+    """An empty cache; an fp8 one with power-of-two scales varying over (layer, head, channel), K and V
+    (exponents -4 .. 3, each channel of a head its own)."""
     scales = None
     if spec.dtype in FP8:
-        n = spec.num_layers * spec.num_kv_heads
-        exps = torch.arange(n, dtype=torch.float32).view(spec.num_layers, spec.num_kv_heads)
-        scales = KVScales(torch.exp2(exps - 3), torch.exp2(1 - exps))
+        shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        exps = torch.arange(spec.num_layers * spec.num_kv_heads * spec.head_dim).view(shape) * 5 % 8
+        scales = KVScales(torch.exp2(exps.float() - 4), torch.exp2(3 - exps.float()))
     return PagedKVCache(spec, device=DEVICE, compute_dtype=compute_dtype, scales=scales)
 
 
@@ -164,15 +165,30 @@ def test_bfloat16_matches_reference_within_bf16_precision() -> None:
 
 
 @pytest.mark.parametrize("kv_dtype", FP8)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fp8_cache_matches_the_reference_over_the_same_bytes(kv_dtype: torch.dtype, seed: int) -> None:
-    """Both paths store the same fp8 bytes (run_both checks), and attention over them with the per-head
-    scales applied in the kernel matches the reference's attention over the dequantized values."""
+@pytest.mark.parametrize(
+    "seed,n_heads,n_kv,head_dim", [(0, 9, 3, 64), (1, 16, 2, 24)], ids=["smollm2", "hd24"]
+)
+def test_fp8_cache_matches_the_reference_over_the_same_bytes(
+    kv_dtype: torch.dtype, seed: int, n_heads: int, n_kv: int, head_dim: int
+) -> None:
+    """Both paths store the same fp8 bytes (run_both checks: rotated, scaled per channel), and attention
+    over them with the per-channel scales applied in the kernel (K's to the query, V's to the output)
+    matches the reference's attention over the dequantized values; a head size that is not a power of
+    two pads the scale vectors (masked) and rotates by two Hadamard blocks (24 = 16 + 8)."""
     seqs = [(1, 33), (12, 40), (1, 5), (1, 70), (7, 7)]
-    step = make_step(seqs, 9, 3, 64, 16, seed=seed, kv_dtype=kv_dtype)
+    step = make_step(seqs, n_heads, n_kv, head_dim, 16, seed=seed, kv_dtype=kv_dtype)
     step.k[0, 0, :4] = torch.tensor([1e6, -1e6, 3.0, 0.0])  # past the range: saturates, never inf/NaN
     ref, out = run_both(step)
     assert torch.isfinite(out).all() and (ref - out).abs().max().item() <= 1e-4
+    # the values past the range (stored rotated: the two outliers spread over the head's channels),
+    # counted as they were written
+    sc, fmax = step.cache.scales, torch.finfo(kv_dtype).max
+    assert sc is not None
+    past = sum(
+        int(((x.cpu() @ kv_rotation(head_dim)) / s[1].cpu()).abs().gt(fmax).sum())
+        for x, s in ((step.k, sc.k), (step.v, sc.v))
+    )
+    assert past > 0 and step.cache.clamped == past
 
 
 def test_padding_rows_give_zeros_and_write_nothing() -> None:
