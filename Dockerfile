@@ -75,6 +75,7 @@ COPY prefill_service ./prefill_service
 COPY decode_service ./decode_service
 COPY kv_transfer ./kv_transfer
 COPY bench ./bench
+COPY planner ./planner
 # torch is already installed: `pip install ./[gpu]` keeps it (the pin range in pyproject.toml admits it);
 # the gpu extra brings triton and NIXL (nixl-cu12), in both images.
 # /opt/splitserve/bin/splitserve (first on PATH, so also what `docker compose exec router splitserve ...`

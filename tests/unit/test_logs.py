@@ -424,7 +424,7 @@ def test_loading_a_gguf_shows_its_dequantization(stream: io.StringIO, tmp_path: 
     model, _ = load_model(str(path), dtype=torch.float32)
     msgs = model_lines(stream)
     assert msgs[0] == f"loading model {path} ..."
-    assert re.fullmatch(rf"tiny.gguf: header read, {n} tensors, \d+\.\d s", msgs[1])
+    assert re.fullmatch(rf"tiny.gguf: header and tokenizer read, {n} tensors, \d+\.\d s", msgs[1])
     assert msgs[2] == f"dequantizing tiny.gguf: {n} tensors ..."
     assert re.fullmatch(rf"dequantizing tiny.gguf: {n} tensors in \d+\.\d s", msgs[3])
     assert re.fullmatch(
