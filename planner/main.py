@@ -18,6 +18,18 @@ from planner.signals import SignalReader, describe
 log = logging.getLogger("splitserve.planner")
 
 
+def config_from_args(args: argparse.Namespace) -> PlannerConfig:
+    """The planner's settings from `splitserve planner`'s flags, or `up --autoscale`'s (which add the
+    autoscale_* timings)."""
+    given = {f: getattr(args, f) for f in ("ttft_target_s", "tpot_target_s", "budget")}
+    for role in ("prefill", "decode"):
+        given |= {f"min_{role}": getattr(args, f"min_{role}"), f"max_{role}": getattr(args, f"max_{role}")}
+    timings = {"cooldown_s": "autoscale_cooldown_s", "down_stable_s": "autoscale_down_after_s"}
+    timings["window_s"] = "autoscale_window_s"
+    given |= {k: getattr(args, a) for k, a in timings.items() if getattr(args, a, None) is not None}
+    return PlannerConfig(**given)
+
+
 class DryRun:
     """Says what it would do; changes nothing."""
 
@@ -58,15 +70,7 @@ def main(args: argparse.Namespace) -> int:
         print("error: --redis-url / SPLITSERVE_REDIS_URL: where the worker registry is", file=sys.stderr)
         return 2
     try:
-        config = PlannerConfig(
-            ttft_target_s=args.ttft_target_s,
-            tpot_target_s=args.tpot_target_s,
-            min_prefill=args.min_prefill,
-            min_decode=args.min_decode,
-            max_prefill=args.max_prefill,
-            max_decode=args.max_decode,
-            budget=args.budget,
-        )
+        config = config_from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,26 +10,14 @@ import asyncio
 import json
 import time
 
-from planner.policy import Planner, PlannerConfig
+from planner.main import config_from_args
+from planner.policy import Planner
 from planner.signals import SignalReader, describe
 
 
 class Autoscaler:
     def __init__(self, args: argparse.Namespace, redis_url: str, router_url: str) -> None:
-        self.planner = Planner(
-            PlannerConfig(
-                ttft_target_s=args.ttft_target_s,
-                tpot_target_s=args.tpot_target_s,
-                min_prefill=args.min_prefill,
-                max_prefill=args.max_prefill,
-                min_decode=args.min_decode,
-                max_decode=args.max_decode,
-                budget=args.budget,
-                cooldown_s=args.autoscale_cooldown_s,
-                down_stable_s=args.autoscale_down_after_s,
-                window_s=args.autoscale_window_s,
-            )
-        )
+        self.planner = Planner(config_from_args(args))
         self.interval_s = args.autoscale_interval_s
         self.loop = asyncio.new_event_loop()  # the reader's Redis client lives on this one loop
         self.reader = SignalReader(redis_url, router_url, args.api_key)

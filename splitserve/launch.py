@@ -724,6 +724,14 @@ def _up_defaults(args: argparse.Namespace) -> int:
     if args.autoscale and (args.devices or args.prefill_devices or args.decode_devices):
         print("error: --autoscale places no GPUs yet: leave out --devices", file=sys.stderr)
         return 2
+    if args.autoscale:
+        from planner.main import config_from_args
+
+        try:
+            config_from_args(args)  # the planner's settings, checked before anything starts
+        except ValueError as e:
+            print(f"error: --autoscale: {e}", file=sys.stderr)
+            return 2
     args.tenant_weights_text = (
         ",".join(f"{k}={v}" for k, v in args.engine_tenant_weights.items())
         if args.engine_tenant_weights
