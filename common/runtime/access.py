@@ -20,6 +20,7 @@ with that app's response (the router's OpenAI-style 500), else it propagates (th
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -64,6 +65,9 @@ def _client(scope: Scope) -> str:
     return escape(f"{host}:{port}" if port is not None else host)
 
 
+_HEADER_ID = re.compile(r"[\x21-\x7e]{1,200}")  # what an x-request-id header may carry
+
+
 class AccessLog:
     """ASGI middleware: request id, x-request-id header, one access line per request (module doc)."""
 
@@ -88,14 +92,15 @@ class AccessLog:
             nonlocal status, sent_id
             if message["type"] == "http.response.start":
                 status = message["status"]
-                headers = list(message.get("headers", []))
-                for k, v in headers:
-                    if k.lower() == b"x-request-id":
-                        sent_id = v.decode("latin-1")
-                        break
-                else:
-                    sent_id = state["request_id"]
-                    headers.append((b"x-request-id", sent_id.encode("latin-1", "replace")))
+                # a request id comes from the caller's message (a service's) or a handler: one that is
+                # not a plain header token (control characters, spaces, non-ASCII, too long) would make
+                # the server refuse to send the response at all, so the header gets a fresh id instead
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                given = [v for k, v in message.get("headers", []) if k.lower() == b"x-request-id"]
+                sent_id = given[0].decode("latin-1") if given else str(state["request_id"])
+                if not _HEADER_ID.fullmatch(sent_id):
+                    sent_id = new_request_id()
+                headers.append((b"x-request-id", sent_id.encode("ascii")))
                 message = {**message, "headers": headers}
             await send(message)
 

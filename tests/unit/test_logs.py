@@ -193,6 +193,11 @@ def make_app() -> FastAPI:
     async def own_header() -> JSONResponse:
         return JSONResponse({}, headers={"x-request-id": "chatcmpl-7"})
 
+    @app.get("/bad-id")
+    async def bad_id(request: Request) -> PlainTextResponse:
+        request.state.request_id = "id\nwith é and spaces"  # a caller's message id, fuzzed
+        return PlainTextResponse("ok")
+
     @app.get("/health")
     async def health() -> PlainTextResponse:
         return PlainTextResponse("ok")
@@ -237,6 +242,16 @@ def test_the_handler_names_the_id(stream: io.StringIO) -> None:
     r = client.get("/own-header")
     assert r.headers.get_list("x-request-id") == ["chatcmpl-7"]  # not a second one
     assert access_lines(stream)[-1]["request_id"] == "chatcmpl-7"
+
+
+def test_an_id_that_is_no_header_token_does_not_cost_the_response(stream: io.StringIO) -> None:
+    """A request id a caller put in its message (control characters, non-ASCII) cannot go into a header:
+    the server would refuse to send the response at all (the internal fuzzer found it). The answer keeps
+    its status and gets a fresh id."""
+    configure_logging("info", "json", stream=stream)
+    r = TestClient(make_app()).get("/bad-id")
+    assert r.status_code == 200 and r.headers["x-request-id"].startswith("req-")
+    assert access_lines(stream)[-1]["request_id"] == r.headers["x-request-id"]
 
 
 def test_a_path_with_a_newline_is_one_escaped_line(stream: io.StringIO) -> None:
