@@ -70,6 +70,21 @@ class EngineConfig(BaseSettings):
         "calibrated power-of-two scale per layer and KV head",
     )
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of a prefix already held")
+    kv_offload_ram_gb: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="host RAM for prefix-cache KV blocks evicted from the KV cache, read back on a later "
+        "hit instead of recomputed (0: off)",
+    )
+    kv_offload_disk_dir: str | None = Field(
+        None,
+        description="a folder for the disk tier of evicted KV blocks (blocks evicted twice; each service "
+        "takes a slot-N folder of its own, emptied at start); none: off",
+    )
+    kv_offload_disk_gb: float = Field(
+        16.0, gt=0, allow_inf_nan=False, description="the disk tier's size limit, per service"
+    )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
     tensor_parallel_size: int = Field(
         1,

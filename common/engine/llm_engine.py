@@ -49,6 +49,7 @@ from common.engine.static_batching import StaticBatchScheduler
 from common.kv import quant
 from common.kv.block_manager import BlockManager
 from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
+from common.kv.offload import KVOffload
 from common.model.calibration import calibration_ids, kv_amax
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
@@ -215,6 +216,8 @@ class LLMEngine:
             time.monotonic() - t0,
         )  # fmt: skip
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_offload = self._offload_tiers()
+        self.block_manager.tier = self.kv_offload
         sched_cfg = SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -264,10 +267,26 @@ class LLMEngine:
         return cls(model, tokenizer, config, placement, connector)
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (a no-op without them); idempotent. The engine
-        cannot step afterwards."""
+        """Stop the tensor-parallel worker processes (a no-op without them) and the KV offload tiers'
+        writer; idempotent. The engine cannot step afterwards."""
         if self.tp_workers is not None:
             self.tp_workers.close()
+        if self.kv_offload is not None:
+            self.kv_offload.close()
+
+    def _offload_tiers(self) -> KVOffload | None:
+        """The KV offload tiers behind the pool (kv_offload_ram_gb, kv_offload_disk_dir), or None."""
+        cfg = self.config
+        if cfg.kv_offload_ram_gb <= 0 and not cfg.kv_offload_disk_dir:
+            return None
+        if not cfg.enable_prefix_caching:
+            raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
+        if cfg.tensor_parallel_size > 1:  # TODO(issue 32): each rank offloads its own shard
+            raise ValueError("KV offload tiers with tensor_parallel_size > 1 are not supported yet")
+        return KVOffload.create(
+            self.kv_cache, repr(self.kv_compat()), cfg.kv_offload_ram_gb, cfg.kv_offload_disk_dir,
+            cfg.kv_offload_disk_gb,
+        )  # fmt: skip
 
     def _kv_blocks(self, bytes_per_block: int) -> int:
         """KV blocks from kv_cache_memory_mb, or on a GPU (by default) from what is free after a
@@ -441,6 +460,8 @@ class LLMEngine:
     # --- one iteration ----------------------------------------------------------------------------
     def step(self) -> StepResult:
         out = self.scheduler.schedule()
+        if self.kv_offload is not None:  # blocks evicted by this schedule, out before anything writes
+            self.kv_offload.flush()
         self._move_swapped(out)
         result = StepResult(
             admitted=[Admission(s.seq_id, list(s.block_table), s.num_cached_tokens) for s in out.admitted],

@@ -15,6 +15,11 @@ leaves it (eviction, in _take) is recorded as (stored, hash) in a deque the engi
 and another thread drains (drain_kv_events); a publisher turns them into Redis stream entries
 (common/cluster/kv_events.py). A freed hashed block stays cached, so freeing records nothing. Off by
 default, so offline use keeps no buffer that nobody drains.
+
+Offload tiers (`tier`, an `OffloadTier`: common/kv/offload.py): an evicted hashed block is handed to
+the tier before the block is reused, and `allocate` continues a prompt's pool prefix with the blocks the
+tier can return, read into the freshly taken blocks and hashed only once their KV is there (tier hits
+count as cached tokens, like pool hits).
 """
 
 from __future__ import annotations
@@ -28,6 +33,17 @@ from common.prefix_hash import ROOT, block_hash
 
 KVEvent = tuple[bool, int]  # (stored, hash): True when the hash entered the prefix cache, False when it left
 SNAPSHOT_TRIES = 8  # cached_hashes(): copies attempted while the engine thread changes the index
+
+
+class OffloadTier(Protocol):
+    """Where evicted prefix-cache blocks go, and come back from (common/kv/offload.py)."""
+
+    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        """A hashed block leaves the pool: its KV is still in the block (copy it before the next write)."""
+
+    def load(self, hashes: Seq[int], tokens: Seq[tuple[int, ...]], block_ids: Seq[int]) -> int:
+        """Write the KV of the longest run of leading `hashes` the tier returns (verified) into
+        `block_ids`; returns how many blocks it wrote."""
 
 
 class BlockOwner(Protocol):
@@ -63,6 +79,8 @@ class BlockManager:
         # KV events, appended by the engine thread after each change to hash_to_block and drained by
         # another thread (deque append/popleft are atomic); None while events are off.
         self.kv_events: deque[KVEvent] | None = None
+        self.tier: OffloadTier | None = None  # offload tiers behind the pool (module doc); None: off
+        self.tier_hits = 0  # blocks loaded from a tier at admission
 
     # --- capacity ---------------------------------------------------------------------------------
     @property
@@ -109,8 +127,10 @@ class BlockManager:
             assert self.cached_ids, "out of KV blocks: callers must check can_allocate/can_append first"
             bid, _ = self.cached_ids.popitem(last=False)  # evict the least recently used
             blk = self.blocks[bid]
-            evicted, blk.hash, blk.tokens = blk.hash, None, ()
+            evicted, tokens, blk.hash, blk.tokens = blk.hash, blk.tokens, None, ()
             assert evicted is not None, f"cached block {bid} has no hash"
+            if self.tier is not None:
+                self.tier.evicted(bid, evicted, tokens)
             del self.hash_to_block[evicted]
             if self.kv_events is not None:
                 self.kv_events.append((False, evicted))
@@ -141,9 +161,42 @@ class BlockManager:
         self.prefix_hits += len(hits)
         for bid in hits:
             self._ref(bid)
-        seq.block_table = hits + [self._take() for _ in range(self.blocks_needed(n) - len(hits))]
+        fresh = [self._take() for _ in range(self.blocks_needed(n) - len(hits))]
+        seq.block_table = hits + fresh
         seq.num_hashed_blocks = len(hits)
-        seq.num_cached_tokens = len(hits) * self.block_size
+        loaded = self._load_from_tier(seq, limit, hits, fresh) if use_prefix_cache else 0
+        seq.num_cached_tokens = (len(hits) + loaded) * self.block_size
+
+    def _load_from_tier(self, seq: BlockOwner, limit: int, hits: list[int], fresh: list[int]) -> int:
+        """Continue seq's pool prefix (`hits`) with the blocks the offload tier returns, read into the
+        first `fresh` blocks and hashed as a commit would; returns how many. The chain stops at a hash
+        the pool holds already (its copy there stays the one in the index)."""
+        if self.tier is None or not self.enable_prefix_caching:
+            return 0
+        bs, start = self.block_size, len(hits)
+        parent = self.blocks[hits[-1]].hash if hits else _root(seq)
+        assert parent is not None, "a prefix hit has a hash"
+        hashes: list[int] = []
+        tokens: list[tuple[int, ...]] = []
+        for i in range(start, limit // bs):
+            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, toks)
+            if parent in self.hash_to_block:
+                break
+            hashes.append(parent)
+            tokens.append(toks)
+        if not hashes:
+            return 0
+        loaded = self.tier.load(hashes, tokens, fresh[: len(hashes)])
+        for h, toks, bid in zip(hashes[:loaded], tokens, fresh, strict=False):
+            blk = self.blocks[bid]
+            blk.hash, blk.tokens = h, toks
+            self.hash_to_block[h] = bid
+            if self.kv_events is not None:
+                self.kv_events.append((True, h))
+        seq.num_hashed_blocks = start + loaded
+        self.tier_hits += loaded
+        return loaded
 
     def can_append(self, seq: BlockOwner, num_new_tokens: int = 1) -> bool:
         need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)

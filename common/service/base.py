@@ -94,6 +94,7 @@ class Service:
                 lambda: self.aengine.load,
                 lambda: self.leases.expired if self.leases else 0,
                 self.transfer_counters,
+                engine.kv_offload.stats if engine.kv_offload is not None else (lambda: None),
             )
         )
         setup_tracing(cfg.role)

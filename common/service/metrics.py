@@ -8,9 +8,10 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from common.engine.api import EngineLoad
+from common.kv.tiers import LATENCY_BUCKETS, VERIFY_CAUSES, Latency, StoreStats
 
 # Seconds. Queue waits and TTFT span a crowded queue; ITL/TPOT one engine step.
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -34,6 +35,7 @@ PREEMPTION_KINDS = ("swap", "recompute")
 # The KV transfer's figures are labelled by backend and by rank (the tensor-parallel rank whose KV shard
 # moved; 0 until there is tensor parallelism): a bounded set, never a request id.
 TRANSFER_LABELS = ("backend", "rank")
+TIER_WRITE_FAILURES = ("full", "too_large", "io")  # common/kv/tiers.py: why a chunk was not stored
 
 
 class TransportCount(NamedTuple):
@@ -126,9 +128,11 @@ class EngineCollector:
         load: Callable[[], EngineLoad],
         expired_leases: Callable[[], int],
         transfer_counters: Callable[[], list[TransportCount]],
+        tiers: Callable[[], StoreStats | None] = lambda: None,
     ) -> None:
         self.load = load
         self.expired_leases, self.transfer_counters = expired_leases, transfer_counters
+        self.tiers = tiers  # the KV offload tiers' figures (None: off)
 
     def collect(self) -> Iterator[Metric]:
         load = self.load()
@@ -175,3 +179,86 @@ class EngineCollector:
                 transport[c.name] = CounterMetricFamily(c.name, c.doc, labels=TRANSFER_LABELS)
             transport[c.name].add_metric([c.backend, str(c.rank)], c.value)
         yield from transport.values()
+        yield from self._tier_metrics()
+
+    def _tier_metrics(self) -> Iterator[Metric]:
+        """The KV offload tiers (common/kv/tiers.py), labelled by tier (ram, disk): nothing while off."""
+        store = self.tiers()
+        if store is None:
+            return
+        gauges = {  # TierStats field -> family
+            "bytes": GaugeMetricFamily("splitserve_kv_tier_bytes", "bytes a KV tier holds", labels=["tier"]),
+            "capacity_bytes": GaugeMetricFamily(
+                "splitserve_kv_tier_capacity_bytes", "a KV tier's size limit", labels=["tier"]
+            ),
+            "blocks": GaugeMetricFamily(
+                "splitserve_kv_tier_blocks", "KV blocks a tier holds", labels=["tier"]
+            ),
+        }
+        counters = {
+            "hits": CounterMetricFamily(
+                "splitserve_kv_tier_hits", "KV blocks read back from a tier and verified", labels=["tier"]
+            ),
+            "misses": CounterMetricFamily(
+                "splitserve_kv_tier_misses",
+                "KV blocks looked up in a tier and not returned (not held, or failed to verify)",
+                labels=["tier"],
+            ),
+            "writes": CounterMetricFamily(
+                "splitserve_kv_tier_writes", "KV blocks stored in a tier", labels=["tier"]
+            ),
+            "evicted": CounterMetricFamily(
+                "splitserve_kv_tier_evicted", "KV blocks a tier's LRU let go of", labels=["tier"]
+            ),
+        }
+        verify = CounterMetricFamily(
+            "splitserve_kv_tier_verify_failures",
+            "tier reads that failed or did not verify (each a miss, recomputed), by cause",
+            labels=["tier", "cause"],
+        )
+        wfail = CounterMetricFamily(
+            "splitserve_kv_tier_write_failures",
+            "KV blocks not stored: full (disk full), too_large (a chunk over the tier's size), io",
+            labels=["tier", "cause"],
+        )
+        read = HistogramMetricFamily(
+            "splitserve_kv_tier_read_seconds", "one chunk read from a tier and verified", labels=["tier"]
+        )
+        write = HistogramMetricFamily(
+            "splitserve_kv_tier_write_seconds", "one chunk encoded and stored in a tier", labels=["tier"]
+        )
+        for st in store.tiers:
+            t = [st.tier]
+            for name, g in gauges.items():
+                g.add_metric(t, getattr(st, name))
+            for name, c in counters.items():
+                c.add_metric(t, getattr(st, name))
+            for cause in VERIFY_CAUSES:  # every cause, 0 before the first (an alert reads 0, not no data)
+                verify.add_metric([st.tier, cause], st.verify_failures[cause])
+            for cause in TIER_WRITE_FAILURES:
+                wfail.add_metric([st.tier, cause], st.write_failures[cause])
+            read.add_metric(t, _buckets(st.read_latency), st.read_latency.sum)
+            write.add_metric(t, _buckets(st.write_latency), st.write_latency.sum)
+        yield from gauges.values()
+        yield from counters.values()
+        yield from (verify, wfail, read, write)
+        yield CounterMetricFamily(
+            "splitserve_kv_tier_dropped_blocks",
+            "evicted KV blocks dropped because the tier write queue was full",
+            value=store.dropped_blocks,
+        )
+        yield CounterMetricFamily(
+            "splitserve_kv_tier_filtered_blocks",
+            "evicted KV blocks kept off the disk by the reuse filter (not evicted twice yet)",
+            value=store.filtered_blocks,
+        )
+
+
+def _buckets(lat: Latency) -> list[tuple[str, float]]:
+    """A tier latency as Prometheus' cumulative buckets."""
+    out: list[tuple[str, float]] = []
+    total = 0
+    for bound, n in zip((*LATENCY_BUCKETS, float("inf")), lat.counts, strict=True):
+        total += n
+        out.append(("+Inf" if bound == float("inf") else repr(bound), total))
+    return out

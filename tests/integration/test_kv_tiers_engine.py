@@ -1,0 +1,262 @@
+"""KV offload tiers behind the real SmolLM2 engine's pool (common/kv/offload.py, common/kv/tiers.py).
+
+Three prompts cycle through a pool that holds two: every repeat finds its prefix evicted. Tiers off,
+it is recomputed; tiers on, it is read back from RAM or disk and only the suffix is computed. Each
+run sends the same requests one at a time (the same batch shape on both sides), and the greedy tokens
+must be equal, request by request, with a tier hit counted. Then the faults (a truncated, flipped or
+deleted file, a disk too small for a chunk, a disk whose writes hang): each is a miss, recomputed, and
+every output still equals the tiers-off run's — 0 wrong outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from common.config import EngineConfig, ServiceConfig
+from common.engine.llm_engine import LLMEngine
+from common.kv.offload import KVOffload
+from common.kv.tiers import TierStats, TierStore
+from common.prefix_hash import prefix_chain
+from common.sampling_params import SamplingParams
+from common.security.secret import InternalSecret
+from common.service.base import Service
+from common.service.metrics import EngineCollector
+
+QUESTIONS = [  # after the chat template's shared system prompt, ~90 tokens of their own each
+    "Describe, step by step, how a bicycle converts the rider's pedaling into forward motion, "
+    "mentioning the chain, the gears and the wheels. Then say what changes when the rider shifts to a "
+    "lower gear on a steep hill, and why riding downhill in the highest gear feels so different from "
+    "riding uphill in the lowest one.",
+    "Write a short note to a neighbour asking them to water the tomato plants on the balcony while "
+    "you are away for the weekend, and thank them. Mention that the watering can is behind the door, "
+    "that the small pots need less water than the big ones, and that they may pick any ripe tomatoes "
+    "they find while you are gone.",
+    "Explain why the sky looks blue during the day and red or orange at sunset, in words a ten year "
+    "old would understand, with one everyday example. Then explain why clouds look white or grey, and "
+    "why the sky on the moon looks black even in the middle of the day when the sun is shining.",
+]
+ORDER = [0, 1, 2, 0, 1, 2, 0]  # prompt 0 is evicted twice by request 4: on disk for request 6
+LONG = ORDER + [1, 2]
+MAX_TOKENS = 4
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+WAIT_S = 30
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    _, tok = smollm
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+
+
+def _config(prompts: list[list[int]], **tiers: object) -> EngineConfig:
+    """A pool of one request's blocks and two more: most of the last prompt is evicted by the next."""
+    per_request = max(-(-(len(p) + MAX_TOKENS) // 16) for p in prompts)
+    return EngineConfig(num_kv_blocks=per_request + 2, max_num_seqs=1, **tiers)  # type: ignore[arg-type]
+
+
+def _run(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    order: list[int] = ORDER,
+    before: Callable[[int], None] | None = None,
+) -> list[list[int]]:
+    """The requests one at a time; before each, the tiers' writes are done (a condition, not a sleep)
+    and `before(i)` may inject a fault."""
+    outs = []
+    for i, p in enumerate(order):
+        if engine.kv_offload is not None:
+            assert engine.kv_offload.store.wait_idle(WAIT_S), "the tier writer never caught up"
+        if before is not None:
+            before(i)
+        outs.append(engine.generate([prompts[p]], PARAMS)[0].token_ids)
+    engine.block_manager.check_integrity()
+    return outs
+
+
+def _tier(engine: LLMEngine, name: str) -> TierStats:
+    assert engine.kv_offload is not None
+    return next(t for t in engine.kv_offload.stats().tiers if t.tier == name)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    model, tok = smollm
+    engine = LLMEngine(model, tok, _config(prompts))
+    outs = _run(engine, prompts, LONG)
+    assert engine.block_manager.prefix_hits < sum((len(prompts[p]) - 1) // 16 for p in LONG[3:]) // 2, (
+        "the pool must be too small to keep the repeated prompts"
+    )
+    return outs
+
+
+def test_ram_tier_hits_give_the_same_tokens(smollm, prompts, reference) -> None:  # type: ignore[no-untyped-def]
+    model, tok = smollm
+    engine = LLMEngine(model, tok, _config(prompts, kv_offload_ram_gb=0.25))
+    try:
+        assert _run(engine, prompts) == reference[: len(ORDER)]
+        ram = _tier(engine, "ram")
+        assert ram.hits > 0 and ram.hits == engine.block_manager.tier_hits
+        assert ram.verify_failures.total() == 0 and 0 < ram.bytes <= ram.capacity_bytes
+        # the service's /metrics shows them
+        registry = CollectorRegistry()
+        registry.register(EngineCollector(engine.load, lambda: 0, list, engine.kv_offload.stats))  # type: ignore[union-attr]
+        text = generate_latest(registry).decode()
+        assert f'splitserve_kv_tier_hits_total{{tier="ram"}} {float(ram.hits)}' in text
+        assert 'splitserve_kv_tier_verify_failures_total{cause="checksum",tier="ram"} 0.0' in text
+        assert 'splitserve_kv_tier_read_seconds_count{tier="ram"}' in text
+    finally:
+        engine.close()
+
+
+def test_disk_tier_hits_give_the_same_tokens(smollm, prompts, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    model, tok = smollm
+    engine = LLMEngine(
+        model, tok, _config(prompts, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.25)
+    )
+    try:
+        assert _run(engine, prompts) == reference[: len(ORDER)]
+        disk = _tier(engine, "disk")
+        assert disk.hits > 0 and disk.hits == engine.block_manager.tier_hits
+        assert engine.kv_offload.stats().filtered_blocks > 0  # type: ignore[union-attr]  # one-offs kept off
+        assert disk.verify_failures.total() == 0
+    finally:
+        engine.close()
+
+
+FAULTS = {6: (0, "truncated"), 7: (1, "checksum"), 8: (2, "missing")}  # request -> (its prompt, fault)
+
+
+def _damage(store: TierStore, prompt: list[int], fault: str) -> None:
+    """Damage every disk record holding a block of this prompt."""
+    assert store.disk is not None and store.slot is not None
+    keys = {store.disk.where[h][0] for h in prefix_chain(prompt, 16) if h in store.disk.where}
+    assert keys, "the disk tier holds none of the prompt's blocks"
+    for key in keys:
+        f = store.slot / f"{key:016x}.kv"
+        data = bytearray(f.read_bytes())
+        if fault == "truncated":
+            f.write_bytes(data[: len(data) // 2])
+        elif fault == "checksum":
+            data[len(data) - 1000] ^= 0x01  # one bit of one K/V value
+            f.write_bytes(data)
+        elif fault == "missing":
+            f.unlink()
+
+
+def test_a_damaged_disk_tier_is_recomputed_never_wrong(smollm, prompts, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each prompt's records damaged just before the request that would read them back: truncated,
+    one flipped bit, deleted."""
+    model, tok = smollm
+    engine = LLMEngine(
+        model, tok, _config(prompts, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.25)
+    )
+    assert engine.kv_offload is not None
+    store = engine.kv_offload.store
+
+    def before(i: int) -> None:
+        if i in FAULTS:
+            p, fault = FAULTS[i]
+            _damage(store, prompts[p], fault)
+
+    try:
+        assert _run(engine, prompts, LONG, before) == reference
+        disk = _tier(engine, "disk")
+        assert all(disk.verify_failures[fault] >= 1 for _, fault in FAULTS.values()), disk.verify_failures
+        assert disk.hits == 0 and engine.block_manager.tier_hits == 0, "nothing damaged was loaded"
+    finally:
+        engine.close()
+
+
+def test_a_full_disk_is_a_miss_not_an_error(smollm, prompts, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, tok = smollm
+    tiny = 64 / 2**30  # 64 bytes: no record fits
+    engine = LLMEngine(
+        model, tok, _config(prompts, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=tiny)
+    )
+    try:
+        assert _run(engine, prompts) == reference[: len(ORDER)]
+        disk = _tier(engine, "disk")
+        assert disk.write_failures["too_large"] > 0 and disk.hits == 0 and disk.bytes == 0
+    finally:
+        engine.close()
+
+
+class HungDisk(TierStore):
+    """A disk whose writes hang until released (a slow or stalled device)."""
+
+    release = threading.Event()
+
+    def _write_file(self, path: Path, rec: bytearray) -> None:
+        assert self.release.wait(120), "the test never released the disk"
+        super()._write_file(path, rec)
+
+
+def test_a_hung_disk_never_stalls_the_engine(smollm, prompts, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every write hangs for the whole run: the engine finishes anyway (no step waits on a write), the
+    write queue fills and drops are counted, and nothing is read back that was not written."""
+    model, tok = smollm
+    engine = LLMEngine(model, tok, _config(prompts, kv_offload_ram_gb=0.25))
+    assert engine.kv_offload is not None
+    engine.kv_offload.store.close()
+    store = HungDisk(
+        engine.kv_offload.store.digest, 16, engine.kv_cache.spec.bytes_per_block, ram_bytes=2**28,
+        disk_dir=tmp_path, disk_bytes=2**28, queue_chunks=1,
+    )  # fmt: skip
+    engine.kv_offload = engine.block_manager.tier = KVOffload(engine.kv_cache, store)
+    HungDisk.release.clear()
+    try:
+        outs = []
+        for i, p in enumerate(LONG):
+            if i < 5:  # until the first disk write (prompt 0's second eviction) the writer keeps up
+                assert store.wait_idle(WAIT_S)
+            outs.append(engine.generate([prompts[p]], PARAMS)[0].token_ids)
+        assert outs == reference
+        assert not store.wait_idle(0), "the disk write is still hanging"
+        assert store.stats().dropped_blocks > 0 and _tier(engine, "disk").writes == 0
+        assert _tier(engine, "ram").hits > 0, "RAM reads go on while the disk hangs"
+    finally:
+        HungDisk.release.set()
+        engine.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "fp8_e4m3"])
+def test_narrow_kv_dtypes_round_trip_through_the_tiers(tiny, tmp_path, kv_dtype) -> None:  # type: ignore[no-untyped-def]
+    """A tier record holds the cache's own bytes (bf16, or fp8 with its scales named in the digest):
+    read back, they give the tokens a recompute gives (on the tiny model: fast)."""
+    model, tok = tiny
+    prompts = [tok.encode(q) for q in QUESTIONS]
+    base = _config(prompts).model_copy(update={"kv_cache_dtype": kv_dtype})
+    off = LLMEngine(model, tok, base)
+    want = _run(off, prompts, LONG)
+    tiers = {"kv_offload_ram_gb": 0.01, "kv_offload_disk_dir": str(tmp_path), "kv_offload_disk_gb": 0.01}
+    on = LLMEngine(model, tok, base.model_copy(update=tiers))
+    try:
+        assert _run(on, prompts, LONG) == want
+        assert on.block_manager.tier_hits > 0
+        assert all(t.verify_failures.total() == 0 for t in on.kv_offload.stats().tiers)  # type: ignore[union-attr]
+    finally:
+        on.close()
+
+
+def test_the_service_registry_shows_each_tier(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A service's /metrics registry (common/service/base.py) carries the tiers' figures, by tier."""
+    model, tok = tiny
+    cfg = EngineConfig(kv_offload_ram_gb=0.01, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01)
+    engine = LLMEngine(model, tok, cfg)
+    try:
+        svc = Service(ServiceConfig(role="decode"), engine, InternalSecret())
+        text = generate_latest(svc.metrics.registry).decode()
+        for tier in ("ram", "disk"):
+            for name in ("bytes", "capacity_bytes", "blocks", "hits_total", "misses_total", "writes_total"):
+                assert f'splitserve_kv_tier_{name}{{tier="{tier}"}}' in text, (name, tier)
+            assert f'splitserve_kv_tier_verify_failures_total{{cause="truncated",tier="{tier}"}} 0.0' in text
+            assert f'splitserve_kv_tier_write_failures_total{{cause="full",tier="{tier}"}} 0.0' in text
+            assert f'splitserve_kv_tier_read_seconds_bucket{{le="+Inf",tier="{tier}"}} 0.0' in text
+        assert "splitserve_kv_tier_dropped_blocks_total 0.0" in text
+    finally:
+        engine.close()

@@ -1,0 +1,374 @@
+"""The KV offload tier store (common/kv/tiers.py) on real files: LRU under hard limits, the reuse
+filter, reads that verify (every fault a miss, counted, never data), a write queue that never blocks,
+a real disk refusing a write; and the block manager's side (common/kv/block_manager.py): only hashed,
+complete blocks go out, tier blocks come back hashed and counted as cached."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from common.kv.block_manager import BlockManager
+from common.kv.tiers import MAGIC, TierStats, TierStore, VerifyError, decode, encode
+from common.prefix_hash import ROOT, prefix_chain
+
+BS, BB = 4, 256  # tokens per block, payload bytes per block
+DIGEST = bytes(range(16))
+ROOT_DIR = Path(__file__).resolve().parents[2]
+
+
+def blocks(first: int, n: int) -> tuple[list[int], list[tuple[int, ...]], memoryview]:
+    """n consecutive blocks of a chain: hashes, tokens, and a payload whose every byte says which."""
+    toks = [tuple(range(first + i * BS, first + (i + 1) * BS)) for i in range(n)]
+    hashes = prefix_chain([t for b in toks for t in b], BS, root=first)
+    payload = b"".join(bytes([(first + i) % 256]) * BB for i in range(n))
+    return hashes, toks, memoryview(payload)
+
+
+def store(tmp_path: Path | None = None, ram_blocks: int = 0, disk_blocks: int = 0, **kw: object) -> TierStore:
+    """A store whose tiers hold about this many single-block records."""
+    rec = len(encode(DIGEST, BS, *blocks(0, 1)))
+    return TierStore(
+        DIGEST, BS, BB, ram_bytes=ram_blocks * rec, disk_dir=tmp_path,
+        disk_bytes=disk_blocks * rec, **kw,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def put(s: TierStore, first: int, n: int = 1, times: int = 1) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Offer n blocks as one chunk (each hash sighted `times`, as that many evictions would) and wait
+    for the writer."""
+    hashes, toks, payload = blocks(first, n)
+    for _ in range(times):
+        for h in hashes:
+            s.wants(h)
+    assert s.offer(hashes, toks, payload)
+    assert s.wait_idle(10)
+    return hashes, toks
+
+
+def tier(s: TierStore, name: str) -> TierStats:
+    return next(t for t in s.stats().tiers if t.tier == name)
+
+
+def test_ram_round_trip_and_lru_under_a_hard_limit() -> None:
+    s = store(ram_blocks=3)
+    try:
+        chains = [put(s, first) for first in (100, 200, 300)]
+        got = s.read(*chains[0])
+        assert [bytes(b) for b in got] == [bytes([100]) * BB]
+        put(s, 400)  # over the limit: the least recently used goes (200: 100 was just read)
+        assert s.read(*chains[1]) == []
+        assert len(s.read(*chains[0])) == 1 and len(s.read(*chains[2])) == 1
+        st = tier(s, "ram")
+        assert st.blocks == 3 and st.bytes <= st.capacity_bytes and st.evicted == 1
+        assert st.hits == 3 and st.misses == 1 and st.verify_failures.total() == 0
+        assert st.read_latency.counts and sum(st.write_latency.counts) == 4
+    finally:
+        s.close()
+
+
+def test_a_chunk_larger_than_the_tier_is_not_stored() -> None:
+    s = store(ram_blocks=2)
+    try:
+        hashes, toks = put(s, 0, n=3)
+        assert s.read(hashes, toks) == []
+        st = tier(s, "ram")
+        assert st.write_failures["too_large"] == 3 and st.bytes == 0
+    finally:
+        s.close()
+
+
+def test_read_returns_the_leading_run_and_stops_at_the_first_miss() -> None:
+    s = store(ram_blocks=8)
+    try:
+        hashes, toks, payload = blocks(0, 4)
+        s.offer(hashes[:2], toks[:2], payload[: 2 * BB])
+        s.offer(hashes[3:], toks[3:], payload[3 * BB :])  # block 2 never stored
+        assert s.wait_idle(10)
+        got = s.read(hashes, toks)
+        assert [bytes(b)[0] for b in got] == [0, 1]
+        wrong_tokens = [toks[0][:-1] + (999,)] + toks[1:]  # same hash, other tokens: not this block
+        assert s.read(hashes, wrong_tokens) == []
+        assert tier(s, "ram").verify_failures["block"] == 1
+    finally:
+        s.close()
+
+
+def test_reuse_filter_a_block_reaches_the_disk_only_once_seen_twice(tmp_path: Path) -> None:
+    s = store(tmp_path, disk_blocks=8)
+    try:
+        once = put(s, 0, n=2, times=1)
+        assert s.read(*once) == [] and s.stats().filtered_blocks == 2
+        assert not list(s.slot.glob("*.kv"))  # type: ignore[union-attr]
+        twice = put(s, 0, n=2, times=2)
+        assert [bytes(b)[0] for b in s.read(*twice)] == [0, 1]
+        assert tier(s, "disk").hits == 2 and len(list(s.slot.glob("*.kv"))) == 1  # type: ignore[union-attr]
+        assert not s.wants(twice[0][0]), "a block the disk holds is not offered again"
+    finally:
+        s.close()
+
+
+def test_disk_lru_keeps_files_and_bytes_under_the_limit(tmp_path: Path) -> None:
+    s = store(tmp_path, disk_blocks=2)
+    try:
+        chains = [put(s, first, times=2) for first in (10, 20, 30)]
+        assert s.read(*chains[0]) == [] and len(s.read(*chains[2])) == 1
+        files = list(s.slot.glob("*.kv"))  # type: ignore[union-attr]
+        st = tier(s, "disk")
+        assert len(files) == 2 == st.blocks and sum(f.stat().st_size for f in files) == st.bytes
+        assert st.bytes <= st.capacity_bytes
+    finally:
+        s.close()
+
+
+def _only_file(s: TierStore) -> Path:
+    (path,) = s.slot.glob("*.kv")  # type: ignore[union-attr]
+    return path
+
+
+@pytest.mark.parametrize(
+    "fault, cause",
+    [
+        ("truncate", "truncated"),
+        ("flip_payload", "checksum"),
+        ("flip_header", "checksum"),
+        ("flip_hash", "checksum"),
+        ("delete", "missing"),
+        ("empty", "truncated"),
+        ("swap", "block"),
+    ],
+)
+def test_a_damaged_disk_record_is_a_miss_never_data(tmp_path: Path, fault: str, cause: str) -> None:
+    s = store(tmp_path, disk_blocks=8)
+    try:
+        hashes, toks = put(s, 0, n=2, times=2)
+        path = _only_file(s)
+        data = bytearray(path.read_bytes())
+        if fault == "truncate":
+            path.write_bytes(data[: len(data) - 7])
+        elif fault.startswith("flip"):
+            # the payload, the layout digest (header byte 8), the first block hash (the 44-byte header's end)
+            at = {"flip_payload": len(data) - BB // 2, "flip_header": 8, "flip_hash": 47}[fault]
+            data[at] ^= 0x10
+            path.write_bytes(data)
+        elif fault == "delete":
+            path.unlink()
+        elif fault == "empty":
+            path.write_bytes(b"")
+        elif fault == "swap":  # a valid record of other blocks where this one should be
+            other_h, other_t, other_p = blocks(50, 2)
+            path.write_bytes(encode(DIGEST, BS, other_h, other_t, other_p))
+        assert s.read(hashes, toks) == []
+        st = tier(s, "disk")
+        assert st.verify_failures[cause] == 1 and st.hits == 0 and st.blocks == 0
+        assert not path.exists(), "a record that failed is deleted"
+        assert s.read(hashes, toks) == [], "and stays a miss"
+        assert st.verify_failures.total() == 1
+    finally:
+        s.close()
+
+
+def test_a_damaged_ram_record_falls_back_to_the_disk_copy(tmp_path: Path) -> None:
+    s = store(tmp_path, ram_blocks=8, disk_blocks=8)
+    try:
+        hashes, toks = put(s, 0, n=2, times=2)
+        assert s.ram is not None
+        (chunk,) = s.ram.chunks.values()
+        assert chunk.record is not None
+        chunk.record[-1] ^= 0xFF  # the RAM copy's last payload byte
+        got = s.read(hashes, toks)
+        assert [bytes(b) for b in got] == [bytes([0]) * BB, bytes([1]) * BB]
+        assert tier(s, "ram").verify_failures["checksum"] == 1 and tier(s, "disk").hits == 2
+    finally:
+        s.close()
+
+
+def test_records_verify_layout_and_length() -> None:
+    hashes, toks, payload = blocks(0, 2)
+    rec = encode(DIGEST, BS, hashes, toks, payload)
+    assert rec[:4] == MAGIC
+    dec = decode(rec, DIGEST, BS, BB)
+    assert dec.hashes == tuple(hashes) and dec.tokens == tuple(toks) and bytes(dec.payload) == bytes(payload)
+    for args, cause in [
+        ((rec, bytes(16), BS, BB), "layout"),  # another model or KV layout wrote it
+        ((rec, DIGEST, BS * 2, BB), "layout"),  # another block size
+        ((rec, DIGEST, BS, BB * 2), "layout"),
+        ((rec[:10], DIGEST, BS, BB), "truncated"),
+        ((rec + b"x", DIGEST, BS, BB), "truncated"),
+    ]:
+        with pytest.raises(VerifyError) as e:
+            decode(*args)
+        assert e.value.cause == cause
+
+
+class StuckDisk(TierStore):
+    """A disk whose writes hang until `go` is set (a slow, or stalled, device)."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        self.go, self.writing = threading.Event(), threading.Event()
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+
+    def _write_file(self, path: Path, rec: bytearray) -> None:
+        self.writing.set()
+        assert self.go.wait(60), "the test never released the disk"
+        super()._write_file(path, rec)
+
+
+def test_a_stuck_disk_never_blocks_an_offer_and_drops_are_counted(tmp_path: Path) -> None:
+    rec = len(encode(DIGEST, BS, *blocks(0, 1)))
+    s = StuckDisk(DIGEST, BS, BB, disk_dir=tmp_path, disk_bytes=64 * rec, queue_chunks=2)
+    try:
+        offered = []
+        for first in range(0, 400, 100):  # the writer takes one and hangs, two wait, one is dropped
+            hashes, toks, payload = blocks(first, 2)
+            for h in hashes + hashes:
+                s.wants(h)
+            offered.append(s.offer(hashes, toks, payload))
+            if first == 0:
+                assert s.writing.wait(10)
+        assert offered == [True, True, True, False]
+        assert s.stats().dropped_blocks == 2 and not s.wait_idle(0)
+        s.close(timeout=0.05)  # a shutdown is not held up by the hung write...
+        assert s._writer.is_alive()
+        other = store(tmp_path, disk_blocks=8)
+        assert other.slot != s.slot, "...and the slot stays locked while a write may still land in it"
+        other.close()
+        s.go.set()
+        assert s.wait_idle(10)
+        assert tier(s, "disk").blocks == 6, "what was queued is written"
+    finally:
+        s.go.set()
+        s.close()
+    assert not s._writer.is_alive() and s._slot_fd is None
+
+
+def test_stores_sharing_a_folder_take_their_own_slots_and_a_new_one_starts_empty(tmp_path: Path) -> None:
+    a, b = store(tmp_path, disk_blocks=8), store(tmp_path, disk_blocks=8)
+    try:
+        assert a.slot != b.slot and {a.slot.name, b.slot.name} == {"slot-0", "slot-1"}  # type: ignore[union-attr]
+        put(a, 0, times=2)
+        assert len(list(a.slot.glob("*.kv"))) == 1  # type: ignore[union-attr]
+    finally:
+        a.close()
+        b.close()
+    c = store(tmp_path, disk_blocks=8)
+    try:
+        assert c.slot == a.slot and not list(c.slot.glob("*.kv")), "an earlier owner's records are gone"  # type: ignore[union-attr]
+    finally:
+        c.close()
+
+
+_DISK_FULL = """
+import resource, signal, sys
+sys.path.insert(0, {root!r})
+from tests.unit.test_kv_tiers import blocks, put, store, tier
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the kernel then answers EFBIG instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+s = store({dir!r}, disk_blocks=16)
+small = put(s, 0, n=1, times=2)      # fits under the file size limit
+big = put(s, 100, n=8, times=2)      # does not: the write fails part way
+assert s.read(*big) == [], "a failed write is a miss"
+assert [bytes(b)[0] for b in s.read(*small)] == [0], "and the tier goes on"
+st = tier(s, "disk")
+assert st.write_failures["full"] == 8 and st.blocks == 1, st
+import pathlib
+assert not list(pathlib.Path(s.slot).glob("*.tmp")), "no half-written file is left"
+s.close()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE and EFBIG as on Linux")
+def test_a_disk_that_refuses_a_write_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    """A real refusal from the kernel, part way through a record: RLIMIT_FSIZE in a child process (so
+    nothing else of the test run is limited)."""
+    limit = len(encode(DIGEST, BS, *blocks(0, 2)))  # one-block records fit, an eight-block one does not
+    code = _DISK_FULL.format(root=str(ROOT_DIR), limit=limit, dir=str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": str(ROOT_DIR)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+# --- the block manager's side ------------------------------------------------------------------------
+
+
+@dataclass
+class Owner:
+    token_ids: list[int]
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_hashed_blocks: int = 0
+
+
+@dataclass
+class RecordingTier:
+    """The block manager's OffloadTier as a dict of hash -> tokens (what it needs from a neighbour)."""
+
+    held: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    evictions: list[tuple[int, int]] = field(default_factory=list)  # (block id, hash)
+    loads: list[list[int]] = field(default_factory=list)
+
+    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        self.evictions.append((block_id, block_hash))
+        self.held[block_hash] = tokens
+
+    def load(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> int:
+        self.loads.append(list(block_ids))
+        n = 0
+        while n < len(hashes) and self.held.get(hashes[n]) == tokens[n]:
+            n += 1
+        return n
+
+
+def test_only_hashed_blocks_are_offloaded_never_a_reservation_still_being_filled() -> None:
+    bm = BlockManager(num_blocks=5, block_size=BS)
+    bm.tier = t = RecordingTier()
+    a = Owner(list(range(9)))  # 3 blocks, 2 full
+    bm.allocate(a)
+    bm.commit(a, 9)
+    reserved = Owner(list(range(100, 104)) + [7])  # a decode reservation: KV still arriving, never hashed
+    bm.allocate(reserved)
+    a_hashes = [bm.blocks[b].hash or 0 for b in a.block_table[:2]]
+    bm.free(a)
+    bm.free(reserved)  # an aborted transfer: its blocks were never hashed
+    assert t.evictions == []
+    big = Owner(list(range(500, 520)))  # 5 blocks: everything is taken, the two cached ones evicted
+    bm.allocate(big)
+    assert sorted(h for _, h in t.evictions) == sorted(a_hashes)
+    bm.check_integrity()
+
+
+def test_tier_blocks_continue_the_pool_prefix_and_count_as_cached() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    bm.tier = t = RecordingTier()
+    bm.enable_kv_events()
+    prompt = list(range(17))  # 4 full blocks + 1 token
+    chain = prefix_chain(prompt, BS, root=ROOT)
+    t.held = {h: tuple(prompt[i * BS : (i + 1) * BS]) for i, h in enumerate(chain[:3])}
+    seq = Owner(prompt)
+    bm.allocate(seq)
+    assert seq.num_cached_tokens == 3 * BS and seq.num_hashed_blocks == 3 and bm.tier_hits == 3
+    assert t.loads == [seq.block_table[:4]], "asked for the 4 full blocks, read into fresh blocks"
+    assert [bm.blocks[b].hash for b in seq.block_table[:3]] == chain[:3]
+    assert bm.drain_kv_events() == [(True, h) for h in chain[:3]]
+    bm.commit(seq, len(prompt))  # the computed 4th block chains on the loaded ones
+    assert bm.blocks[seq.block_table[3]].hash == chain[3]
+    again = Owner(prompt)  # the loaded blocks are ordinary prefix-cache blocks now
+    bm.allocate(again)
+    assert again.block_table[:4] == seq.block_table[:4] and again.num_cached_tokens == 4 * BS
+    bm.check_integrity()
+
+
+def test_no_tier_lookup_without_the_prefix_cache() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    bm.tier = t = RecordingTier()
+    seq = Owner(list(range(17)))
+    bm.allocate(seq, use_prefix_cache=False)  # a swap-in, or prompt logprobs: every row computed
+    assert t.loads == [] and seq.num_cached_tokens == 0
