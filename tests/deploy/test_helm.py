@@ -1069,3 +1069,15 @@ def test_gpus_are_per_rank_and_tensor_parallel_values_are_checked() -> None:
         render({**DECODE_TP, "decode": {"gpus": 0, "tensorParallelSize": 2, "port": 8203}})
     with pytest.raises(helm.HelmRenderError, match="past 65535"):
         render({**DECODE_TP, "decode": {"gpus": 0, "tensorParallelSize": 2, "kvPort": 65535}})
+
+
+def test_the_router_runs_its_own_image_and_the_workers_the_engines(
+    rendered: dict[str, dict[str, str]],
+) -> None:
+    """The router's image is the Dockerfile's router target (no torch); prefill and decode the engine's."""
+    m = objects(rendered["default"])
+    assert container(m, "router")["image"] == "splitserve:router"
+    for role in ("prefill", "decode"):
+        assert container(m, role)["image"] == "splitserve:cuda", role
+    one = objects(render({"router": {"image": {"repository": "reg/splitserve", "tag": "cuda"}}}))
+    assert container(one, "router")["image"] == "reg/splitserve:cuda"
