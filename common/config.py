@@ -3,9 +3,10 @@ values discovered at start-up (the KV block count) are computed once and passed 
 
 from __future__ import annotations
 
+import socket
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -108,7 +109,9 @@ class ServiceConfig(BaseSettings):
     advertise_host: str | None = Field(
         None,
         description="the address other processes reach this one at, registered in Redis (service URL, "
-        "KV endpoint); default: host. Set it when host is 0.0.0.0 (containers: service name or pod IP)",
+        "KV endpoint); default: host. Set it when host is 0.0.0.0 (containers: service name or pod IP); "
+        "'auto': the address this machine's hostname resolves to (a container's own IP: replicas of one "
+        "compose service each register themselves)",
     )
     worker_id: str | None = Field(None, description="default: <role>-<advertised host>-<port>")
     redis_url: str | None = Field(None, description="worker registry and request records; none: standalone")
@@ -134,6 +137,18 @@ class ServiceConfig(BaseSettings):
 
     ssl_certfile: str | None = Field(None, description="serve the internal HTTP API over HTTPS (PEM chain)")
     ssl_keyfile: str | None = Field(None, description="the private key for ssl_certfile")
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _resolve_auto(cls, v: str | None) -> str | None:
+        if v != "auto":
+            return v
+        name = socket.gethostname()
+        try:
+            return socket.gethostbyname(name)
+        except OSError as e:
+            msg = f"advertise_host=auto: this machine's hostname {name!r} does not resolve ({e})"
+            raise ValueError(msg) from e
 
     @property
     def public_host(self) -> str:

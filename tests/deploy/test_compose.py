@@ -43,15 +43,21 @@ def compose_binary() -> Path:
 
 
 def run_compose(
-    files: list[str], *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT
+    files: list[str],
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    env_file: Path | None = ROOT / ".env",
 ) -> subprocess.CompletedProcess[str]:
-    # A clean environment, an empty env file and a scratch HOME: the result must not depend on the
-    # caller's shell, a .env file in the checkout or ~/.docker.
+    # A clean environment and a scratch HOME: the result must not depend on the caller's shell or
+    # ~/.docker. The env file is the checkout's .env (what a user's `docker compose up` reads: the
+    # observability profile on), or an empty one (env_file=None).
     with tempfile.TemporaryDirectory() as home:
-        empty_env_file = Path(home) / "empty.env"
-        empty_env_file.write_text("")
+        if env_file is None:
+            env_file = Path(home) / "empty.env"
+            env_file.write_text("")
         return subprocess.run(
-            [str(compose_binary()), "--env-file", str(empty_env_file), *files, *args],
+            [str(compose_binary()), "--env-file", str(env_file), *files, *args],
             cwd=cwd,
             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home, **(env or {})},
             capture_output=True,
@@ -60,8 +66,8 @@ def run_compose(
         )
 
 
-def config(files: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-    r = run_compose(files, "config", "--format", "json", env=env)
+def config(files: list[str], env: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
+    r = run_compose(files, "config", "--format", "json", env=env, **kw)
     assert r.returncode == 0, r.stderr
     parsed: dict[str, Any] = json.loads(r.stdout)
     return parsed
@@ -114,9 +120,35 @@ def test_services_and_stack(gpu: dict[str, Any]) -> None:
     }
     router = gpu["services"]["router"]
     assert router["command"] == ["router"]
+    assert router["image"] == "splitserve:router" and router["build"]["target"] == "router"  # no torch
     assert [(p["target"], p["published"]) for p in router["ports"]] == [(8000, "8000")]
     assert router["environment"]["SPLITSERVE_ROUTER_HOST"] == "0.0.0.0"
     assert router["environment"]["SPLITSERVE_ROUTER_REDIS_URL"] == "redis://redis:6379/0"
+
+
+@pytest.mark.parametrize("files", [GPU, CPU], ids=["gpu", "cpu"])
+def test_observability_is_a_profile_the_checkouts_env_turns_on(files: list[str]) -> None:
+    """The checkout's .env turns the observability profile on (what `docker compose up` reads); without
+    it (an empty env file, COMPOSE_PROFILES unset: how the live test runs where those images cannot be
+    had) the stack is the five services alone, still valid, and sends no traces anywhere."""
+    lines = (ROOT / ".env").read_text().splitlines()
+    env = dict(line.split("=", 1) for line in lines if line and not line.startswith("#"))
+    assert env == {"COMPOSE_PROFILES": "observability", "TRACES_ENDPOINT": "http://otel-collector:4317"}
+    bare = config(files, env_file=None)
+    assert set(bare["services"]) == {"init-secrets", "redis", "router", "prefill", "decode"}
+    for role in SPLITSERVE:
+        s = bare["services"][role]
+        assert s["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "", role  # tracing off
+        assert all(
+            name in bare["services"] or not d.get("required", True) for name, d in s["depends_on"].items()
+        )
+    full = config(files)
+    for name in OBSERVABILITY_UIS.keys() | {"otel-collector"}:
+        assert full["services"][name]["profiles"] == ["observability"], name
+    assert full["services"]["router"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == env["TRACES_ENDPOINT"]
+    # the same without the .env, asked for on the command line
+    on = config(files, env_file=None, env={"COMPOSE_PROFILES": "observability"})
+    assert set(on["services"]) == set(full["services"])
 
 
 def test_workers_pinned_to_their_gpus_with_ucx_limits(gpu: dict[str, Any]) -> None:
@@ -127,8 +159,9 @@ def test_workers_pinned_to_their_gpus_with_ucx_limits(gpu: dict[str, Any]) -> No
         assert s["ipc"] == "host"
         assert s["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
         env = s["environment"]
-        # binds every interface, registers the service name other containers resolve
-        assert (env["SPLITSERVE_HOST"], env["SPLITSERVE_ADVERTISE_HOST"]) == ("0.0.0.0", role)
+        # binds every interface, registers its own address (each replica under --scale its own)
+        assert (env["SPLITSERVE_HOST"], env["SPLITSERVE_ADVERTISE_HOST"]) == ("0.0.0.0", "auto")
+        assert "SPLITSERVE_WORKER_ID" not in env  # the default: <role>-<address>-<port>, one per replica
         assert env["SPLITSERVE_REDIS_URL"] == "redis://redis:6379/0"
         assert env["SPLITSERVE_KV_BACKEND"] == "nixl"
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
@@ -213,17 +246,17 @@ def test_health_checks_gate_startup(gpu: dict[str, Any]) -> None:
 
 
 def test_cpu_override_runs_without_gpus(cpu: dict[str, Any]) -> None:
-    for role in ("prefill", "decode", "router"):
+    for role in WORKERS:
         s = cpu["services"][role]
         assert s["image"] == "splitserve:cpu"
         assert s["build"]["args"] == {"DEVICE": "cpu"}
         assert "deploy" not in s or not s["deploy"].get("resources"), role
-    for role in WORKERS:
-        s = cpu["services"][role]
         assert "ipc" not in s
+        assert "ulimits" not in s  # raised limits are for RDMA; a default engine refuses more than its own
         assert int(s["shm_size"]) >= 1 << 30
         assert s["environment"]["SPLITSERVE_KV_BACKEND"] == "tcp"
-        assert s["environment"]["SPLITSERVE_ADVERTISE_HOST"] == role  # kept from compose.yaml
+        assert s["environment"]["SPLITSERVE_ADVERTISE_HOST"] == "auto"  # kept from compose.yaml
+    assert cpu["services"]["router"]["image"] == "splitserve:router"  # one router image for both
 
 
 def test_mounted_files_exist_and_prometheus_scrapes_the_compose_services(gpu: dict[str, Any]) -> None:
@@ -232,7 +265,17 @@ def test_mounted_files_exist_and_prometheus_scrapes_the_compose_services(gpu: di
             if vol["type"] == "bind" and vol["source"].startswith(str(ROOT)):
                 assert Path(vol["source"]).exists(), f"{name}: {vol['source']}"
     prom = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
-    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    targets = {
+        t for job in prom["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]
+    }
+    # prefill and decode by DNS: compose's resolver answers with every replica's address
+    targets |= {
+        f"{name}:{sd['port']}"
+        for job in prom["scrape_configs"]
+        for sd in job.get("dns_sd_configs", [])
+        if sd["type"] == "A"
+        for name in sd["names"]
+    }
     assert targets == {"router:8000", "prefill:8101", "decode:8201"}
     for target in targets:
         host, port = target.split(":")
@@ -302,7 +345,7 @@ def test_every_container_is_hardened(files: list[str]) -> None:
     for name, s in c["services"].items():
         assert s["cap_drop"] == ["ALL"], name
         assert s["security_opt"] == ["no-new-privileges:true"], name
-        assert s.get("cap_add", []) == (["CHOWN"] if name == "init-secrets" else []), name
+        assert not s.get("cap_add"), name  # init-secrets included: it writes as 10001 (compose.yaml)
         assert not s.get("privileged"), name
         if name != "grafana":  # grafana writes its database and plugins under its image's /var/lib/grafana
             assert s["read_only"] is True, name
@@ -310,7 +353,12 @@ def test_every_container_is_hardened(files: list[str]) -> None:
         s = c["services"][role]
         assert s["user"] == "10001:10001"  # the image's user (Dockerfile), never root
         assert s["tmpfs"] == ["/tmp"]  # where the image puts every cache (Dockerfile ENV)
+    assert c["services"]["init-secrets"]["user"] == "10001:10001"  # no container runs as root
     assert c["services"]["redis"]["user"] == "999"  # the redis image's own user
+    # they read init-secrets' files (group 10001, mode 0440) through the group
+    for name in ("redis", "prometheus"):
+        if name in c["services"]:
+            assert c["services"][name]["group_add"] == ["10001"], name
 
 
 @pytest.mark.parametrize("files", [GPU, CPU, TP], ids=["gpu", "cpu", "tp"])
@@ -412,10 +460,10 @@ def test_init_secrets_script_makes_and_keeps_the_secrets(tmp_path: Path) -> None
 
     r = run()
     assert r.returncode == 0, r.stderr
-    files = {  # file -> (mode, owner and group as root: whoever reads it in its container)
+    files = {  # file -> (mode, owner and group as root; compose runs it as 10001:10001 anyway)
         internal / "secret": (0o400, (10001, 10001)),  # splitserve
-        redis / "password": (0o440, (999, 10001)),  # redis, and splitserve's group
-        metrics / "key": (0o400, (65534, 65534)),  # prometheus (nobody)
+        redis / "password": (0o440, (10001, 10001)),  # splitserve, and redis through the group
+        metrics / "key": (0o440, (10001, 10001)),  # prometheus through the group
         metrics / "api-keys": (0o400, (10001, 10001)),  # the router's static keys file
     }
     first = {f: f.read_text() for f in files}
@@ -480,10 +528,10 @@ def test_tensor_parallel_override_prefill_2_and_two_decodes_at_1() -> None:
         "decode-1",
         "decode-1",
     )
-    assert d0["environment"]["SPLITSERVE_WORKER_ID"] != d1["environment"]["SPLITSERVE_WORKER_ID"]
+    assert "SPLITSERVE_WORKER_ID" not in d0["environment"]  # decode-<its address>-8201
     same = ("volumes", "healthcheck", "user", "read_only", "tmpfs", "cap_drop", "security_opt", "ulimits")
     for key in same:
-        assert d1[key] == d0[key], key
+        assert d1.get(key) == d0.get(key), key
     assert {k: v["condition"] for k, v in d1["depends_on"].items()} == {
         k: v["condition"] for k, v in d0["depends_on"].items()
     }

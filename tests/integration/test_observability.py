@@ -66,7 +66,9 @@ def prometheus_config(layout: str, ports: dict[str, int], key_file: Path) -> str
     }
     for job in cfg["scrape_configs"]:
         component = job["job_name"].removeprefix("splitserve-")
-        (sc,) = job["static_configs"]
+        # compose finds the prefill/decode replicas by DNS; here one of each listens on loopback
+        job.pop("dns_sd_configs", None)
+        (sc,) = job.setdefault("static_configs", [{}])
         sc["targets"] = [f"127.0.0.1:{ports[component]}"]
         if layout == "chart":
             job["job_name"] = CHART_JOB.format(component)
