@@ -22,8 +22,9 @@
 # Without arguments the engine image runs the whole stack in one container:
 #   docker run --rm -p 8000:8000 splitserve:cpu        # = splitserve up --host 0.0.0.0
 # The router asks for an API key (SPLITSERVE_ROUTER_REQUIRE_API_KEY=true below); make one with the Redis
-# URL the container printed at start ("splitserve is up: ... (redis redis://127.0.0.1:PORT/0)"):
-#   docker exec <container> splitserve keys create --name me --redis-url redis://127.0.0.1:PORT/0
+# URL the container printed at start, its generated password included
+# ("splitserve is up: ... (redis redis://:PASSWORD@127.0.0.1:PORT/0)"):
+#   docker exec <container> splitserve keys create --name me --redis-url 'redis://:PASSWORD@127.0.0.1:PORT/0'
 # (-e SPLITSERVE_ROUTER_REQUIRE_API_KEY=false -e SPLITSERVE_ROUTER_ALLOW_UNAUTHENTICATED=true serves
 # without keys; docs/security.md).
 #
@@ -41,7 +42,8 @@ ENV DEBIAN_FRONTEND=noninteractive
 # (10001), so init-secrets writes them without root (compose.yaml).
 # /opt/splitserve/bin/splitserve (first on PATH, so also what `docker compose exec router splitserve ...`
 # runs) execs the real one; with REDIS_PASSWORD_FILE set (compose.yaml) it first puts that file's
-# password into SPLITSERVE_REDIS_URL / SPLITSERVE_ROUTER_REDIS_URL when they carry no credentials.
+# password, and REDIS_USERNAME's user (an ACL user; none: the default user), into SPLITSERVE_REDIS_URL /
+# SPLITSERVE_ROUTER_REDIS_URL when they carry no credentials.
 # (SC2016: the single-quoted lines are that script's text, expanded when it runs, not now.)
 # hadolint ignore=SC2016
 RUN if ! dpkg -s python3 python3-venv ca-certificates >/dev/null 2>&1; then \
@@ -51,16 +53,18 @@ RUN if ! dpkg -s python3 python3-venv ca-certificates >/dev/null 2>&1; then \
     fi \
     && groupadd --gid 10001 splitserve \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin splitserve \
-    && install -d -o 10001 -g 10001 -m 0750 /run/secrets/internal /run/secrets/redis /run/secrets/metrics \
+    && install -d -o 10001 -g 10001 -m 0750 /run/secrets/internal /run/secrets/redis \
+        /run/secrets/redis-router /run/secrets/redis-worker /run/secrets/metrics \
     && mkdir -p /opt/splitserve/bin \
     && printf '%s\n' \
         '#!/bin/sh' \
         'if [ -n "${REDIS_PASSWORD_FILE:-}" ]; then' \
         '  pw=$(cat "$REDIS_PASSWORD_FILE") || exit 1' \
+        '  pw="${REDIS_USERNAME:-}:${pw}"' \
         '  case "${SPLITSERVE_REDIS_URL:-}" in *@*) ;; redis://* | rediss://*)' \
-        '    export SPLITSERVE_REDIS_URL="${SPLITSERVE_REDIS_URL%%://*}://:${pw}@${SPLITSERVE_REDIS_URL#*://}" ;; esac' \
+        '    export SPLITSERVE_REDIS_URL="${SPLITSERVE_REDIS_URL%%://*}://${pw}@${SPLITSERVE_REDIS_URL#*://}" ;; esac' \
         '  case "${SPLITSERVE_ROUTER_REDIS_URL:-}" in *@*) ;; redis://* | rediss://*)' \
-        '    export SPLITSERVE_ROUTER_REDIS_URL="${SPLITSERVE_ROUTER_REDIS_URL%%://*}://:${pw}@${SPLITSERVE_ROUTER_REDIS_URL#*://}" ;; esac' \
+        '    export SPLITSERVE_ROUTER_REDIS_URL="${SPLITSERVE_ROUTER_REDIS_URL%%://*}://${pw}@${SPLITSERVE_ROUTER_REDIS_URL#*://}" ;; esac' \
         'fi' \
         'exec /opt/venv/bin/splitserve "$@"' \
         > /opt/splitserve/bin/splitserve \

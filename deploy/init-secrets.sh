@@ -4,8 +4,11 @@
 #
 #   $INTERNAL_DIR/secret   the internal secret every router, prefill and decode process proves on internal
 #                          calls and KV connections (SPLITSERVE_INTERNAL_SECRET_FILE); mode 0400
-#   $REDIS_DIR/password    Redis' password (redis-server --requirepass; the splitserve containers read it
-#                          through REDIS_PASSWORD_FILE); mode 0440: Redis reads it through the group
+#   $REDIS_DIR/password    Redis' admin password (deploy/redis-start.sh: the `default` user, for operators
+#                          and the health check); mode 0440: Redis reads it through the group
+#   $REDIS_ROUTER_DIR/password  the Redis user `router`'s password (the router reads it through
+#                          REDIS_PASSWORD_FILE); mode 0440
+#   $REDIS_WORKER_DIR/password  the Redis user `worker`'s (prefill and decode); mode 0440
 #   $METRICS_DIR/key       an API key with the metrics scope only, Prometheus' bearer token for the
 #                          router's /metrics; mode 0440: Prometheus reads it through the group
 #   $METRICS_DIR/api-keys  the same key as a line of the router's static keys file
@@ -17,12 +20,15 @@
 # (an older compose.yaml, or by hand) it hands the files to 10001:10001 the same way.
 # An existing, non-empty file is left as it is. New values are 48 random letters and digits (URL-safe:
 # the password goes into redis:// URLs). Rotate: `docker compose down`, remove the volume(s)
-# (`docker volume rm splitserve_internal-secret splitserve_redis-secret splitserve_metrics-key`),
+# (`docker volume rm splitserve_internal-secret splitserve_redis-secret splitserve_redis-router-secret
+# splitserve_redis-worker-secret splitserve_metrics-key`),
 # `docker compose up -d` (docs/security.md).
 set -eu
 
 INTERNAL_DIR=${INTERNAL_DIR:-/run/secrets/internal}
 REDIS_DIR=${REDIS_DIR:-/run/secrets/redis}
+REDIS_ROUTER_DIR=${REDIS_ROUTER_DIR:-/run/secrets/redis-router}
+REDIS_WORKER_DIR=${REDIS_WORKER_DIR:-/run/secrets/redis-worker}
 METRICS_DIR=${METRICS_DIR:-/run/secrets/metrics}
 
 # random: 48 random letters and digits
@@ -52,9 +58,11 @@ kept() {
 if [ -s "$INTERNAL_DIR/secret" ]; then kept "$INTERNAL_DIR/secret"; else
     put "$INTERNAL_DIR/secret" 10001:10001 0400 "$(random)"
 fi
-if [ -s "$REDIS_DIR/password" ]; then kept "$REDIS_DIR/password"; else
-    put "$REDIS_DIR/password" 10001:10001 0440 "$(random)"
-fi
+for dir in "$REDIS_DIR" "$REDIS_ROUTER_DIR" "$REDIS_WORKER_DIR"; do
+    if [ -s "$dir/password" ]; then kept "$dir/password"; else
+        put "$dir/password" 10001:10001 0440 "$(random)"
+    fi
+done
 if [ -s "$METRICS_DIR/key" ] && [ -s "$METRICS_DIR/api-keys" ]; then kept "$METRICS_DIR/key" "$METRICS_DIR/api-keys"; else
     key=$(random)
     put "$METRICS_DIR/key" 10001:10001 0440 "$key"

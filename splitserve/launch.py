@@ -11,6 +11,8 @@ import argparse
 import dataclasses
 import math
 import os
+import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -466,9 +468,10 @@ def up(args: argparse.Namespace) -> int:
     def start_service(role: str, place: dict[str, str], redis_url: str) -> tuple[Child, str]:
         port, i = next(ports), index[role]
         index[role] += 1
-        cmd = [*me, role, "--port", str(port), "--redis-url", redis_url, "--worker-id", f"{role}-{i}"]
+        cmd = [*me, role, "--port", str(port), "--worker-id", f"{role}-{i}"]
         cmd += [*engine_flags, *extra]
-        env = {**os.environ, **place} if place else None
+        # the Redis URL through the environment: it carries the password, a flag would show in `ps`
+        env = {**os.environ, **place, "SPLITSERVE_REDIS_URL": redis_url}
         child = Child(f"{role}-{i}", role, cmd, env, subprocess.Popen(cmd, env=env))
         where = f" on GPU {place['CUDA_VISIBLE_DEVICES']}" if place else ""
         url = f"http://127.0.0.1:{port}"
@@ -484,7 +487,7 @@ def up(args: argparse.Namespace) -> int:
             redis = _start_redis(args.redis_data)
             redis_url = redis.url
             kept = f"kept in {args.redis_data}" if args.redis_data else "not kept: --redis-data DIR keeps it"
-            print(f"  redis: {redis_url} ({kept})", flush=True)
+            print(f"  redis: {_masked(redis_url)}, password generated ({kept})", flush=True)
         urls = []
         for role, place in zip(roles, placement, strict=True):
             child, url = start_service(role, place, redis_url)
@@ -493,7 +496,7 @@ def up(args: argparse.Namespace) -> int:
         for child, url in zip(list(children), urls, strict=True):
             took = _wait_healthy(child.name, url, child.proc, args.startup_timeout, child.started)
             print(f"  {child.name}: ready at {url} ({took:.1f} s)", flush=True)
-        router_cmd = [*me, "router", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
+        router_cmd = [*me, "router", "--host", args.host, "--port", str(args.port)]
         # The router tokenizes for the model the services load: their flag, else their environment's
         # SPLITSERVE_MODEL (the router reads SPLITSERVE_ROUTER_MODEL, which a user setting only the
         # first would leave at the default: another tokenizer than the services', silently).
@@ -506,9 +509,10 @@ def up(args: argparse.Namespace) -> int:
             router_cmd += ["--max-model-len", str(args.engine_max_model_len)]
         if args.chat_template:
             router_cmd += ["--chat-template", args.chat_template]
-        router_env = None
-        if args.api_key is not None:  # through the environment: a flag would show in the process list
-            router_env = {**os.environ, "SPLITSERVE_ROUTER_API_KEY": args.api_key}
+        # secrets through the environment: a flag would show in the process list
+        router_env = {**os.environ, "SPLITSERVE_ROUTER_REDIS_URL": redis_url}
+        if args.api_key is not None:
+            router_env["SPLITSERVE_ROUTER_API_KEY"] = args.api_key
         router = Child(
             "router", "router", router_cmd, router_env, subprocess.Popen(router_cmd, env=router_env)
         )
@@ -573,9 +577,16 @@ def _check_free(host: str, port: int, flag_name: str) -> None:
 def _start_redis(data_dir: str | None) -> RedisServer:
     from common.cluster.redis_server import RedisServer
 
-    redis = RedisServer(data_dir=data_dir) if data_dir else RedisServer()
+    # a password of its own: any local user can reach 127.0.0.1, and this Redis holds the API keys and
+    # the worker registry (docs/security.md)
+    redis = RedisServer(data_dir=data_dir, password=secrets.token_urlsafe(24))
     redis.start()
     return redis
+
+
+def _masked(url: str) -> str:
+    """A redis:// URL with its password replaced, for logs."""
+    return re.sub(r"^(rediss?://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
 def run_router(args: argparse.Namespace) -> int:

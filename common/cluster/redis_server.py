@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 from typing import IO
+from urllib.parse import quote
 
 BINARY_ENV = "SPLITSERVE_REDIS_SERVER"
 AOF_FILENAME = "appendonly.aof"  # Redis 6: the file in the data dir; 7+: its files' prefix in AOF_DIRNAME
@@ -83,15 +84,27 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _server_info(host: str, port: int) -> dict[str, str] | None:
+def _server_info(host: str, port: int, password: str | None = None) -> dict[str, str] | None:
     """The fields of INFO (server and persistence sections among them) from the Redis answering on
     host:port, or None if none answers (yet). INFO is answered while a data set is still loading.
+    With a password, AUTH first (in the same pipeline: its +OK comes before INFO's reply).
 
     Raw RESP keeps this start-up code free of the client."""
     try:
         with socket.create_connection((host, port), timeout=0.5) as s:
-            s.sendall(b"INFO\r\n")
             reply = b""
+            if password is not None:
+                pw = password.encode()
+                s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                while b"\r\n" not in reply:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        return None
+                    reply += chunk
+                head, _, reply = reply.partition(b"\r\n")
+                if head != b"+OK":  # another server (or one that does not know this password)
+                    return None
+            s.sendall(b"INFO\r\n")
             while b"\r\n" not in reply:
                 chunk = s.recv(65536)
                 if not chunk:
@@ -138,8 +151,14 @@ class RedisServer:
         startup_timeout_s: float = 10.0,
         *,
         data_dir: str | os.PathLike[str] | None = None,
+        password: str | None = None,
     ):
         self._requested_port = port
+        # requirepass, from a 0600 config file in the server's temp dir (never on its command line,
+        # which every local user can read); `url` carries it
+        if password is not None and (not password or not re.fullmatch(r"[A-Za-z0-9_\-.~]+", password)):
+            raise ValueError("a Redis password here is URL-safe letters, digits and -._~")
+        self.password = password
         self.port = port
         self.bind = bind
         self.startup_timeout_s = startup_timeout_s
@@ -153,7 +172,8 @@ class RedisServer:
     def url(self) -> str:
         if self._proc is None or self.port is None:
             raise RuntimeError("RedisServer is not running; call start() first")
-        return f"redis://{self._host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password is not None else ""
+        return f"redis://{auth}{self._host}:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
@@ -240,7 +260,14 @@ class RedisServer:
     def _launch(self, binary: str, port: int) -> None:
         self._dir = tempfile.mkdtemp(prefix="splitserve-redis-")
         log_path = Path(self._dir) / "redis.log"
-        args = [binary, "--port", str(port), "--bind", self.bind, *self._persistence_args(binary)]
+        args = [binary]
+        if self.password is not None:  # the config file first: redis-server reads it, then the flags
+            conf = Path(self._dir) / "redis.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(f'requirepass "{self.password}"\n')
+            args.append(str(conf))
+        args += ["--port", str(port), "--bind", self.bind, *self._persistence_args(binary)]
         args += ["--daemonize", "no", "--logfile", str(log_path)]
         self._proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
@@ -257,7 +284,7 @@ class RedisServer:
         deadline = time.monotonic() + self.startup_timeout_s
         why = f"no answer in {self.startup_timeout_s}s"
         while self._proc.poll() is None:
-            info = _server_info(self._host, port)
+            info = _server_info(self._host, port, self.password)
             if info is not None and info.get("process_id") == str(self._proc.pid):
                 if info.get("loading", "0") == "0":
                     return

@@ -230,7 +230,9 @@ def test_health_checks_gate_startup(gpu: dict[str, Any]) -> None:
     # PONG only with the password (REDISCLI_AUTH): NOAUTH fails the check
     assert s["redis"]["healthcheck"]["test"] == [
         "CMD-SHELL",
-        as_printed('REDISCLI_AUTH="$(cat /run/secrets/redis/password)" redis-cli ping | grep -q PONG'),
+        as_printed(
+            'REDISCLI_AUTH="$(cat /run/secrets/redis/password)" redis-cli ping | grep -q PONG'
+        ),
     ]
     deps = s["router"]["depends_on"]
     assert {name: d["condition"] for name, d in deps.items()} == {
@@ -378,6 +380,8 @@ def test_secrets_are_generated_once_and_mounted_read_only(files: list[str]) -> N
     volumes = {
         "/run/secrets/internal": "internal-secret",
         "/run/secrets/redis": "redis-secret",
+        "/run/secrets/redis-router": "redis-router-secret",
+        "/run/secrets/redis-worker": "redis-worker-secret",
         "/run/secrets/metrics": "metrics-key",
     }
     for target, volume in volumes.items():
@@ -396,7 +400,13 @@ def test_secrets_are_generated_once_and_mounted_read_only(files: list[str]) -> N
     for role in SPLITSERVE:
         env = s[role]["environment"]
         assert mounted(role, env["SPLITSERVE_INTERNAL_SECRET_FILE"]) == "internal-secret"
-        assert mounted(role, env["REDIS_PASSWORD_FILE"]) == "redis-secret"  # the image's splitserve reads it
+        # each its own Redis user (deploy/redis-start.sh), its password alone mounted: the image's
+        # splitserve puts user and password into the Redis URL
+        user = "router" if role == "router" else "worker"
+        assert env["REDIS_USERNAME"] == user, role
+        assert mounted(role, env["REDIS_PASSWORD_FILE"]) == f"redis-{user}-secret", role
+        others = {"redis-secret", "redis-router-secret", "redis-worker-secret"} - {f"redis-{user}-secret"}
+        assert not others & {v["source"] for v in s[role]["volumes"]}, role
         assert s[role]["depends_on"]["init-secrets"]["condition"] == "service_completed_successfully"
         assert not {
             "SPLITSERVE_INTERNAL_SECRET",
@@ -418,13 +428,19 @@ def test_secrets_are_generated_once_and_mounted_read_only(files: list[str]) -> N
     assert s["prometheus"]["depends_on"]["init-secrets"]["condition"] == "service_completed_successfully"
     for role in WORKERS:
         assert not any(v["source"] == "metrics-key" for v in s[role]["volumes"])
-    # Redis: its password (read-only) and its data (test_redis_persists_keys_in_a_volume), nothing else
+    # Redis: its start script, the three passwords (read-only) and its data, nothing else
     redis = s["redis"]
-    assert [v["source"] for v in redis["volumes"]] == ["redis-secret", "redis-data"]
-    assert redis["volumes"][0]["read_only"] is True
-    assert redis["command"][:2] == ["sh", "-c"]
-    assert as_printed('--requirepass "$(cat /run/secrets/redis/password)"') in redis["command"][2]
-    assert redis["command"][2].startswith("exec redis-server ")  # redis-server is PID 1: it gets SIGTERM
+    assert [v["source"] for v in redis["volumes"]] == [
+        str(ROOT / "deploy/redis-start.sh"),
+        "redis-secret",
+        "redis-router-secret",
+        "redis-worker-secret",
+        "redis-data",
+    ]
+    assert all(v["read_only"] for v in redis["volumes"][:4])
+    assert redis["entrypoint"] == ["sh", "/usr/local/bin/redis-start.sh"]
+    # the script ends in `exec redis-server --aclfile ... "$@"`: redis-server is PID 1, it gets SIGTERM
+    assert 'exec redis-server --aclfile "$acl" "$@"' in (ROOT / "deploy/redis-start.sh").read_text()
     assert "environment" not in redis or not any("PASS" in k for k in redis["environment"])
 
 
@@ -444,12 +460,15 @@ def test_no_secret_value_is_committed(files: list[str]) -> None:
 
 def test_init_secrets_script_makes_and_keeps_the_secrets(tmp_path: Path) -> None:
     internal, redis, metrics = tmp_path / "internal", tmp_path / "redis", tmp_path / "metrics"
-    for d in (internal, redis, metrics):
+    redis_router, redis_worker = tmp_path / "redis-router", tmp_path / "redis-worker"
+    for d in (internal, redis, metrics, redis_router, redis_worker):
         d.mkdir()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "INTERNAL_DIR": str(internal),
         "REDIS_DIR": str(redis),
+        "REDIS_ROUTER_DIR": str(redis_router),
+        "REDIS_WORKER_DIR": str(redis_worker),
         "METRICS_DIR": str(metrics),
     }
 
@@ -462,12 +481,20 @@ def test_init_secrets_script_makes_and_keeps_the_secrets(tmp_path: Path) -> None
     assert r.returncode == 0, r.stderr
     files = {  # file -> (mode, owner and group as root; compose runs it as 10001:10001 anyway)
         internal / "secret": (0o400, (10001, 10001)),  # splitserve
-        redis / "password": (0o440, (10001, 10001)),  # splitserve, and redis through the group
+        redis / "password": (0o440, (10001, 10001)),  # Redis' admin: redis through the group
+        redis_router / "password": (0o440, (10001, 10001)),  # the router's Redis user
+        redis_worker / "password": (0o440, (10001, 10001)),  # prefill's and decode's
         metrics / "key": (0o440, (10001, 10001)),  # prometheus through the group
         metrics / "api-keys": (0o400, (10001, 10001)),  # the router's static keys file
     }
     first = {f: f.read_text() for f in files}
-    for f in (internal / "secret", redis / "password", metrics / "key"):
+    for f in (
+        internal / "secret",
+        redis / "password",
+        redis_router / "password",
+        redis_worker / "password",
+        metrics / "key",
+    ):
         assert len(first[f]) == 48 and first[f].isalnum(), f  # URL-safe: the password goes into redis://
     assert len(set(first.values())) == len(first)
     assert first[metrics / "api-keys"] == f"{first[metrics / 'key']} name=prometheus scopes=metrics"
@@ -554,13 +581,12 @@ def test_redis_persists_keys_in_a_volume(files: list[str]) -> None:
     tested against a real server in tests/integration/test_redis_persistence.py."""
     c = config(files)
     redis = c["services"]["redis"]
-    command = redis["command"][2]
-    assert command.startswith("exec redis-server ")
-    flags = dict(re.findall(r"--([a-z-]+) (\"[^\"]*\"|\S+)", command))
-    assert flags["dir"] == "/data"
-    assert flags["appendonly"] == "yes"
-    assert flags["appendfsync"] == "everysec"
-    assert flags["save"] == '""'  # the AOF alone: no snapshot forks
+    command = redis["command"]  # redis-server's arguments, after the script's --aclfile
+    flags = dict(zip(command[::2], command[1::2], strict=True))
+    assert flags["--dir"] == "/data"
+    assert flags["--appendonly"] == "yes"
+    assert flags["--appendfsync"] == "everysec"
+    assert flags["--save"] == ""  # the AOF alone: no snapshot forks
     (data,) = (v for v in redis["volumes"] if v["target"] == "/data")
     assert (data["type"], data["source"]) == ("volume", "redis-data")  # named: kept across `down`/`up`
     assert not data.get("read_only")
@@ -568,3 +594,57 @@ def test_redis_persists_keys_in_a_volume(files: list[str]) -> None:
     assert "/data" not in redis.get("tmpfs", [])  # the container's root stays read-only, /data a volume
     assert redis["read_only"] is True
     assert "docs/redis.md" in (ROOT / "compose.yaml").read_text()
+
+
+def test_redis_start_script_writes_one_acl_user_per_component(tmp_path: Path) -> None:
+    """deploy/redis-start.sh, run with a stand-in redis-server that prints what it got: the ACL file
+    (mode 0600, default (the admin password)/router/worker with their own passwords and key patterns) and the
+    arguments passed on. What Redis 7 makes of it is tested live (test_compose_live.py: a worker
+    cannot touch API keys, a router cannot write worker entries, and nothing the stack did was refused)."""
+    secrets = tmp_path / "secrets"
+    passwords = {"redis": "A" * 48, "redis-router": "B" * 48, "redis-worker": "C" * 48}
+    for d, pw in passwords.items():
+        (secrets / d).mkdir(parents=True)
+        (secrets / d / "password").write_text(pw)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").write_text('#!/bin/sh\necho "ARGS $*"; cat "$2"\n')
+    (bin_dir / "redis-server").chmod(0o755)
+    acl = tmp_path / "users.acl"
+
+    def run(**extra: str) -> subprocess.CompletedProcess[str]:
+        env = {
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "REDIS_SECRETS": str(secrets),
+            "REDIS_ACL_FILE": str(acl),
+            **extra,
+        }
+        return subprocess.run(
+            ["sh", str(ROOT / "deploy/redis-start.sh"), "--dir", "/data", "--save", ""],
+            env=env, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+
+    r = run()
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == f"ARGS --aclfile {acl} --dir /data --save "
+    assert stat.S_IMODE(acl.stat().st_mode) == 0o600
+    users = {line.split()[1]: line.split() for line in acl.read_text().splitlines()}
+    # default keeps every right, behind the admin password: Redis 7.0 replays the AOF's transactions as
+    # default, and drops them all on a restart when default is off (seen live: every API key gone)
+    assert users["default"] == ["user", "default", "on", f">{passwords['redis']}", "~*", "&*", "+@all"]
+    assert set(users) == {"default", "router", "worker"}
+    router, worker = users["router"], users["worker"]
+    assert f">{passwords['redis-router']}" in router and f">{passwords['redis-worker']}" in worker
+    for u in (router, worker):
+        assert "-@dangerous" in u and "resetchannels" in u and "~*" not in u
+    # workers: no API key, no rate limit; routers: worker entries, KV events, leases read-only
+    assert not [x for x in worker if "apikey" in x or "ratelimit" in x or "router:" in x]
+    assert "~splitserve:apikey*" in router and "%R~splitserve:worker:*" in router
+    assert "~splitserve:worker:*" not in router and "~splitserve:worker:*" in worker
+    # another key prefix (the services' and router's redis_prefix) follows
+    assert run(SPLITSERVE_REDIS_PREFIX="llm:").returncode == 0
+    assert "~llm:apikey*" in acl.read_text() and "splitserve:" not in acl.read_text()
+    # an empty or odd password file stops it before Redis starts
+    (secrets / "redis-worker" / "password").write_text("")
+    r = run()
+    assert r.returncode != 0 and "ARGS" not in r.stdout and "redis-worker/password" in r.stderr

@@ -434,6 +434,88 @@ def test_docker_kill_of_a_decode_container_mid_stream_loses_no_stream(stack: Sta
     assert [s.text for s in streams] == reference
 
 
+# What a container's own Redis user may do, tried from inside it with its own credentials (the files
+# compose mounts there): each line a Redis command and whether it must be refused.
+ACL_PROBE = """
+import json, os, redis
+pw = open(os.environ["REDIS_PASSWORD_FILE"]).read()
+r = redis.Redis(host="redis", username=os.environ["REDIS_USERNAME"], password=pw)
+out = {}
+for name, args in json.loads(os.environ["PROBES"]).items():
+    try:
+        r.execute_command(*args)
+        out[name] = "ok"
+    except redis.exceptions.NoPermissionError:
+        out[name] = "refused"
+    except redis.exceptions.ResponseError as e:
+        out[name] = "refused" if "NOPERM" in str(e) else f"error {e}"
+try:
+    redis.Redis(host="redis").ping()
+    out["no user"] = "ok"
+except redis.exceptions.AuthenticationError:
+    out["no user"] = "refused"
+print(json.dumps(out))
+"""
+ACL_EXPECTED = {
+    "router": {
+        "read a worker entry": (["HGETALL", "splitserve:worker:x"], "ok"),
+        "read the KV events": (["XLEN", "splitserve:kvev:x"], "ok"),
+        "forge a worker entry": (
+            ["HSET", "splitserve:worker:forged-by-router", "url", "http://evil"],
+            "refused",
+        ),
+        "write a lease": (["SET", "splitserve:lease:forged-by-router", "1"], "refused"),
+        "list every key": (["KEYS", "*"], "refused"),
+        "reconfigure Redis": (["CONFIG", "GET", "requirepass"], "refused"),
+    },
+    "decode": {
+        "read an API key": (["HGETALL", "splitserve:apikey:x"], "refused"),
+        "forge an API key": (["HSET", "splitserve:apikey:forged-by-worker", "tenant", "admin"], "refused"),
+        "read the revocation counter": (["GET", "splitserve:apikeys:version"], "refused"),
+        "reset a rate limit": (["DEL", "splitserve:ratelimit:{x}:rpm"], "refused"),
+        "list every key": (["KEYS", "*"], "refused"),
+        "reconfigure Redis": (["CONFIG", "SET", "requirepass", "x"], "refused"),
+    },
+}
+
+
+def test_each_component_has_its_own_redis_user_and_nothing_the_stack_did_was_refused(stack: Stack) -> None:
+    """deploy/redis-start.sh's ACL users, on the real Redis 7: the router cannot forge a worker entry, a
+    worker cannot read or write API keys, neither runs dangerous commands, a connection without a user
+    gets nothing. And the ACL log holds no refusal but these probes': every request of the earlier
+    tests (split, local, a migration, `keys create`) ran within the users' rights."""
+    for service, probes in ACL_EXPECTED.items():
+        (container, *_) = stack.containers(service)
+        body = json.dumps({name: args for name, (args, _) in probes.items()})
+        r = stack.docker.run("exec", "-e", f"PROBES={body}", str(container["Id"]), "python", "-c", ACL_PROBE)
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        want = {name: expected for name, (_, expected) in probes.items()} | {"no user": "refused"}
+        assert got == want, service
+    (redis_c,) = stack.containers("redis")
+    raw = stack.docker.run(
+        "exec", str(redis_c["Id"]), "sh", "-c",
+        'REDISCLI_AUTH="$(cat /run/secrets/redis/password)" redis-cli --raw acl log 128',
+    ).stdout  # fmt: skip
+    entries = acl_log(raw)
+    assert entries, raw  # the probes' own refusals are there
+    probed = {a.lower() for probes in ACL_EXPECTED.values() for args, _ in probes.values() for a in args}
+    unexpected = [e for e in entries if e.get("object", "").lower().split("|")[0] not in probed]
+    assert not unexpected, unexpected
+
+
+def acl_log(raw: str) -> list[dict[str, str]]:
+    """`redis-cli --raw acl log` (field, value, field, value, ... each on a line; every entry starts
+    with `count`) as dicts."""
+    lines = raw.splitlines()
+    entries: list[dict[str, str]] = []
+    for key, value in zip(lines[::2], lines[1::2], strict=False):
+        if key == "count":
+            entries.append({})
+        if entries:
+            entries[-1][key] = value
+    return entries
+
+
 def test_keys_survive_a_redis_restart(stack: Stack) -> None:
     assert stack.key, "the key test runs first"
     stack.compose("restart", "redis", timeout=120)

@@ -251,6 +251,13 @@ def test_splitserve_on_path_adds_the_redis_password_from_a_file(
         got["SPLITSERVE_ROUTER_REDIS_URL"]
         == "rediss://:p4ssw0rdFromInitSecrets@redis:6380/1?ssl_ca_certs=/ca.crt"
     )
+    # an ACL user (compose: REDIS_USERNAME=router or worker, deploy/redis-start.sh) goes in front of it
+    got = run(
+        REDIS_PASSWORD_FILE=str(tmp_path / "password"),
+        REDIS_USERNAME="worker",
+        SPLITSERVE_REDIS_URL="redis://redis:6379/0",
+    )
+    assert got["SPLITSERVE_REDIS_URL"] == "redis://worker:p4ssw0rdFromInitSecrets@redis:6379/0"
     # credentials already in the URL (the chart's $(REDIS_PASSWORD)) are left alone, so is an unset URL
     got = run(
         REDIS_PASSWORD_FILE=str(tmp_path / "password"), SPLITSERVE_REDIS_URL="redis://:other@redis:6379/0"

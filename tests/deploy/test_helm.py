@@ -302,19 +302,40 @@ def test_in_chart_redis_password_comes_from_a_secret(rendered: dict[str, dict[st
     secret = m[("Secret", f"{FULL}-redis")]
     password = base64.b64decode(secret["data"]["redis-password"]).decode()
     assert len(password) == 32
-    redis = m[("StatefulSet", f"{FULL}-redis")]["spec"]["template"]["spec"]["containers"][0]
-    assert "$(REDIS_PASSWORD)" in redis["args"]
-    ref = {"secretKeyRef": {"name": f"{FULL}-redis", "key": "redis-password"}}
+    # one Redis user per component (deploy/redis-start.sh): the router's and the workers' passwords in
+    # the same Secret, each pod given only its own; redis-password is the admin's (the probes')
+    users = {k: base64.b64decode(secret["data"][f"{k}-password"]).decode() for k in ("router", "worker")}
+    assert all(len(p) == 32 for p in users.values()) and len({password, *users.values()}) == 3
+    pod = m[("StatefulSet", f"{FULL}-redis")]["spec"]["template"]["spec"]
+    redis = pod["containers"][0]
+    assert redis["command"] == ["sh", "/scripts/redis-start.sh"] and "--requirepass" not in redis["args"]
+    assert redis["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]  # default: REDISCLI_AUTH
+    start = m[("ConfigMap", f"{FULL}-redis-start")]["data"]["redis-start.sh"]
+    assert start == (ROOT / "deploy/redis-start.sh").read_text()  # compose's script, the same bytes
+    (passwords,) = (v["secret"] for v in pod["volumes"] if v["name"] == "passwords")
+    assert {i["path"]: i["key"] for i in passwords["items"]} == {
+        "redis/password": "redis-password",
+        "redis-router/password": "router-password",
+        "redis-worker/password": "worker-password",
+    }
     for role in ("router", "prefill", "decode"):
+        user = "router" if role == "router" else "worker"
         e = env(container(m, role))
-        assert e["REDIS_PASSWORD"] == ref
+        assert e["REDIS_PASSWORD"] == {"secretKeyRef": {"name": f"{FULL}-redis", "key": f"{user}-password"}}
         url = e["SPLITSERVE_ROUTER_REDIS_URL" if role == "router" else "SPLITSERVE_REDIS_URL"]
-        assert url == f"redis://:$(REDIS_PASSWORD)@{FULL}-redis:6379/0"
+        assert url == f"redis://{user}:$(REDIS_PASSWORD)@{FULL}-redis:6379/0"
         names = [x["name"] for x in container(m, role)["env"]]
         assert names.index("REDIS_PASSWORD") < names.index(
             "SPLITSERVE_ROUTER_REDIS_URL" if role == "router" else "SPLITSERVE_REDIS_URL"
         ), "Kubernetes expands $(VAR) only from variables defined before"
     assert password not in yaml.safe_dump(m[("Deployment", f"{FULL}-prefill")])
+    # without the users (redis.auth.acl=false): one password, --requirepass, as before
+    plain = objects(render({"redis": {"auth": {"acl": False}}}))
+    redis = plain[("StatefulSet", f"{FULL}-redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert "$(REDIS_PASSWORD)" in redis["args"] and "command" not in redis
+    url = env(container(plain, "router"))["SPLITSERVE_ROUTER_REDIS_URL"]
+    assert url == f"redis://:$(REDIS_PASSWORD)@{FULL}-redis:6379/0"
+    assert "router-password" not in plain[("Secret", f"{FULL}-redis")]["data"]
 
 
 def redis_opts(m: Manifests) -> dict[str, str]:
@@ -528,7 +549,7 @@ def test_every_container_runs_non_root_read_only_without_capabilities(
                 # the writable places are volumes: /tmp and /dev/shm emptyDirs (Redis: its /data, a PVC
                 # with redis.persistence, else an emptyDir)
                 mounts = {vm["mountPath"]: vm for vm in c["volumeMounts"]}
-                writable = {"/data"} if component == "redis" else {"/tmp", "/dev/shm"}
+                writable = {"/data", "/tmp"} if component == "redis" else {"/tmp", "/dev/shm"}
                 for path, vm in mounts.items():
                     if path in writable:
                         kinds = (
@@ -720,7 +741,7 @@ def test_tls_off_by_default_and_per_part(rendered: dict[str, dict[str, str]]) ->
     tls_volume = next(v for v in workloads(m)["router"]["volumes"] if v["name"] == "tls")["secret"]
     assert tls_volume["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # not the key it does not use
     assert probe_schemes(container(m, "decode")) == {"HTTPS"}
-    assert e["SPLITSERVE_ROUTER_REDIS_URL"] == f"redis://:$(REDIS_PASSWORD)@{FULL}-redis:6379/0"
+    assert e["SPLITSERVE_ROUTER_REDIS_URL"] == f"redis://router:$(REDIS_PASSWORD)@{FULL}-redis:6379/0"
     assert "--tls-port" not in workloads(m)["redis"]["containers"][0]["args"]
     with pytest.raises(helm.HelmValuesError, match="/tls"):
         render({"tls": {"enabled": True}})

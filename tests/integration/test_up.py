@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import time
 import httpx
 import psutil
 import pytest
+import redis
 
 from tests.support.cluster import free_port
 from tests.support.tiny_model import real_model_path
@@ -80,6 +82,15 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
             # --redis-data: the embedded Redis keeps an append-only file there (tests/integration/
             # test_redis_persistence.py restarts one and finds the keys)
             assert "kept in" in text and any((tmp_path / "redis").rglob("*.aof*")), text
+            # the embedded Redis has a generated password: refused without it, in no command line
+            m = re.search(r"\(redis (redis://:([^@]+)@127\.0\.0\.1:(\d+)/0)\)", text)
+            assert m, text
+            url, password, redis_port = m.groups()
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis(port=int(redis_port)).ping()
+            assert redis.Redis.from_url(url).ping()
+            assert not [c.cmdline() for c in children if any(password in a for a in c.cmdline())]
+            assert "redis: redis://:***@" in text  # the start-up line masks it
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             timeout=60,

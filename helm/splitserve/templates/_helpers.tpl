@@ -65,6 +65,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-redis" (include "splitserve.fullname" .)) .Values.redis.auth.existingSecret -}}
 {{- end -}}
 
+{{/* Whether the in-chart Redis has one ACL user per component (router, worker; deploy/redis-start.sh):
+"true" or "". Needs the chart's own password Secret (an existingSecret would have to carry router-password
+and worker-password too: redis.auth.acl=false for one that does not). */}}
+{{- define "splitserve.redisACL" -}}
+{{- $r := .Values.redis -}}
+{{- if and $r.enabled $r.auth.enabled $r.auth.acl (not $r.auth.existingSecret) -}}true{{- end -}}
+{{- end -}}
+
 {{/* Whether the in-chart Redis serves TLS (with the release's certificate): "true" or "". */}}
 {{- define "splitserve.redisTLS" -}}
 {{- if and .Values.redis.enabled .Values.tls.enabled .Values.tls.redis -}}true{{- end -}}
@@ -74,7 +82,8 @@ app.kubernetes.io/component: {{ .component }}
 Environment that defines REDIS_PASSWORD (from the Secret) and the Redis URL in `name`; Kubernetes
 expands $(REDIS_PASSWORD) inside the URL. The password must be URL-safe (or stored percent-encoded).
 The in-chart Redis over TLS is verified against the release's CA (ssl_ca_certs, read by redis-py).
-(dict "root" $ "name" "SPLITSERVE_REDIS_URL")
+With the in-chart Redis' ACL users, `user` (router | worker) names the user and its password's key.
+(dict "root" $ "name" "SPLITSERVE_REDIS_URL" "user" "worker")
 */}}
 {{- define "splitserve.redisEnv" -}}
 {{- $r := .root.Values.redis -}}
@@ -83,14 +92,16 @@ The in-chart Redis over TLS is verified against the release's CA (ssl_ca_certs, 
 {{- $port := ternary 6379 $r.external.port $r.enabled -}}
 {{- $db := ternary 0 $r.external.db $r.enabled -}}
 {{- $query := ternary (printf "?ssl_ca_certs=%s/ca.crt" (include "splitserve.tlsDir" .root)) "" (eq $inChartTLS "true") -}}
+{{- $acl := include "splitserve.redisACL" .root -}}
+{{- $user := ternary (required "splitserve.redisEnv: user" .user) "" (eq $acl "true") -}}
 {{- if $r.auth.enabled }}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ include "splitserve.redisSecretName" .root }}
-      key: {{ $r.auth.existingSecretKey }}
+      key: {{ ternary (printf "%s-password" $user) $r.auth.existingSecretKey (eq $acl "true") }}
 - name: {{ .name }}
-  value: {{ printf "%s://:$(REDIS_PASSWORD)@%s:%v/%v%s" $scheme (include "splitserve.redisHost" .root) $port $db $query | quote }}
+  value: {{ printf "%s://%s:$(REDIS_PASSWORD)@%s:%v/%v%s" $scheme $user (include "splitserve.redisHost" .root) $port $db $query | quote }}
 {{- else }}
 - name: {{ .name }}
   value: {{ printf "%s://%s:%v/%v%s" $scheme (include "splitserve.redisHost" .root) $port $db $query | quote }}

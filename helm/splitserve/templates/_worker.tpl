@@ -137,7 +137,7 @@ spec:
             - name: OTEL_SERVICE_NAME
               value: splitserve-{{ $role }}
             {{- include "splitserve.securityEnv" $ctx | trim | nindent 12 }}
-            {{- with include "splitserve.redisEnv" (dict "root" $root "name" "SPLITSERVE_REDIS_URL") | trim }}{{ . | nindent 12 }}{{ end }}
+            {{- with include "splitserve.redisEnv" (dict "root" $root "name" "SPLITSERVE_REDIS_URL" "user" "worker") | trim }}{{ . | nindent 12 }}{{ end }}
             {{- with include "splitserve.settingsEnv" (dict "prefix" "SPLITSERVE_" "map" $c.engine) | trim }}{{ . | nindent 12 }}{{ end }}
             {{- with $c.extraEnv }}
             {{- toYaml . | nindent 12 }}
