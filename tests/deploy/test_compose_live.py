@@ -47,7 +47,7 @@ QUESTIONS = [
 ]
 LONG = "Tell me about the history of Paris, its rivers, bridges and people. " * 8
 
-pytestmark = [pytest.mark.services]
+pytestmark = [pytest.mark.services, pytest.mark.docker]
 
 
 # ---- a Docker engine, and a CLI that builds with BuildKit ----
