@@ -40,9 +40,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that loads the real model in process says so (`-m "not real_model"` skips them).
 
     Then the files are ordered costliest first (the live compose test, which builds images for
-    minutes, then chaos, then those that start services, then those on the real model, then the rest), each file's tests kept together and in order: pytest-xdist hands
-    out whole files in this order, so the long ones start at once and short ones fill in at the end,
-    instead of one worker finishing a long file alone."""
+    minutes, then chaos, then those that start services, then those on the real model, then the
+    rest), each file's tests kept together and in order: pytest-xdist hands out whole files in this
+    order, so the long ones start at once and short ones fill in at the end, instead of one worker
+    finishing a long file alone."""
     for item in items:
         if "smollm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.real_model)
