@@ -33,9 +33,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from opentelemetry import trace
@@ -59,9 +60,38 @@ from router.metrics import TENANT_NONE, RouterMetrics
 log = logging.getLogger(__name__)
 POLL_S = 1.0
 LIMITS_TIMEOUT_S = 1.0  # a rate-limit check that Redis does not answer this soon is skipped (counted)
+LOOP_SLACK_S = 0.05  # a deadline's wake-up this late means the loop, not Redis, was busy
+T = TypeVar("T")
 # request.state: the key the BodyLimit middleware authenticated from the headers (None: anonymous), set
 # under AUTHENTICATED so the route's dependency does not check it again
 AUTHENTICATED = "authenticated"
+
+
+async def within(call: Awaitable[T], timeout_s: float) -> T:
+    """`call`'s value if Redis answers within `timeout_s` of time the loop was free to read it; else
+    TimeoutError (the call is cancelled). A deadline that fires late, because the loop was busy (a long
+    step, a pause of the process), does not count that time against Redis: the call gets it back, up to
+    4 x `timeout_s` in all. An answer that came in while the loop was busy is read before the deadline is
+    looked at (asyncio runs ready I/O before expired timers), so a stall alone never turns an answer into
+    a timeout."""
+    task = asyncio.ensure_future(call)
+    deadline = time.monotonic() + timeout_s
+    give_up = deadline + 3 * timeout_s
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+            if done:
+                return task.result()
+            now = time.monotonic()
+            late = now - deadline
+            if late <= LOOP_SLACK_S or now >= give_up:
+                raise TimeoutError(f"no answer within {timeout_s:g} s")
+            deadline = min(give_up, now + late)  # the stall's time back
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 @dataclass
@@ -96,6 +126,7 @@ class Access:
         self._redis = redis
         self._poll: asyncio.Task[None] | None = None
         self._revocations: asyncio.Task[None] | None = None
+        self._refusals_spent: dict[str, float] = {}  # key id -> when (monotonic) its next refusal is back
 
     async def start(self) -> None:
         """Find out whether keys exist; refuse an open router on a reachable address; follow
@@ -228,9 +259,18 @@ class Access:
             return admission
         hold_s = self.config.request_timeout_s + 60  # a router that dies frees its slots this late
         try:
-            async with asyncio.timeout(LIMITS_TIMEOUT_S):
-                d = await self.limiter.acquire(key, request_id, tokens, hold_s)
+            d = await within(self.limiter.acquire(key, request_id, tokens, hold_s), LIMITS_TIMEOUT_S)
         except Exception as e:
+            if key.limits.max_concurrent is not None:
+                # fail closed: a key whose requests in flight are capped must not get uncounted ones (each
+                # would hold work nobody can release against its cap)
+                log.warning("request %s: cannot check the limits of %s: %r", request_id, key.key_id, e)
+                raise APIError(
+                    503,
+                    "cannot check this API key's limits now; retry later",
+                    headers={"Retry-After": str(max(1, self.config.retry_after_s))},
+                    detail=repr(e),
+                ) from None
             # Redis unreachable: serve the request unmetered rather than lock every limited key out for
             # the outage (limits share a budget, they guard no secret); counted and logged, not silent
             self.metrics.limits_unenforced.inc()
@@ -265,6 +305,53 @@ class Access:
             None, "rate_limit_exceeded", headers=headers,
         )  # fmt: skip
 
+    def check_refusals(self, key: ApiKey | None) -> None:
+        """Before a request's parse: 429 while `key` has spent its refusals (`refused`; this router learnt
+        it from Redis when charging the last one)."""
+        if key is None or not key.limits.any():
+            return
+        until = self._refusals_spent.get(key.key_id)
+        wait = until - time.monotonic() if until is not None else 0.0
+        if wait <= 0:
+            self._refusals_spent.pop(key.key_id, None)
+            return
+        self.metrics.rate_limited.labels("refusals").inc()
+        trace.get_current_span().add_event(
+            "splitserve.rate_limited",
+            {
+                "splitserve.limit": "refusals",
+                "splitserve.tenant": key.tenant,
+                "splitserve.key_id": key.key_id,
+            },
+        )
+        raise APIError(
+            429,
+            f"too many requests of API key {key.key_id!r} were refused (at most "
+            f"{self.config.refusals_per_minute} per minute): retry after {wait:.1f} s",
+            None, "rate_limit_exceeded", headers={"Retry-After": retry_after_header(wait)},
+        )  # fmt: skip
+
+    async def refused(self, key: ApiKey | None, charge_request: bool = True) -> None:
+        """A request of `key` was refused (400) after its parse: charged one request (`charge_request`)
+        and one of the key's refusals (router/auth/ratelimit.py `refuse`). Keys without limits are not
+        charged; a Redis that does not answer is logged."""
+        if key is None or self.limiter is None or not key.limits.any():
+            return
+        try:
+            wait = await within(
+                self.limiter.refuse(key, self.config.refusals_per_minute, charge_request), LIMITS_TIMEOUT_S
+            )
+        except Exception as e:
+            log.warning("could not charge a refused request of %s: %r", key.key_id, e)
+            return
+        if wait > 0:
+            if len(self._refusals_spent) > 10_000:  # forget the keys whose refusals are back
+                now = time.monotonic()
+                self._refusals_spent = {k: t for k, t in self._refusals_spent.items() if t > now}
+            self._refusals_spent[key.key_id] = time.monotonic() + wait
+        else:
+            self._refusals_spent.pop(key.key_id, None)
+
     async def release(self, admission: Admission | None, used_tokens: int) -> None:
         """Count the tokens used (prompt + output) for the tenant; give back the concurrency slot and the
         tokens charged but not used."""
@@ -277,12 +364,14 @@ class Access:
         if not admission.charged or admission.key is None or self.limiter is None:
             return
         try:
-            async with asyncio.timeout(LIMITS_TIMEOUT_S):
-                await self.limiter.release(
+            await within(
+                self.limiter.release(
                     admission.key,
                     admission.request_id,
                     admission.charged_tokens,
                     min(used_tokens, admission.charged_tokens),
-                )
+                ),
+                LIMITS_TIMEOUT_S,
+            )
         except Exception:  # the slot expires by itself (hold_s); the refund is lost
             log.exception("could not release the rate-limit charge of %s", admission.request_id)

@@ -41,8 +41,9 @@ from router.errors import APIError, install_handlers
 from router.metrics import RouterMetrics
 from router.openai_types import ChatCompletionRequest, CompletionRequest, request_body_schema
 from router.orchestrator import Orchestrator
+from router.prep import prepare_detokenize, prepare_tokenize
 from router.serving import Server
-from router.tokenize import detokenize, detokenize_body_schema, tokenize, tokenize_body_schema
+from router.tokenize import detokenize_body_schema, tokenize_body_schema
 from router.upstream import SettledTransport
 
 log = logging.getLogger(__name__)
@@ -56,12 +57,14 @@ def create_app(
     http_client: httpx.AsyncClient | None = None,
     close_state: bool = False,
     secret: InternalSecret | None = None,
+    warm_pool: bool = False,
 ) -> FastAPI:
     """The router app. `state=None` runs without Redis (no request records, no API keys in Redis;
     workers must come from config.decode_urls/prefill_urls). `http_client` is for tests (fake services
     behind a transport); by default the app makes one shared client, signing every call with `secret`
     (default: SPLITSERVE_INTERNAL_SECRET), and closes it at shutdown. With `close_state` the app also
-    closes `state` at shutdown."""
+    closes `state` at shutdown. With `warm_pool` the request-preparation workers start with the app,
+    else on the first large body (router/prep.py)."""
     setup_tracing("router")
     secret = InternalSecret.from_env() if secret is None else secret
     owns_client = http_client is None
@@ -81,6 +84,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await access.start()
+        if warm_pool:  # the request-preparation workers (router/prep.py) before the first large body
+            await server.prep.warm()
         if isinstance(state, ClusterState):
             orch.owners = RouterOwnership(state.redis, state.prefix, router_id, state.records)
             orch.owners.start()
@@ -90,6 +95,7 @@ def create_app(
         if index is not None:
             await index.stop()
         await access.stop()
+        await server.prep.close()
         if orch.owners is not None:
             await orch.owners.stop()
         if orch.records is not None:
@@ -148,26 +154,33 @@ def create_app(
     async def chat_completions(request: Request, key: ApiKey | None = inference) -> Response:
         return await server.generate(request, chat=True, key=key)
 
-    async def metered(
-        request: Request, key: ApiKey | None, work: Callable[[bytes], dict[str, Any]]
-    ) -> Response:
+    async def metered(request: Request, key: ApiKey | None, job: Callable[..., dict[str, Any]]) -> Response:
         """/tokenize, /detokenize: charged one request (no tokens) to the key's limits before the body
-        is parsed, as a generation is (429 past them); its concurrency slot is held while it runs."""
+        is parsed, as a generation is (429 past them); its concurrency slot is held while it runs. The
+        work runs as a generation's parse does (router/prep.py: off the loop for a large body); a body
+        it refuses is charged to the key's refusals too."""
         request_id = getattr(request.state, "request_id", None) or f"req-{uuid.uuid4().hex}"
+        access.check_refusals(key)
         admission = await access.admit(key, request_id, 0, generation=False)
         try:
-            result = work(await request.body())
+            body = await request.body()
+            try:
+                result = await server.prep.run(key, len(body), job, body)
+            except APIError as e:
+                if e.status == 400:
+                    await access.refused(key, charge_request=False)  # its request was charged above
+                raise
         finally:
             await access.release(admission, 0)
         return JSONResponse(result, headers=admission.headers)
 
     @app.post("/tokenize", openapi_extra={"requestBody": tokenize_body_schema(served)})
     async def tokenize_endpoint(request: Request, key: ApiKey | None = inference) -> Response:
-        return await metered(request, key, lambda body: tokenize(server.model, body))
+        return await metered(request, key, prepare_tokenize)
 
     @app.post("/detokenize", openapi_extra={"requestBody": detokenize_body_schema(served)})
     async def detokenize_endpoint(request: Request, key: ApiKey | None = inference) -> Response:
-        return await metered(request, key, lambda body: detokenize(server.model, body))
+        return await metered(request, key, prepare_detokenize)
 
     @app.get("/v1/models", dependencies=[inference])
     async def models() -> dict[str, Any]:
@@ -300,7 +313,10 @@ def build_app(config: RouterConfig | None = None) -> FastAPI:
     log.info("tokenizer loaded: %s, %d tokens, %.1f s", info.model_id, info.tokenizer.vocab_size,
              time.monotonic() - t0)  # fmt: skip
     state = ClusterState.from_url(config.redis_url, config.redis_prefix) if config.redis_url else None
-    return create_app(config, state, info, close_state=True)
+    # The preparation workers start on the first large body, not here: spawning them costs a router
+    # 2.5 s of start-up and as much CPU (measured on 2 cores), paid by every start of every router —
+    # most never see a body over parse_inline_bytes.
+    return create_app(config, state, info, close_state=True, warm_pool=False)
 
 
 def serve(config: RouterConfig | None = None) -> None:

@@ -115,6 +115,26 @@ class RouterConfig(BaseSettings):
     max_connections: int | None = Field(
         1024, ge=1, description="open connections (and requests in flight) at once; beyond, new ones get 503"
     )
+    parse_workers: int = Field(
+        2,
+        ge=0,
+        description="worker processes that prepare large requests (JSON, chat template, tokenizer, guides) "
+        "off the router's event loop; 0: all on the loop",
+    )
+    parse_queue: int = Field(
+        8, ge=0, description="large requests waiting for a parse worker at most; beyond, 503 + Retry-After"
+    )
+    parse_inline_bytes: int = Field(
+        16384,
+        ge=0,
+        description="bodies up to this size are prepared on the event loop (cheaper than in a worker)",
+    )
+    refusals_per_minute: int = Field(
+        20,
+        ge=1,
+        description="a rate-limited key's requests refused after parsing (400) per minute; past them its "
+        "requests get 429 before any parsing",
+    )
     log_content: bool = Field(
         False,
         description="put prompts and completions in logs and spans (OpenTelemetry GenAI content capture)",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -26,8 +26,7 @@ from router.errors import APIError, invalid
 from router.job import Job
 from router.openai_responses import SSE_DONE, Builder
 from router.openai_types import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
-from router.outcome import Run
-from router.parse import OpenAIRequest, endpoint
+from router.parse import OpenAIRequest, Parsed
 from router.request import finish, prepare, start
 from router.response import collect, failure, full, stream, usage
 
@@ -41,41 +40,64 @@ def wants_many(req: OpenAIRequest) -> bool:
     return many or req.n > 1
 
 
-async def handle_many(server: Server, request: Request, req: OpenAIRequest, key: ApiKey | None) -> Response:
+def refusal(req: OpenAIRequest) -> APIError | None:
+    """Why the choices asked for cannot be given (400), before any is parsed; None if they can."""
+    n, best_of = req.n, (req.best_of or req.n) if isinstance(req, CompletionRequest) else req.n
+    if best_of < n:
+        return invalid(f"best_of ({best_of}) must be at least n ({n})", "best_of")
+    if best_of > n and req.stream:
+        return invalid("best_of cannot be used with stream", "best_of")
+    if len(_prompts(req)) * best_of > MAX_PROMPTS * 2:
+        return invalid(f"at most {MAX_PROMPTS * 2} choices (prompts x best_of) per request", "n")
+    return None
+
+
+def subrequests(req: OpenAIRequest) -> Iterator[tuple[int, int, OpenAIRequest]]:
+    """Each choice as a request of its own, in the order they run: (prompt i, candidate j, request)."""
+    best_of = (req.best_of or req.n) if isinstance(req, CompletionRequest) else req.n
+    for i, p in enumerate(_prompts(req)):
+        one = req if isinstance(req, ChatCompletionRequest) else req.one(p)
+        for j in range(best_of):
+            update: dict[str, Any] = {"n": 1}
+            if one.seed is not None:  # seed + j, wrapping within int64
+                update["seed"] = (one.seed + j + 2**63) % 2**64 - 2**63
+            if best_of > req.n and one.logprobs is None:  # to rank candidates (dropped after)
+                update["logprobs"] = 0
+            yield i, j, one.model_copy(update=update)
+
+
+def name_prompt(req: OpenAIRequest, i: int, e: APIError) -> APIError:
+    """A refusal of prompt i's choice names `prompt.i` when there are several prompts."""
+    if len(_prompts(req)) > 1 and (e.param == "prompt" or (e.param or "").startswith("prompt.")):
+        e.param = f"prompt.{i}"
+    return e
+
+
+def _prompts(req: OpenAIRequest) -> list[Any]:
+    if isinstance(req, ChatCompletionRequest):
+        return [None]
+    return list(req.prompts or [req.prompt])
+
+
+async def handle_many(
+    server: Server,
+    request: Request,
+    req: OpenAIRequest,
+    parsed: list[tuple[int, int, Parsed]],
+    key: ApiKey | None,
+) -> Response:
+    """`req` and each of its choices, parsed (router/prep.py: `refusal`, `subrequests`), answered
+    together."""
     chat = isinstance(req, ChatCompletionRequest)
     n, best_of = req.n, (req.best_of or req.n) if isinstance(req, CompletionRequest) else req.n
-    prompts: list[Any] = [None] if chat else (req.prompts or [req.prompt])  # type: ignore[union-attr]
-    refusal = None
-    if best_of < n:
-        refusal = invalid(f"best_of ({best_of}) must be at least n ({n})", "best_of")
-    elif best_of > n and req.stream:
-        refusal = invalid("best_of cannot be used with stream", "best_of")
-    elif len(prompts) * best_of > MAX_PROMPTS * 2:
-        refusal = invalid(f"at most {MAX_PROMPTS * 2} choices (prompts x best_of) per request", "n")
-    if refusal is not None:
-        server.outcomes.refused(Run(endpoint(chat)), request, refusal)
-        raise refusal
     base = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     request.state.request_id = base
     jobs: list[Job] = []
     try:
-        for i, p in enumerate(prompts):
-            one = req if chat else req.one(p)  # type: ignore[union-attr]
-            for j in range(best_of):
-                update: dict[str, Any] = {"n": 1}
-                if one.seed is not None:  # seed + j, wrapping within int64
-                    update["seed"] = (one.seed + j + 2**63) % 2**64 - 2**63
-                if best_of > n and one.logprobs is None:  # to rank candidates (dropped after)
-                    update["logprobs"] = 0
-                sub = one.model_copy(update=update)
-                try:
-                    job = await prepare(server, request, sub, key, f"{base}-{len(jobs)}", i * n + j)
-                except APIError as e:
-                    if len(prompts) > 1 and (e.param == "prompt" or (e.param or "").startswith("prompt.")):
-                        e.param = f"prompt.{i}"
-                    raise
-                job.prompt_index = i
-                jobs.append(job)
+        for i, j, one in parsed:
+            job = await prepare(server, request, one, key, f"{base}-{len(jobs)}", i * n + j)
+            job.prompt_index = i
+            jobs.append(job)
     except APIError:
         await _finish_all(server, jobs, ClientGone())
         raise

@@ -151,6 +151,19 @@ class RouterMetrics:
             ["limit"],
             registry=r,
         )
+        self.parse_jobs = Gauge(
+            p + "parse_jobs",
+            "Large requests being prepared (parsed, templated, tokenized) by the router's worker processes "
+            "or waiting for one",
+            registry=r,
+        )
+        self.parse_refused = Counter(
+            p + "parse_refused",
+            "Large requests refused because the router's preparation pool was full (busy: 503) or their "
+            "key held its share of it (key_share: 429)",
+            ["reason"],
+            registry=r,
+        )
         self.limits_unenforced = Counter(
             p + "rate_limits_unenforced",
             "Requests of rate-limited keys served without a limit check because Redis did not answer",
@@ -214,6 +227,8 @@ class RouterMetrics:
             self.shed.labels(reason)
         for reason in AUTH_REFUSALS:
             self.auth_refused.labels(reason)
+        for reason in ("busy", "key_share"):
+            self.parse_refused.labels(reason)
         for limit in LIMITS:
             self.rate_limited.labels(limit)
 

@@ -1,6 +1,7 @@
 """One generation request, phase by phase. Read `handle`, then the phases in the order it calls them:
 
-    1 parse       router/parse.py      body and headers -> Parsed (400)
+    1 parse       router/parse.py      body and headers -> Parsed (400); run before `handle`, by
+                                       router/prep.py (off the loop for large bodies)
     2 admission   router/admission.py  the key's limits (429); later, overload and latency targets (503, 429)
     3 placement   router/placement.py  decode and prefill candidates, best first; the route, split or local
     4 the record  router/record.py     req:{id} in Redis: QUEUED, then the end
@@ -32,9 +33,8 @@ from router.disconnect import ClientGone, until_disconnected
 from router.errors import APIError
 from router.job import Job
 from router.openai_responses import Builder
-from router.openai_types import ChatCompletionRequest
 from router.outcome import Run
-from router.parse import OpenAIRequest, endpoint, parse
+from router.parse import Parsed, endpoint
 from router.placement import place
 from router.record import RequestRecord
 from router.response import collect, failure, full, stream
@@ -45,9 +45,11 @@ if TYPE_CHECKING:  # the Server calls in here
     from router.serving import Server
 
 
-async def handle(server: Server, request: Request, req: OpenAIRequest, key: ApiKey | None) -> Response:
-    """One request (`req`, its body, read) for `key` (None while auth is off), start to end."""
-    job = await prepare(server, request, req, key)  # 1 parse, 2 admission: the key's limits
+async def handle(server: Server, request: Request, parsed: Parsed, key: ApiKey | None) -> Response:
+    """One request (`parsed`: phase 1, done by router/prep.py) for `key` (None while auth is off), start
+    to end."""
+    req = parsed.req
+    job = await prepare(server, request, parsed, key)  # 2 admission: the key's limits
     request.state.request_id = job.request_id  # for the x-request-id middleware
     failed = await start(server, request, job)  # 3 placement, 2 shedding, 4 the record, 5 the first token
     if failed is not None:
@@ -71,17 +73,18 @@ async def handle(server: Server, request: Request, req: OpenAIRequest, key: ApiK
 async def prepare(
     server: Server,
     request: Request,
-    req: OpenAIRequest,
+    parsed: Parsed,
     key: ApiKey | None,
     request_id: str | None = None,
     index: int = 0,
 ) -> Job:
-    """Phases 1 and 2: validate the request and charge it to the key; APIError (counted as rejected)
-    if it cannot be served. Nothing has reached a service yet."""
-    run = Run(endpoint(isinstance(req, ChatCompletionRequest)))
+    """Phase 2 for a request phase 1 validated (`parsed`, router/parse.py, run by router/prep.py): charge
+    it to the key; APIError (counted as rejected) if it cannot be served. Nothing has reached a service
+    yet."""
+    req = parsed.req
+    run = Run(endpoint(parsed.chat))
     run.span = server.outcomes.root_span(request, run.endpoint)
     try:
-        parsed = parse(req, request.headers, key, server.model, server.config)
         request_id = request_id or f"{'chatcmpl' if parsed.chat else 'cmpl'}-{uuid.uuid4().hex}"
         admission = await admit(server.access, key, request_id, parsed)
     except APIError as e:

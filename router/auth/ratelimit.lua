@@ -8,6 +8,9 @@
 --            requests_left, requests_reset_ms, tokens_left, tokens_reset_ms}   (numbers as strings)
 -- release: ARGV = 'release', tpm, refund, request_id
 --   returns 1 if the request was in flight (and its tokens were refunded), else 0
+-- refuse:  ARGV = 'refuse', rpm (0: not charged), refusals per minute
+--   a request refused after its parse: one request off the requests bucket (never below 0: the work was
+--   done) and one off the refusals bucket (f, ft); returns {refusals_left, ms until one is back (0: left)}
 --
 -- Time is the server's (TIME), so every router sharing this Redis shares one clock and one budget.
 
@@ -41,6 +44,19 @@ if ARGV[1] == 'release' then
     redis.call('PEXPIRE', KEYS[1], IDLE_MS)
   end
   return was
+end
+
+if ARGV[1] == 'refuse' then
+  local rpm, cap = tonumber(ARGV[2]), tonumber(ARGV[3])
+  if rpm > 0 then
+    redis.call('HSET', KEYS[1], 'r', fmt(math.max(0, level('r', rpm) - 1)), 'rt', fmt(now))
+  end
+  local f = math.max(0, level('f', cap) - 1)
+  redis.call('HSET', KEYS[1], 'f', fmt(f), 'ft', fmt(now))
+  redis.call('PEXPIRE', KEYS[1], IDLE_MS)
+  local wait = 0
+  if f + EPS < 1 then wait = (1 - f) * 60000 / cap end
+  return {fmt(f), fmt(wait)}
 end
 
 local rpm, tpm, maxc = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])

@@ -18,6 +18,10 @@ Tokens are charged up front (prompt + max output) and the difference refunded at
 tracked in flight whenever its key has a tpm or max_concurrent limit; release refunds only if the entry
 was still there, so a doubled release refunds once, and one after the hold expired refunds nothing.
 
+A request refused after its parse (a 400: too long, a bad guide) has cost the router its parse, so it is
+charged too (`refuse`): one request, and one of a small bucket of refusals of its own (the router's
+`refusals_per_minute`); while that is empty the key's requests are refused before any parsing.
+
 A request asking for more tokens than the tpm limit itself can never pass: Decision(allowed=False,
 reason="tokens", retry_after_s=-1.0), `never` True. The router should answer
 it 429 without Retry-After, with a message saying the request is larger than the key's tokens-per-minute
@@ -130,6 +134,17 @@ class RateLimiter:
             return Decision(True, 0.0, "", headers)
         wait_s = float(wait_ms) / 1000 if float(wait_ms) >= 0 else -1.0
         return Decision(False, wait_s, str(reason), headers)
+
+    async def refuse(self, key: ApiKey, per_minute: int, charge_request: bool) -> float:
+        """A request of `key` refused after its parse: charged one request (`charge_request`; never below
+        empty) and one refusal of `per_minute`. Seconds until the key may have another refusal (0: it may
+        now). RateLimiterUnavailable when Redis cannot be asked."""
+        rpm = key.limits.rpm if charge_request and key.limits.rpm else 0
+        try:
+            _, wait_ms = await self._script(keys=self._keys(key), args=["refuse", rpm, per_minute])
+        except (RedisError, OSError) as e:
+            raise RateLimiterUnavailable(f"Redis: {e}") from e
+        return float(wait_ms) / 1000
 
     async def release(self, key: ApiKey, request_id: str, charged_tokens: int, used_tokens: int) -> None:
         """The request is over: free its in-flight entry and refund charged - used tokens (never above the
