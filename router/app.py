@@ -115,7 +115,7 @@ def create_app(
         if isinstance(state, ClusterState) and config.routing == "prefix_aware"
         else None
     )
-    orch = Orchestrator(config, state, client, metrics, router_id, index)
+    orch = Orchestrator(config, state, client, metrics, router_id, index, model_info.tokenizer.fingerprint)
     metrics.watch(orch)
     redis = state.redis if isinstance(state, ClusterState) else None
     access = Access(

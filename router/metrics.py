@@ -279,6 +279,13 @@ class RouterMetrics:
                 "into Redis by something without the internal secret); since start",
                 registry=r,
             ).set_function(untrusted)
+        if isinstance(getattr(orch.pool, "other_tokenizer", None), dict):
+            Gauge(
+                p + "registry_other_tokenizer_workers",
+                "Registered services left out because their tokenizer is not this router's (their token "
+                "ids would mean other text); since start",
+                registry=r,
+            ).set_function(lambda: len(orch.pool.other_tokenizer))
         index = getattr(orch.pool, "index", None)  # prefix-aware routing's KV index (kv_events.py)
         if index is not None:
             for name, attr, text in (

@@ -30,12 +30,14 @@ class Orchestrator:
         metrics: RouterMetrics,
         router_id: str,
         index: Any = None,
+        tokenizer: str | None = None,
     ) -> None:
         """`index`: a KV index (common.cluster.kv_events.KVIndex) for prefix-aware routing; None routes on
-        load alone."""
+        load alone. `tokenizer`: the fingerprint of the router's tokenizer; registered services with
+        another are not routed to (router/workers.py)."""
         self.config, self.state, self.client, self.metrics = config, state, client, metrics
         self.router_id = router_id
-        self.pool = WorkerPool(state, config.decode_urls, config.prefill_urls, index)
+        self.pool = WorkerPool(state, config.decode_urls, config.prefill_urls, index, tokenizer)
         # the router writes each request's end, so it may write a record Redis lost (restart) again
         self.records = RecordWriter(state.records, restore_lost=True) if state is not None else None
         self.owners: RouterOwnership | None = None  # set by the app while it runs (with Redis)

@@ -44,9 +44,13 @@ class WorkerPool:
         decode_urls: list[str],
         prefill_urls: list[str],
         index: Any = None,  # common.cluster.kv_events.KVIndex: told the workers at every registry read
+        tokenizer: str | None = None,  # the router's Tokenizer.fingerprint: others are left out
     ) -> None:
         self.state = state
         self.index = index
+        self.tokenizer = tokenizer
+        # worker id -> the tokenizer fingerprint it registered, for those left out for it (logged once each)
+        self.other_tokenizer: dict[str, str] = {}
         self.static = {"decode": list(decode_urls), "prefill": list(prefill_urls)}
         self.in_flight: Counter[str] = Counter()  # worker url -> requests this router has on it
         self._cache: dict[str, tuple[float, list[Worker]]] = {}  # role -> (read at, workers)
@@ -88,7 +92,11 @@ class WorkerPool:
         known = self._known.get(role, [])
         try:
             alive = await self.state.registry.alive(role)
-            workers = [Worker(w.id, w.url.rstrip("/"), w.load, w.incarnation, w.capacity) for w in alive]
+            workers = [
+                Worker(w.id, w.url.rstrip("/"), w.load, w.incarnation, w.capacity)
+                for w in alive
+                if self._same_tokenizer(w.id, role, w.capacity)
+            ]
         except Exception as e:
             if role not in self._known:
                 raise
@@ -112,6 +120,22 @@ class WorkerPool:
                 workers = known
         self._cache[role] = (now, workers)
         return workers
+
+    def _same_tokenizer(self, worker_id: str, role: str, capacity: dict[str, Any]) -> bool:
+        """Whether a registered service's token ids mean what this router's do (its signed capacity's
+        `tokenizer`, common/text/tokenizer.py `fingerprint`): prompts tokenized here and tokens decoded
+        here would be another model's text there, with no error anywhere. A service of a version that
+        registers none is taken (a rolling upgrade)."""
+        theirs = capacity.get("tokenizer")
+        if self.tokenizer is None or theirs is None or theirs == self.tokenizer:
+            return True
+        if self.other_tokenizer.get(worker_id) != theirs:
+            log.error(
+                "%s %s serves another tokenizer (%s, %s here: model %r): not routing to it",
+                role, worker_id, theirs, self.tokenizer, capacity.get("model"),
+            )  # fmt: skip
+            self.other_tokenizer[worker_id] = theirs
+        return False
 
     def untrusted(self) -> int:
         """Registry entries left out because their signature is missing or wrong (forged: written

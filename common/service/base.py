@@ -167,6 +167,8 @@ class Service:
         self.aengine.start()
         capacity = {
             "model": self.served_model,
+            # what its token ids mean: a router serving another tokenizer leaves this service out
+            "tokenizer": self.engine.tokenizer.fingerprint,
             "total_blocks": self.aengine.load.total_blocks,
             "block_size": self.engine.config.block_size,
             "max_num_seqs": self.engine.config.max_num_seqs,

@@ -14,6 +14,7 @@ one of two kinds (`tokenizer.ggml.model`):
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from functools import cached_property
@@ -75,6 +76,18 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """What a token id means here, as 20 hex characters: SHA-256 over every id and its token string.
+        A service registers it; a router routes only to services whose ids mean what its own tokenizer's
+        do (router/workers.py): the same text, other ids, would be another model's prompt. Chat template
+        and EOS ids are left out on purpose: the router renders (and may override the template), and EOS
+        sets may be widened per service without changing what an id means."""
+        h = hashlib.sha256()
+        for token, i in sorted(self.tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1]):
+            h.update(f"{i}\t{token}\n".encode())
+        return h.hexdigest()[:20]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # add_special_tokens only controls the post-processor (e.g. a BOS); special-token *text* such
