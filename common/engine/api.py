@@ -119,6 +119,7 @@ class EngineLoad:
     preempted_recompute: int = 0
     prefix_queries: int = 0  # full prompt blocks looked up in the prefix cache since start, and found
     prefix_hits: int = 0
+    kv_clamped: int = 0  # fp8 KV values saturated to the format's range since start (read once a second)
 
     def queue_wait_s(self, now: float) -> float:
         """How long the longest-queued request has waited at `now` (time.monotonic()): the queue's sojourn

@@ -232,6 +232,7 @@ class LLMEngine:
         )
         self.connector = connector or KVConnector()
         self.speed = StepSpeed()  # recent steps' prefill and decode speed (the service publishes it)
+        self._clamped_read: tuple[float, int] = (float("-inf"), 0)  # (when, value): _kv_clamped
         self.connector.bind(self.kv_cache)
         self.connector.bind_ranks(self.tp_workers, self.kv_compat())
         scheduler = StaticBatchScheduler if config.policy == "static" else Scheduler
@@ -450,7 +451,20 @@ class LLMEngine:
             preempted_recompute=sched.stats["preempt_recompute"],
             prefix_queries=bm.prefix_queries,
             prefix_hits=bm.prefix_hits,
+            kv_clamped=self._kv_clamped(),
         )
+
+    def _kv_clamped(self) -> int:
+        """fp8 KV values saturated since start (PagedKVCache.clamped). Reading it waits for the device,
+        so an fp8 cache is asked at most once a second (load() runs after every step); 0 otherwise."""
+        if not self.kv_cache.quantized:
+            return 0
+        now = time.monotonic()
+        at, value = self._clamped_read
+        if now - at >= 1.0:
+            value = self.kv_cache.clamped
+            self._clamped_read = (now, value)
+        return value
 
     def kv_compat(self) -> KVCompat:
         """What a peer must match before KV moves between this engine's cache and its own."""

@@ -169,6 +169,12 @@ class EngineCollector:
             "splitserve_prefix_cache_hit_rate", "hits / queries since start", hits / queries if queries else 0
         )
         yield CounterMetricFamily(
+            "splitserve_kv_fp8_clamped_values",
+            "K/V values written past the fp8 KV cache's range and saturated (0 unless the cache is fp8; "
+            "read once a second): a steady rise means the calibrated scales miss this traffic",
+            value=load.kv_clamped,
+        )
+        yield CounterMetricFamily(
             "splitserve_expired_peer_leases",
             "transfers ended because the peer's lease expired",
             value=self.expired_leases(),

@@ -50,6 +50,7 @@ def test_fp8_e4m3_answers_the_readme_question_as_bf16_kv_does(smollm) -> None:  
     e4m3 = _engine(smollm, "fp8_e4m3")
     assert e4m3.generate([prompt], greedy)[0].token_ids == bf16, tok.decode(bf16)
     assert "Paris" in tok.decode(bf16) and e4m3.kv_cache.clamped == 0
+    assert e4m3.load().kv_clamped == 0  # what /metrics shows (splitserve_kv_fp8_clamped_values)
 
 
 def test_the_calibration_covers_the_chat_template_s_special_tokens(smollm) -> None:  # type: ignore[no-untyped-def]

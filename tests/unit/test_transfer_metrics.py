@@ -103,3 +103,13 @@ def test_prefill_transport_counters_per_backend_and_rank() -> None:
     workers.rank_stats[1] = RankStats(sent={"tcp": {"bytes_sent": 1024, "layers_sent": 1, "dones_sent": 1}})
     ranked = collect(PrefillService.transfer_counters(cast(Any, service)))
     assert ({"backend": "tcp", "rank": "1"}, 1024) in ranked["splitserve_kv_transfer_bytes"]
+
+
+def test_fp8_clamped_values_are_a_counter_of_the_engine_load() -> None:
+    """Issue 28, point 7: clamping is counted in a metric, not only in PagedKVCache.clamped."""
+    for clamped in (0, 7):
+        load = EngineLoad(free_blocks=1, total_blocks=1, kv_clamped=clamped)
+        collector = EngineCollector(lambda load=load: load, lambda: 0, lambda: [])  # type: ignore[misc]
+        families = {m.name: m for m in collector.collect()}
+        (sample,) = families["splitserve_kv_fp8_clamped_values"].samples
+        assert (sample.name, sample.value) == ("splitserve_kv_fp8_clamped_values_total", clamped)
