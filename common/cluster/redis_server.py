@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -92,33 +93,32 @@ def _server_info(host: str, port: int, password: str | None = None) -> dict[str,
     Raw RESP keeps this start-up code free of the client."""
     try:
         with socket.create_connection((host, port), timeout=0.5) as s:
+
+            def receive(buf: bytes, enough: Callable[[bytes], bool]) -> bytes:
+                while not enough(buf):
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        raise ConnectionError("closed")
+                    buf += chunk
+                return buf
+
+            def first_line(buf: bytes) -> tuple[bytes, bytes]:  # a reply's first line, and what follows it
+                head, _, rest = receive(buf, lambda b: b"\r\n" in b).partition(b"\r\n")
+                return head, rest
+
             reply = b""
             if password is not None:
                 pw = password.encode()
                 s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
-                while b"\r\n" not in reply:
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        return None
-                    reply += chunk
-                head, _, reply = reply.partition(b"\r\n")
+                head, reply = first_line(reply)
                 if head != b"+OK":  # another server (or one that does not know this password)
                     return None
             s.sendall(b"INFO\r\n")
-            while b"\r\n" not in reply:
-                chunk = s.recv(65536)
-                if not chunk:
-                    return None
-                reply += chunk
-            head, _, body = reply.partition(b"\r\n")
+            head, body = first_line(reply)
             if not head.startswith(b"$"):  # an error (-NOAUTH ...): not a server of ours
                 return None
             size = int(head[1:]) + 2
-            while len(body) < size:
-                chunk = s.recv(65536)
-                if not chunk:
-                    return None
-                body += chunk
+            body = receive(body, lambda b: len(b) >= size)
     except (OSError, ValueError):
         return None
     fields = {}
