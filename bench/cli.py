@@ -15,7 +15,14 @@ Scenario = Callable[[argparse.Namespace], dict[str, Any]]
 DEFAULT_REQUESTS = {"serving": 24, "soak": 5000, "kv-dtype": 20}
 # --rounds when not given; 5 for the others. A round of batching or peer-hf runs the whole workload on
 # each side (a smaller one would change the figure: the ratio grows with requests per batch slot).
-DEFAULT_ROUNDS = {"batching": 3, "peer-hf": 3, "prefix": 2, "fairness": 2, "tp": 3}
+DEFAULT_ROUNDS = {"batching": 3, "peer-hf": 3, "prefix": 2, "fairness": 2, "tp": 3, "tiers": 3}
+# flags whose default depends on the scenario (None when not given): {flag's dest: {scenario: default}}
+SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
+    "sessions": {"tiers": 6},  # prefix: 4
+    "system_notes": {"tiers": 6},  # prefix: 10
+    "kv_cache_mb": {"tiers": 32},
+}
+FALLBACK_DEFAULTS = {"sessions": 4, "system_notes": 10}
 
 
 SCENARIOS = {  # name -> module in bench/ with run(args); imported only when chosen, so a scenario
@@ -34,6 +41,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "kv-dtype": "kv_dtype",
     "tp": "tp",
     "matmul": "matmul",
+    "tiers": "tiers",
 }
 
 
@@ -56,7 +64,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"== bench {name}", file=sys.stderr)
         requests = args.requests or DEFAULT_REQUESTS.get(name, 64)
         rounds = args.rounds or DEFAULT_ROUNDS.get(name, 5)
-        scenario_args = argparse.Namespace(**{**vars(args), "requests": requests, "rounds": rounds})
+        given = {
+            k: v.get(name, FALLBACK_DEFAULTS.get(k))
+            for k, v in SCENARIO_DEFAULTS.items()
+            if vars(args)[k] is None
+        }
+        scenario_args = argparse.Namespace(**{**vars(args), **given, "requests": requests, "rounds": rounds})
         results[name] = _scenario(name)(scenario_args)
         if not args.json:
             for k, v in results[name].items():
@@ -74,7 +87,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | kv-dtype | tp | matmul | all",
+        "prefix | fairness | kv-dtype | tp | matmul | tiers | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(
@@ -88,7 +101,8 @@ def add_bench_parser(sub: Any) -> None:
         "--kv-cache-mb",
         type=int,
         default=None,
-        help="batching, peer-hf: KV cache size (1024); tp: the split services' (32)",
+        help="batching, peer-hf: KV cache size (1024); tp: the split services' (32); tiers: the decode "
+        "services' KV pool (32)",
     )
     b.add_argument("--out", default="bench/out", help="folder for result JSON and plots")
     b.add_argument(
@@ -110,16 +124,24 @@ def add_bench_parser(sub: Any) -> None:
         "--feature-rounds", type=int, default=8, help="rounds of plain/logprobs/penalties/guided requests"
     )
     x = b.add_argument_group("prefix")
-    x.add_argument("--sessions", type=int, default=4, help="prefix: chat sessions run at once")
-    x.add_argument("--turns", type=int, default=6, help="prefix: questions per session")
     x.add_argument(
-        "--answer-tokens", type=int, default=16, help="prefix, fairness, kv-dtype, tp: tokens per answer"
+        "--sessions",
+        type=int,
+        default=None,
+        help="prefix: chat sessions run at once (4); tiers: sessions (6)",
+    )
+    x.add_argument("--turns", type=int, default=6, help="prefix, tiers: questions per session")
+    x.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=16,
+        help="prefix, fairness, kv-dtype, tp, tiers: tokens per answer",
     )
     x.add_argument(
         "--system-notes",
         type=int,
-        default=10,
-        help="prefix: course notes in each system prompt (~35 tokens each)",
+        default=None,
+        help="prefix (10), tiers (6): course notes in each system prompt (~35 tokens each)",
     )
     x.add_argument(
         "--prefix-threshold", type=int, default=64, help="prefix: both routers' --local-prefill-threshold"
@@ -139,6 +161,17 @@ def add_bench_parser(sub: Any) -> None:
         "--fair-burst-s", type=float, default=None,
         help="fairness: the fair-share service's --fair-burst-s (default: the service's, 2)",
     )  # fmt: skip
+    r = b.add_argument_group("tiers")
+    r.add_argument(
+        "--tiers-ram-gb", type=float, default=0.25, help="tiers: the RAM tier of the ram configuration"
+    )
+    r.add_argument(
+        "--tiers-disk-ram-gb",
+        type=float,
+        default=None,
+        help="tiers: the RAM tier in front of the disk tier (default: the KV pool's size)",
+    )
+    r.add_argument("--tiers-disk-gb", type=float, default=1.0, help="tiers: the disk tier (in a temp dir)")
     t = b.add_argument_group("tp")
     t.add_argument(
         "--no-splits",

@@ -1,0 +1,38 @@
+"""The `tiers` benchmark end to end on the tiny test model: three real stacks (Redis, decode service,
+router), pool only, +RAM and +RAM+disk, one round of a chat trace larger than the pool."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.tiers import run
+from tests.support.tiny_model import tiny_model_path
+
+pytestmark = pytest.mark.services
+
+
+def test_tiers_bench_serves_tier_hits_and_the_same_answers(tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        model=tiny_model_path(), threads=1, kv_cache_mb=1, sessions=3, turns=3, answer_tokens=4,
+        system_notes=6, rounds=1, seed=0, tiers_ram_gb=0.25, tiers_disk_ram_gb=None, tiers_disk_gb=0.25,
+        out=str(tmp_path),
+    )  # fmt: skip
+    out = run(args)
+    assert out["working_set_over_pool"] > 1  # every session's history does not fit the pool at once
+    for c in ("pool", "ram", "disk"):
+        assert out[f"{c}_errors"] == 0, out[f"{c}_first_error"]
+        assert out[f"{c}_verify_failures"] == 0
+    assert out["pool_cached_tokens"] == 0  # evicted before each next turn: nothing reused without tiers
+    assert out["ram_ram_hit_blocks"] > 0 and out["ram_disk_hit_blocks"] == 0
+    assert out["disk_disk_hit_blocks"] > 0  # the third turn finds blocks evicted twice on disk
+    # every answer of both tier configurations compared with the tiers-off one, none different
+    assert out["compared_completions"] == 2 * 3 * 3 and out["wrong_completions"] == 0
+    # the services counted as reused exactly what the responses reported as cached
+    assert out["predicted_vs_served_hits"] == 1.0
+    assert out["ttft_p50_ratio_ram"] > 0 and out["ttft_p50_ratio_disk"] > 0
+    assert len(out["load_before"]) == 3 and len(out["load_after"]) == 3
+    assert os.path.getsize(out["plot"]) > 0
