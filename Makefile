@@ -51,8 +51,10 @@ lint: $(STAMP)
 # Two pytest-xdist workers, a whole test file to each (--dist loadfile: a module's services start once):
 # most of a test's time is a service process starting or answering, so two keep both cores busy. The 20
 # slowest tests are printed at the end (the suite's budget: 12 minutes on 2 cores).
+# A worker that dies (--max-worker-restart=0) ends the run at once, naming its test: restarting it under
+# --dist loadfile once left the run hung with both workers idle.
 TEST_WORKERS ?= 2
-PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --durations=20
+PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=20
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
