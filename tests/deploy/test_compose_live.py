@@ -31,6 +31,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.cluster import wait_until
+
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ["-f", "compose.yaml", "-f", "compose.cpu.yaml"]
 IMAGES = {"cpu": "splitserve-test/engine:cpu", "router": "splitserve-test/router:latest"}
@@ -418,9 +420,7 @@ def test_docker_kill_of_a_decode_container_mid_stream_loses_no_stream(stack: Sta
     threads = [threading.Thread(target=s.run, daemon=True) for s in streams]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 120
-    while not all(s.chunks >= 2 or s.error or s.done for s in streams) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: all(s.chunks >= 2 or s.error or s.done for s in streams), 120, "streams under way")
     decodes = stack.containers("decode")
     assert len(decodes) == 2
     load = [(running_on(stack, c), c) for c in decodes]
@@ -519,13 +519,9 @@ def acl_log(raw: str) -> list[dict[str, str]]:
 def test_keys_survive_a_redis_restart(stack: Stack) -> None:
     assert stack.key, "the key test runs first"
     stack.compose("restart", "redis", timeout=120)
-    deadline = time.monotonic() + 60
-    while True:  # Redis loads its append-only file; the router reconnects
-        r = stack.post(stack.chat("What is the capital of France?"))
-        if r.status_code == 200 or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert r.status_code == 200, r.text
+    # Redis loads its append-only file; the router reconnects
+    asked = stack.chat("What is the capital of France?")
+    wait_until(lambda: stack.post(asked).status_code == 200, 60, "the key served after the Redis restart")
     assert stack.post(stack.chat("Hello"), key="sk-wrong").status_code == 401
 
 
