@@ -23,7 +23,7 @@ import torch
 #   linear:       positions divided by `factor` (== every frequency divided by `factor`)
 #   llama3:       Llama 3.1 band-wise scaling (low frequencies scaled, high kept, smooth in between)
 #   freq_factors: per-frequency divisors given explicitly (how GGUF stores Llama 3.1: rope_freqs.weight)
-ROPE_SCALING_TYPES = ("linear", "llama3", "freq_factors")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "freq_factors")
 # The gated MLP's activations (HF's hidden_act / hidden_activation names)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -148,6 +148,7 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | N
     required = {
         "linear": ("factor",),
         "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "yarn": ("factor", "original_max_position_embeddings"),
         "freq_factors": ("factors",),
     }[kind]
     missing = [k for k in required if k not in scaling]
@@ -190,7 +191,43 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
         smooth = (old_ctx / wavelen - lo) / (hi - lo)
         mid = (1 - smooth) * inv / factor + smooth * inv
         inv = torch.where(wavelen > old_ctx / lo, inv / factor, torch.where(wavelen < old_ctx / hi, inv, mid))
+    elif kind == "yarn":
+        # YaRN (arXiv 2309.00071), as transformers computes it: dimensions that turn fewer than beta_slow
+        # times over the original context are interpolated (divided by factor), those that turn more than
+        # beta_fast times kept, a linear ramp between; cos/sin are scaled by rope_attention_scaling.
+        factor, old_ctx = float(s["factor"]), float(s["original_max_position_embeddings"])
+        fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+        def dim_at(rotations: float) -> float:  # the dimension that turns `rotations` times over old_ctx
+            return hd * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_at(fast), dim_at(slow)
+        if s.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, hd - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = ((torch.arange(hd // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+        inv = (inv / factor) * ramp + inv * (1 - ramp)
     return inv.float()
+
+
+def rope_attention_scaling(config: ModelConfig, local: bool = False) -> float:
+    """The factor RoPE's cos and sin are multiplied by (1.0 but for YaRN: its attention temperature,
+    `attention_factor`, else 0.1 * ln(factor) + 1, or the mscale / mscale_all_dim ratio)."""
+    s = config.rope_local_scaling if local else config.rope_scaling
+    if s is None or s["rope_type"] != "yarn":
+        return 1.0
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = float(s["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return mscale(float(s["mscale"])) / mscale(float(s["mscale_all_dim"]))
+    return mscale()
 
 
 def weights_hash(paths: Iterable[str]) -> str:

@@ -27,8 +27,10 @@ sliced at load (common/parallel/partition.py says which): fused q/k/v and gate/u
 (its query/KV heads, its slice of the intermediate dim), o_proj and down_proj row-parallel with one
 all-reduce after each; the embedding and lm_head are vocabulary-parallel (rows of its vocab slice; the
 embedding masks ids outside it and all-reduces, the logits are gathered to rank 0). The per-head and
-elementwise options (q/k norms, windows, soft-caps, sandwich norms, embedding scale) need nothing more;
-mixture-of-experts models are refused with tensor parallelism (the experts are not sharded).
+elementwise options (q/k norms, windows, soft-caps, sandwich norms, embedding scale) need nothing more.
+A mixture of experts shards each expert as the dense MLP: every rank holds every expert's slice of
+moe_intermediate_size (column-parallel gate/up, row-parallel down) and the full router, so each rank
+routes the same tokens to the same experts and one all-reduce sums the experts' partial outputs.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from torch import nn
 
 from common.kv.kv_cache import PagedKVCache
 from common.model.attention import AttentionMetadata, attend, paged_attention
-from common.model.config import ModelConfig, rope_inv_freq
+from common.model.config import ModelConfig, rope_attention_scaling, rope_inv_freq
 from common.parallel.collective import TPRank
+from common.parallel.partition import even_split
 
 # attn_fn(q (T, nh, hd), k (T, nkv, hd), v (T, nkv, hd), layer) -> (T, nh, hd)
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
@@ -144,16 +147,28 @@ class MoE(nn.Module):
 
     Batched dispatch: the step's (token, expert) pairs are sorted by expert, so each expert hit runs one
     matmul over all of its tokens (a loop over experts, never over tokens), and the weighted results are
-    summed back into their tokens with one index_add."""
+    summed back into their tokens with one index_add.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    With tensor parallelism, `inter` is this rank's slice of every expert (`tp_slice`): the output is the
+    rank's partial sum, which the layer all-reduces as after the dense MLP."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPRank | None = None) -> None:
         super().__init__()
-        e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.inter_slice = MoE.tp_slice(cfg, tp)
+        e, h = cfg.num_experts, cfg.hidden_size
+        inter = cfg.moe_intermediate_size if self.inter_slice is None else len(self.inter_slice)
         self.top_k, self.normalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.act = activation(cfg.hidden_act)
         self.router = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(e, 2 * inter, h, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(e, h, inter, dtype=dtype), requires_grad=False)
+
+    @staticmethod
+    def tp_slice(cfg: ModelConfig, tp: TPRank | None) -> range | None:
+        """This rank's slice of each expert's intermediate dim (None: all of it, no TP)."""
+        if tp is None:
+            return None
+        return even_split(cfg.moe_intermediate_size, tp.layout.size, "moe_intermediate_size")[tp.layout.rank]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden)
         probs = torch.softmax(linear(x, self.router), dim=-1, dtype=torch.float32)  # (T, E)
@@ -199,7 +214,7 @@ class DecoderLayer(nn.Module):
         self.pre_ffn_norm = RMSNorm(h, eps, dtype, off) if cfg.sandwich_norm else None
         self.post_ffn_norm = RMSNorm(h, eps, dtype, off) if cfg.sandwich_norm else None
         self.act = activation(cfg.hidden_act)
-        self.moe = MoE(cfg, dtype) if cfg.is_moe(index) else None
+        self.moe = MoE(cfg, dtype, tp) if cfg.is_moe(index) else None
         if self.moe is None:
             self.gate_up_proj = nn.Linear(h, 2 * inter, bias=False, dtype=dtype)
             self.down_proj = nn.Linear(inter, h, bias=False, dtype=dtype)
@@ -229,7 +244,7 @@ class DecoderLayer(nn.Module):
             x = x + out
             h = self.post_attn_norm(x)
         if self.moe is not None:
-            out = self.moe(h)
+            out = self._reduce(self.moe(h))
         else:
             gate, up = linear(h, self.gate_up_proj.weight).chunk(2, dim=-1)  # (T, inter) each
             out = self._reduce(linear(self.act(gate) * up, self.down_proj.weight))
@@ -265,11 +280,6 @@ class LlamaForCausalLM(nn.Module):
         self, config: ModelConfig, dtype: torch.dtype = torch.float32, tp: TPRank | None = None
     ) -> None:
         super().__init__()
-        if tp is not None and config.num_experts:
-            raise ValueError(
-                "tensor parallelism is not implemented for mixture-of-experts models "
-                f"({config.architecture}): run it with tensor_parallel_size=1"
-            )
         self.config = config
         self.dtype = dtype
         self.tp = tp  # None: the whole model; else this rank's shard
@@ -296,6 +306,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # (hd/2,) fp32
         local = rope_inv_freq(config, local=True) if config.rope_local_theta is not None else None
         self.register_buffer("inv_freq_local", local, persistent=False)
+        self.rope_scale = (rope_attention_scaling(config), rope_attention_scaling(config, local=True))  # YaRN
         self.requires_grad_(False)
 
     # --- forward paths -----------------------------------------------------------------------------
@@ -303,8 +314,12 @@ class LlamaForCausalLM(nn.Module):
         """positions (T,) -> cos, sin each (T, hd) in the model dtype; computed once, shared by layers.
         `local`: with the sliding layers' frequencies (where the model has its own for them)."""
         inv = self.inv_freq_local if local and self.inv_freq_local is not None else self.inv_freq
+        local = inv is self.inv_freq_local
         freqs = positions.to(torch.float32).unsqueeze(1) * inv.unsqueeze(0)  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        scale = self.rope_scale[int(local)]
+        if scale != 1.0:
+            return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_fn: AttnFn) -> torch.Tensor:
@@ -477,8 +492,17 @@ class LlamaForCausalLM(nn.Module):
             layer.o_proj.weight.copy_(cols(take(p + "self_attn.o_proj.weight"), q_heads, hd))
             if layer.moe is not None:
                 copy(layer.moe.router, take(p + "mlp.gate.weight"), p + "mlp.gate.weight")
-                copy(layer.moe.gate_up, take(p + "mlp.experts.gate_up_proj"), p + "mlp.experts.gate_up_proj")
-                copy(layer.moe.down, take(p + "mlp.experts.down_proj"), p + "mlp.experts.down_proj")
+                gu, s = take(p + "mlp.experts.gate_up_proj"), layer.moe.inter_slice  # (E, 2 * inter, h)
+                if s is not None:  # this rank's rows of the gate half and of the up half
+                    half = gu.shape[1] // 2
+                    gu = torch.cat((gu[:, s.start : s.stop], gu[:, half + s.start : half + s.stop]), dim=1)
+                copy(layer.moe.gate_up, gu, p + "mlp.experts.gate_up_proj")
+                down = take(p + "mlp.experts.down_proj")  # (E, h, inter): this rank's columns
+                copy(
+                    layer.moe.down,
+                    down if s is None else down[:, :, s.start : s.stop],
+                    p + "mlp.experts.down_proj",
+                )
                 continue
             gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
             gate_up = torch.cat([rows(gate, inter), rows(up, inter)], dim=0)

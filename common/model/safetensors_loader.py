@@ -143,11 +143,12 @@ _ALL_LAYERS_SLIDE = ("mistral", "mixtral", "phi3", "qwen3_moe")
 # Families with a use_sliding_window switch (off: no window, whatever sliding_window says)
 _WINDOW_SWITCH = ("qwen2", "qwen3", "qwen3_moe")
 # Keys a rope dict may hold for the types we implement (transformers' RopeParameters, and "factors" of
-# our own freq_factors type); yarn's, longrope's and mrope's keys are not understood, so refused.
+# our own freq_factors type); longrope's and mrope's keys are not understood, so refused.
 _ROPE_KEYS = frozenset(
     ("rope_type", "type", "rope_theta", "partial_rotary_factor", "factor", "low_freq_factor",
      "high_freq_factor", "original_max_position_embeddings", "factors")
 )  # fmt: skip
+_YARN_KEYS = frozenset(("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"))
 _ROPE_THETA_DEFAULT = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 
 
@@ -205,7 +206,7 @@ def _rope_from_hf(
                 f"{folder}: config.json {name}: unsupported rope_scaling type {kind!r}; supported: "
                 f"{', '.join(ROPE_SCALING_TYPES)} (or none/'default')"
             )
-        unknown = sorted(set(d) - _ROPE_KEYS)
+        unknown = sorted(set(d) - _ROPE_KEYS - (_YARN_KEYS if kind == "yarn" else frozenset()))
         if unknown:
             raise ValueError(
                 f"{folder}: config.json {name} has keys we do not implement: {', '.join(unknown)}"
@@ -266,7 +267,7 @@ def _gemma3_rope(cfg: dict[str, Any], folder: str) -> tuple[float, dict[str, Any
 def _rope_scaling(name: str, d: dict[str, Any], cfg: dict[str, Any], folder: str) -> dict[str, Any] | None:
     """The scaling part of one rope dict, validated (`normalize_rope_scaling`), as transformers 5 fills it."""
     s = {k: v for k, v in d.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    if s.get("rope_type", s.get("type")) == "llama3":
+    if s.get("rope_type", s.get("type")) in ("llama3", "yarn"):
         # transformers 5 takes a top-level original_max_position_embeddings over the dict's (4.x the
         # dict's), and max_position_embeddings when neither is given.
         top, inner = cfg.get("original_max_position_embeddings"), s.get("original_max_position_embeddings")

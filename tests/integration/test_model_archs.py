@@ -81,6 +81,21 @@ ARCHS = {
         {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
         {"rope": {"rope_parameters": {"rope_theta": 10000.0}}},
     ),
+    # YaRN: factor 4 over an original 128 positions: low frequencies interpolated, cos/sin x1.14
+    "llama-yarn": Arch(
+        "llama",
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                             "rope_theta": 10000.0}},
+        {"rope": {"rope_parameters": {"rope_theta": 10000.0}}},
+    ),
+    "qwen3-yarn": Arch(  # the legacy layout, untruncated ramp and DeepSeek's mscale ratio
+        "qwen3",
+        {"rope_theta": 1e6,
+         "rope_scaling": {"type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
+                          "beta_fast": 16, "beta_slow": 2, "truncate": False, "mscale": 1.0,
+                          "mscale_all_dim": 0.5}},
+        {"rope": {"rope_scaling": None, "rope_parameters": {"rope_theta": 1e6}}},
+    ),
     "qwen3": Arch(
         "qwen3",
         {"rope_parameters": {"rope_theta": 1e6}, "num_hidden_layers": 3},
@@ -290,7 +305,7 @@ def test_greedy_tokens_match_transformers(built: Built, request: pytest.FixtureR
 def test_tensor_parallel_shards_match(built: Built) -> None:
     """Two tensor-parallel ranks (threads) give the whole model's logits: the families' per-head and
     elementwise quirks (q/k norms, windows, soft-caps, sandwich norms, embedding scale) shard as Llama
-    does. Mixture-of-experts models refuse tensor parallelism (the experts are not sharded)."""
+    does; a mixture of experts shards every expert's width (each rank routes alike, one all-reduce)."""
     from common.parallel.collective import TPRank
     from common.parallel.partition import shard_layouts
     from tests.unit.test_tensor_parallel import ThreadCollective, ThreadWorld, run_ranks
@@ -298,10 +313,6 @@ def test_tensor_parallel_shards_match(built: Built) -> None:
     whole, c = built.ours, built.ours.config
     layouts = shard_layouts(c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size, 2)
     world = ThreadWorld(2)
-    if c.num_experts:
-        with pytest.raises(ValueError, match="tensor parallelism is not implemented for mixture-of-experts"):
-            whole.shard(TPRank(layouts[0], ThreadCollective(world, 0)))
-        return
     shards = [whole.shard(TPRank(lay, ThreadCollective(world, lay.rank))) for lay in layouts]
     ids = IDS[:24]
     got = run_ranks(world, lambda r: paged_logits(shards[r], ids, CHUNK, len(layouts[r].kv_heads)))[0]

@@ -151,8 +151,10 @@ def test_llama_o_proj_bias_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "cfg, match",
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "type 'yarn'"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32}}, "type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "extrapolation": 1}},
+         "implement: extrapolation"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+          "original_max_position_embeddings": 32}, "original_max_position_embeddings=32 and .* disagree"),
         ({"rope_parameters": {"rope_type": "linear", "factor": 4, "beta_fast": 32}}, "implement: beta_fast"),
         ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic'"),
         ({"rope_scaling": {"type": "su", "factor": 4.0}}, "rope_scaling: unsupported rope_scaling type 'su'"),

@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from common.model.config import ModelConfig, normalize_rope_scaling, rope_inv_freq, weights_hash
+from common.model.config import (
+    ModelConfig,
+    normalize_rope_scaling,
+    rope_attention_scaling,
+    rope_inv_freq,
+    weights_hash,
+)
 from common.model.gguf_loader import unpermute_qk
 from common.model.loader import load_model
 from common.text.tokenizer import Tokenizer
@@ -50,6 +56,40 @@ def test_no_scaling_is_plain_rope() -> None:
     assert cfg.rope_scaling is None
     expected = 1.0 / 10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16)
     torch.testing.assert_close(rope_inv_freq(cfg), expected.float())
+
+
+@pytest.mark.parametrize(
+    "yarn",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 32},
+        {"factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 8, "beta_slow": 2},
+        {"factor": 4.0, "original_max_position_embeddings": 32, "truncate": False},
+        {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 0.707, "mscale_all_dim": 0.707},
+        {"factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.5},
+        {"factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 0.9},
+        {"factor": 1.0, "original_max_position_embeddings": 128},
+    ],
+)
+@pytest.mark.parametrize("theta, head_dim", [(10000.0, 16), (1e6, 128)])
+def test_yarn_matches_transformers(yarn: dict[str, Any], theta: float, head_dim: int) -> None:
+    """YaRN's frequencies and cos/sin scale equal transformers' own `_compute_yarn_parameters`."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = LlamaConfig(
+        hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim, max_position_embeddings=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": theta, **yarn},
+    )  # fmt: skip
+    want_inv, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = make_config(
+        rope_theta=theta,
+        head_dim=head_dim,
+        hidden_size=head_dim * 4,
+        rope_scaling={"rope_type": "yarn", **yarn},
+    )
+    torch.testing.assert_close(rope_inv_freq(cfg), want_inv.float(), rtol=1e-6, atol=0)
+    assert rope_attention_scaling(cfg) == pytest.approx(want_scale, rel=1e-12)
+    assert rope_attention_scaling(make_config()) == 1.0
 
 
 def test_linear_scaling_divides_frequencies() -> None:
@@ -108,7 +148,7 @@ def test_freq_factors_scaling() -> None:
 @pytest.mark.parametrize(
     "scaling, match",
     [
-        ({"rope_type": "yarn", "factor": 4.0}, "unsupported rope_scaling type 'yarn'"),
+        ({"rope_type": "yarn", "factor": 4.0}, "missing original_max_position_embeddings"),
         ({"type": "dynamic", "factor": 2.0}, "unsupported rope_scaling type 'dynamic'"),
         ({"rope_type": "linear"}, "missing factor"),
         ({"rope_type": "llama3", "factor": 8.0}, "missing low_freq_factor"),
