@@ -181,6 +181,11 @@ def add_bench_parser(sub: Any) -> None:
     o = b.add_argument_group("soak")
     o.add_argument("--concurrency", type=int, default=8, help="soak: requests in flight at once")
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")
+    o.add_argument(
+        "--tiers",
+        action="store_true",
+        help="soak: every service with a RAM and a disk KV tier behind a small pool; half the prompts repeat",
+    )
     k = b.add_argument_group("transfer, overlap")
     k.add_argument("--mib", type=int, default=64, help="transfer: MiB of KV moved per repetition")
     k.add_argument(

@@ -8,20 +8,33 @@ run. What it counts is what the fault-tolerance work promises:
                                                           timed out, or its record never reached an end
     leaked_blocks / leaked_leases   KV blocks in use and leases in Redis once everything is quiet
     rss_mb_start / rss_mb_end       each service's resident memory after warm-up and at the end
+    trace                           every tenth of the run: each service's resident memory (and with
+                                    --tiers the tiers' bytes and the disk folder's size)
+    tiers (with --tiers)            the KV offload tiers' bytes (RAM and disk, from the services' metrics)
+                                    and the disk folder's size after warm-up and at the end, their limits,
+                                    and blocks written, read back, and failed to verify
 
 plus TTFT and inter-token latency percentiles of the requests started around each fault (from 10 s
 before to 20 s after), next to those of the rest. Goal: lost 0, leaked 0, failed 0, RSS flat.
+
+With `--tiers` every service runs a RAM and a disk tier (one disk folder shared by all, a slot each) behind
+a KV pool small enough to evict, and half of the requests ask again a prompt asked at least a few dozen
+requests before (its blocks long evicted from the pool): the tiers are written and read under the same
+faults. Goal added: 0 verify failures, tier bytes and the disk folder within their limits and flat.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,6 +49,9 @@ from common.cluster.state import ClusterState
 from common.text.model_info import load_model_info
 
 SERVICE_FLAGS = ("--threads", "1", "--kv-cache-mb", "256", "--lease-s", "2")
+# --tiers: a pool that evicts within a few dozen requests (in blocks, whatever the model), and tiers
+TIER_POOL_BLOCKS, TIER_RAM_GB, TIER_DISK_GB = 64, 0.04, 0.08
+REPEAT_AFTER = 24  # a repeated prompt is one asked at least this many requests before
 WINDOW_S = (10.0, 20.0)  # around a fault: from 10 s before to 20 s after
 TERMINAL = {"finished", "failed", "cancelled"}
 
@@ -122,9 +138,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_flags = ["--model", args.model] if args.model else []
     redis = RedisServer().start()
     stack = Stack(tempfile.mkdtemp(prefix="splitserve-soak-"))
+    tier_dir = Path(stack.log_dir) / "kv-tiers"
+    tier_flags = (
+        ["--kv-offload-ram-gb", str(TIER_RAM_GB), "--kv-offload-disk-dir", str(tier_dir),
+         "--kv-offload-disk-gb", str(TIER_DISK_GB)]
+        if args.tiers else []
+    )  # fmt: skip
+    if args.tiers:  # the services (this process's children) size their pools in blocks
+        os.environ["SPLITSERVE_NUM_KV_BLOCKS"] = str(TIER_POOL_BLOCKS)
     load_before = psutil.getloadavg()
     try:
-        shared = ["--redis-url", redis.url, *model_flags, *SERVICE_FLAGS]
+        shared = ["--redis-url", redis.url, *model_flags, *SERVICE_FLAGS, *tier_flags]
         urls = {f"prefill-{i}": stack.start("prefill", *shared) for i in range(2)}
         urls |= {f"decode-{i}": stack.start("decode", *shared) for i in range(2)}
         router = stack.start("router", "--redis-url", redis.url, *model_flags, "--decode-stall-s", "5")
@@ -142,15 +166,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }  # fmt: skip
             for s in specs
         ]
+        if args.tiers:  # half ask again a prompt from long before (evicted to a tier by then)
+            for i in range(REPEAT_AFTER, n):
+                if rng.random() < 0.5:
+                    bodies[i] = {**bodies[i], "prompt": bodies[rng.randrange(i - REPEAT_AFTER + 1)]["prompt"]}
         hang_ups = [rng.randint(1, 3) if rng.random() < args.disconnect_fraction else None for _ in specs]
         with httpx.Client(timeout=60) as c:
             for body in bodies[:2]:  # warm-up: the services' first requests stay out of the figures
                 c.post(router + "/v1/completions", json={**body, "stream": False})
         rss_start = _rss_mb(stack, urls)
+        tiers_start = _tier_sizes(urls, tier_dir) if args.tiers else {}
         faults: list[tuple[str, float]] = []
-        outcomes = asyncio.run(_load(stack, urls, router, bodies, hang_ups, conc, args, faults))
+        trace: list[dict[str, Any]] = []
+
+        def sample(i: int) -> None:
+            tiers = _tier_sizes(urls, tier_dir) if args.tiers else {}
+            trace.append({"request": i, "rss_mb": _rss_mb(stack, urls), **tiers})
+
+        outcomes = asyncio.run(_load(stack, urls, router, bodies, hang_ups, conc, args, faults, sample))
         quiet = _quiesce(urls, redis.url)
         rss_end = _rss_mb(stack, urls)
+        tiers = {"start": tiers_start, **_tier_end(urls, tier_dir)} if args.tiers else None
         migrations = _metric(router, "splitserve_router_migrations_total")
         records = asyncio.run(_records(redis.url, [o.request_id for o in outcomes if o.accepted]))
     finally:
@@ -181,6 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "leaked_leases": quiet["leaked_leases"],
         "rss_mb_start": rss_start,
         "rss_mb_end": rss_end,
+        **({"tiers": tiers} if tiers is not None else {}),
+        "trace": sorted(trace, key=lambda t: int(t["request"])),
         "faults": around,
         "calm": _latency(calm),
         "concurrency": conc,
@@ -197,10 +235,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _load(
     stack: Stack, urls: dict[str, str], router: str, bodies: list[dict[str, Any]], hang_ups: list[int | None],
-    conc: int, args: argparse.Namespace, faults: list[tuple[str, float]],
+    conc: int, args: argparse.Namespace, faults: list[tuple[str, float]], sample: Callable[[int], None],
 ) -> list[Outcome]:  # fmt: skip
-    """Every request, `conc` at a time; kill and restart decode-0 at a third and prefill-0 at two thirds."""
+    """Every request, `conc` at a time; kill and restart decode-0 at a third and prefill-0 at two thirds;
+    `sample(i)` (on a thread of its own) as request i of every tenth of the run starts."""
     n = len(bodies)
+    marks = {n * k // 10 for k in range(1, 10)}
     plan = {n // 3: "decode-0", 2 * n // 3: "prefill-0"}
     gate = asyncio.Semaphore(conc)
     bar = tqdm(total=n, desc="soak", unit="req", leave=False)
@@ -220,6 +260,8 @@ async def _load(
                 name = plan[i]
                 faults.append((name.split("-")[0], time.perf_counter() - t0))
                 threading.Thread(target=_kill_and_restart, args=(stack, urls[name]), daemon=True).start()
+            if i in marks:
+                threading.Thread(target=sample, args=(i,), daemon=True).start()
             await gate.acquire()  # do not queue thousands of tasks at once
             gate.release()
             tasks.append(asyncio.ensure_future(request(i)))
@@ -276,6 +318,45 @@ async def _records(redis_url: str, ids: list[str]) -> dict[str, str]:
         await state.close()
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+def _metric(url: str, name: str, labels: str = "") -> float:
+    """The sum of a metric's samples (those whose labels contain `labels`, e.g. 'tier="disk"'); 0 from a
+    service that does not answer (killed and restarting)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and labels in line.split(" ", 1)[0]
+    )
+
+
+def _disk_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
+
+
+def _tier_sizes(urls: dict[str, str], tier_dir: Path) -> dict[str, Any]:
+    """Bytes each tier holds, summed over the services (their metrics), and the disk folder's size."""
+    return {
+        "ram_bytes": int(sum(_metric(u, "splitserve_kv_tier_bytes", 'tier="ram"') for u in urls.values())),
+        "disk_bytes": int(sum(_metric(u, "splitserve_kv_tier_bytes", 'tier="disk"') for u in urls.values())),
+        "disk_folder_bytes": _disk_bytes(tier_dir),
+    }
+
+
+def _tier_end(urls: dict[str, str], tier_dir: Path) -> dict[str, Any]:
+    """Sizes at the end, the limits, and what the tiers did (services' counters: a restarted service's
+    count from its restart)."""
+    counts = {
+        key: int(sum(_metric(u, f"splitserve_kv_tier_{key}_total") for u in urls.values()))
+        for key in ("writes", "hits", "verify_failures", "write_failures")
+    }
+    return {
+        "end": _tier_sizes(urls, tier_dir),
+        "limit": {
+            "ram_bytes": int(TIER_RAM_GB * 2**30) * len(urls),
+            "disk_bytes": int(TIER_DISK_GB * 2**30) * len(urls),
+        },
+        **counts,
+    }

@@ -191,7 +191,7 @@ def test_schema_refuses_bad_prometheus_rule_values(bad: dict[str, Any]) -> None:
 def test_the_dashboard_has_a_row_per_concern_and_every_query_is_substitutable() -> None:
     dash = json.loads(DASHBOARD.read_text())
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert rows == ["Traffic & latency", "KV & transfers", "Fault tolerance", "Security"]
+    assert rows == ["Traffic & latency", "KV & transfers", "Fault tolerance", "Security", "KV tiers"]
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     cells: set[tuple[int, int]] = set()
@@ -225,5 +225,7 @@ def test_the_dashboard_has_a_row_per_concern_and_every_query_is_substitutable() 
         "splitserve_router_tenant_requests_total",
         "splitserve_router_tenant_tokens_total",
         "splitserve_router_registered_workers",
+        "splitserve_kv_tier_verify_failures_total",
+        "splitserve_kv_tier_bytes",
     ):
         assert name in text, name

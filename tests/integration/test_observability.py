@@ -3,9 +3,10 @@ fetched by tests/support/prometheus.py; skipped where it cannot be) scrape a rea
 decode service and load deploy/prometheus/rules.yaml. One scrapes as compose does (deploy/prometheus.yml:
 its job names and `role` labels, the router's /metrics behind a bearer key with the metrics scope), the
 other as the chart's ServiceMonitors do (jobs named after the release's Services, a namespace label, no
-`role`). After split, local, failed, cancelled, unauthenticated, rate-limited and forged requests of two
-tenants (the router names one: METRICS_MAX_TENANTS=1), on both, every expression of the Grafana dashboard
-returns a series, every rule evaluates without error, and the alerts that must be active are."""
+`role`). The services run with KV offload tiers (RAM and disk). After split, local, failed, cancelled,
+unauthenticated, rate-limited and forged requests of two tenants (the router names one:
+METRICS_MAX_TENANTS=1), on both, every expression of the Grafana dashboard returns a series, every rule
+evaluates without error, and the alerts that must be active are."""
 
 from __future__ import annotations
 
@@ -109,9 +110,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     redis = RedisServer(port=free_port()).start()  # its own: no other module's workers in the registry
     c = Cluster(redis.url, str(tmp))
     try:
+        # both with KV offload tiers (one disk folder, a slot each): the KV tiers row has its series
+        tiers = ("--kv-offload-ram-gb", "0.01", "--kv-offload-disk-dir", str(tmp / "kv-tiers"),
+                 "--kv-offload-disk-gb", "0.01")  # fmt: skip
         with ThreadPoolExecutor(2) as pool:  # both load the model at once
-            p = pool.submit(c.start, "prefill", *FLAGS, port=ports["prefill"])
-            d = pool.submit(c.start, "decode", *FLAGS, port=ports["decode"])
+            p = pool.submit(c.start, "prefill", *FLAGS, *tiers, port=ports["prefill"])
+            d = pool.submit(c.start, "decode", *FLAGS, *tiers, port=ports["decode"])
             prefill, decode_ = p.result(), d.result()
         router = c.start(
             "router",
@@ -312,5 +316,6 @@ def test_every_dashboard_query_returns_a_series_and_the_rules_work(served: Stack
         "SplitserveAuthRefusalsSpike",
         "SplitserveRateLimitsUnenforced",
         "SplitserveTenantRateLimited",
+        "SplitserveKVTierVerifyFailures",
     }
     assert not {name for name, _ in active} & quiet, active
