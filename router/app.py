@@ -1,8 +1,9 @@
 """The router's FastAPI app: the OpenAI-compatible front door of splitserve.
 
-Run it:  `router.app.serve(RouterConfig())`  (loads the tokenizer, connects Redis, runs uvicorn), or
+Run it:  `router.app.serve(RouterConfig())`  (loads the tokenizers, connects Redis, runs uvicorn), or
 build it yourself with `create_app(config, state, model_info)` and hand it to any ASGI server.
-The router never imports torch: everything it needs about the model comes from `load_model_info`.
+The router never imports torch: everything it needs about each model it serves (config.model, one or
+several: router/served_model.py) comes from `load_model_info`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 def create_app(
     config: RouterConfig,
     state: ClusterState | None,
-    model_info: ModelInfo,
+    model_info: ModelInfo | Sequence[ModelInfo],
     *,
     http_client: httpx.AsyncClient | None = None,
     close_state: bool = False,
@@ -64,7 +65,8 @@ def create_app(
     behind a transport); by default the app makes one shared client, signing every call with `secret`
     (default: SPLITSERVE_INTERNAL_SECRET), and closes it at shutdown. With `close_state` the app also
     closes `state` at shutdown. With `warm_pool` the request-preparation workers start with the app,
-    else on the first large body (router/prep.py)."""
+    else on the first large body (router/prep.py). `model_info`: each model of config.model, loaded, in
+    its order."""
     setup_tracing("router")
     secret = InternalSecret.from_env() if secret is None else secret
     owns_client = http_client is None
@@ -115,13 +117,14 @@ def create_app(
         if isinstance(state, ClusterState) and config.routing == "prefix_aware"
         else None
     )
-    orch = Orchestrator(config, state, client, metrics, router_id, index, model_info.tokenizer.fingerprint)
+    infos = [model_info] if isinstance(model_info, ModelInfo) else list(model_info)
+    orch = Orchestrator(config, state, client, metrics, router_id, index, infos[0].tokenizer.fingerprint)
     metrics.watch(orch)
     redis = state.redis if isinstance(state, ClusterState) else None
     access = Access(
         config, redis, state.prefix if isinstance(state, ClusterState) else "splitserve:", metrics
     )
-    server = Server(config, model_info, orch, metrics, access)
+    server = Server(config, infos, orch, metrics, access)  # tells orch.pool the models
     started = int(time.time())
     install_handlers(app)
     # the key is checked on the headers before a body is read: no valid key, no wait for a body
@@ -135,11 +138,13 @@ def create_app(
     # request.state.request_id, else a fresh id), every request gets one access line (413s and 408s
     # too), and an unhandled error becomes an OpenAI-style 500 here, so it gets the header as well
     app.add_middleware(AccessLog, error_app=lambda: APIError(500, "internal error").response())
-    app.state.on_serving = lambda url: log.info("router serving on %s, model %s", url, server.model.name)
+    app.state.on_serving = lambda url: log.info(
+        "router serving on %s, model %s", url, ", ".join(server.models.names)
+    )
     app.state.server, app.state.metrics, app.state.access = server, metrics, access
     inference = Depends(access.require("inference"))
 
-    served = sorted(server.model.aliases)
+    served = server.models.aliases()
 
     @app.post(
         "/v1/completions", openapi_extra={"requestBody": request_body_schema(CompletionRequest, served)}
@@ -184,24 +189,42 @@ def create_app(
 
     @app.get("/v1/models", dependencies=[inference])
     async def models() -> dict[str, Any]:
-        card = {
-            "id": server.model.name,
-            "object": "model",
-            "created": started,
-            "owned_by": "splitserve",
-            "max_model_len": model_info.context_length,
-        }
-        return {"object": "list", "data": [card]}
+        """Every model the router serves, whether or not a service of it is up now (a request for one
+        with none gets 503 + Retry-After naming it; /health counts each model's services)."""
+        cards = [
+            {
+                "id": m.name,
+                "object": "model",
+                "created": started,
+                "owned_by": "splitserve",
+                "max_model_len": m.info.context_length,
+            }
+            for m in server.models.models
+        ]
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health() -> JSONResponse:
         try:
-            decode = len(await orch.pool.candidates("decode"))
-            prefill = len(await orch.pool.candidates("prefill"))
+            decodes = await orch.pool.candidates("decode")
+            prefills = await orch.pool.candidates("prefill")
         except Exception as e:  # Redis down: the router cannot route anything
             log.warning("health: the worker registry cannot be read: %r", e)  # the log's, not the caller's
             return JSONResponse({"status": "error", "error": "worker registry unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok", "decode_workers": decode, "prefill_workers": prefill})
+        body: dict[str, Any] = {
+            "status": "ok",
+            "decode_workers": len(decodes),
+            "prefill_workers": len(prefills),
+        }
+        if len(server.models.models) > 1:  # each model's own services
+            body["models"] = {
+                name: {
+                    "decode_workers": sum(w.model == name for w in decodes),
+                    "prefill_workers": sum(w.model == name for w in prefills),
+                }
+                for name in server.models.names
+            }
+        return JSONResponse(body)
 
     @app.get("/metrics", dependencies=[Depends(access.require("metrics"))])
     async def metrics_endpoint() -> Response:
@@ -300,23 +323,25 @@ class BodyLimit:
 
 
 def build_app(config: RouterConfig | None = None) -> FastAPI:
-    """An app from settings alone (SPLITSERVE_ROUTER_* env): tokenizer from config.model, Redis from
+    """An app from settings alone (SPLITSERVE_ROUTER_* env): tokenizers from config.model, Redis from
     config.redis_url. Usable as a uvicorn factory: `uvicorn router.app:build_app --factory`."""
     if not is_configured():  # run by uvicorn itself (the factory): our log lines, access log included
         configure_logging(process="router")
     config = config or RouterConfig()
-    log.info("loading the tokenizer of %s ...", config.model or "the default model (SmolLM2-135M)")
-    t0 = time.monotonic()
-    info = load_model_info(
-        config.model, chat_template=config.chat_template, max_model_len=config.max_model_len
-    )
-    log.info("tokenizer loaded: %s, %d tokens, %.1f s", info.model_id, info.tokenizer.vocab_size,
-             time.monotonic() - t0)  # fmt: skip
+    infos = []
+    models: list[str | None] = [*config.model] or [None]
+    for model in models:
+        log.info("loading the tokenizer of %s ...", model or "the default model (SmolLM2-135M)")
+        t0 = time.monotonic()
+        info = load_model_info(model, chat_template=config.chat_template, max_model_len=config.max_model_len)
+        log.info("tokenizer loaded: %s, %d tokens, %.1f s", info.model_id, info.tokenizer.vocab_size,
+                 time.monotonic() - t0)  # fmt: skip
+        infos.append(info)
     state = ClusterState.from_url(config.redis_url, config.redis_prefix) if config.redis_url else None
     # The preparation workers start on the first large body, not here: spawning them costs a router
     # 2.5 s of start-up and as much CPU (measured on 2 cores), paid by every start of every router —
     # most never see a body over parse_inline_bytes.
-    return create_app(config, state, info, close_state=True, warm_pool=False)
+    return create_app(config, state, infos, close_state=True, warm_pool=False)
 
 
 def serve(config: RouterConfig | None = None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -19,14 +19,27 @@ class RouterConfig(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="the OpenAI API's port")
     redis_url: str | None = Field(None, description="request records and the worker registry")
     redis_prefix: str = "splitserve:"
-    model: str | None = Field(None, description="GGUF file or HF folder for the tokenizer; default SmolLM2")
-    served_model_name: str | None = Field(None, description="the OpenAI model name; default: the model id")
+    # Several models: `--model A --model B` (the environment: comma-separated, or a JSON list), each named
+    # by the served_model_name in the same place (router/served_model.py).
+    model: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="GGUF file, HF folder or hub id of the served model, for its tokenizer and chat "
+        "template; default SmolLM2",
+    )
+    served_model_name: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="the OpenAI model name of each --model, in the same order; default: the model id",
+    )
     chat_template: str | None = Field(
         None,
-        description="a Jinja chat template, or the path of a file holding one, instead of the model's own",
+        description="a Jinja chat template, or the path of a file holding one, instead of the model's own "
+        "(one model only)",
     )
     max_model_len: int | None = Field(
-        None, ge=1, description="context length (prompt + completion); default and upper bound: the model's"
+        None,
+        ge=1,
+        description="context length (prompt + completion), of every model; default and upper bound: the "
+        "model's",
     )
     local_prefill_threshold: int = Field(
         32, ge=0, description="prompts shorter than this (tokens) are prefilled on the decode service"
@@ -146,7 +159,7 @@ class RouterConfig(BaseSettings):
         "first seen since start); the rest are counted as `_other`",
     )
 
-    @field_validator("decode_urls", "prefill_urls", mode="before")
+    @field_validator("decode_urls", "prefill_urls", "model", "served_model_name", mode="before")
     @classmethod
     def _split_urls(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -162,3 +175,21 @@ class RouterConfig(BaseSettings):
     @classmethod
     def _strip_slash(cls, v: list[str]) -> list[str]:
         return [u.rstrip("/") for u in v]
+
+    @model_validator(mode="after")
+    def _one_model_only(self) -> RouterConfig:
+        """What holds for one model only: a fixed worker list carries no model name, and a chat
+        template replaces one model's own."""
+        if len(self.model) > 1 and (self.decode_urls or self.prefill_urls):
+            raise ValueError(
+                "fixed worker lists (decode_urls, prefill_urls) serve one model: with several, the "
+                "router finds each model's services in the Redis registry"
+            )
+        if len(self.model) > 1 and self.chat_template is not None:
+            raise ValueError("chat_template replaces one model's template: leave it out with several models")
+        if len(self.served_model_name) > max(1, len(self.model)):
+            raise ValueError(
+                f"{len(self.served_model_name)} served model names for {max(1, len(self.model))} models: "
+                "give one per --model, in the same order"
+            )
+        return self

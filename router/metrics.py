@@ -40,6 +40,9 @@ LIMITS = ("requests", "tokens", "concurrency")
 # Tenants (router.access): a bounded label. The first `max_tenants` tenants seen since start keep their
 # name; later ones are counted as TENANT_OTHER, requests without a key (auth off) as TENANT_NONE.
 TENANT_NONE, TENANT_OTHER = "_none", "_other"
+# Models: a bounded label (the router's configured models, router/served_model.py); requests refused before
+# they named one of them (bad JSON, an unknown model) count as NO_MODEL when the router serves several.
+NO_MODEL = "_none"
 TENANT_STATUSES = ("accepted", "rate_limited")  # admitted past the key's limits, or refused with 429
 TOKEN_KINDS = ("prompt", "output")
 DEFAULT_MAX_TENANTS = 20
@@ -77,7 +80,11 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "splitserve_router_"
         self.requests = Counter(
-            p + "requests", "Requests by endpoint and outcome", ["endpoint", "status"], registry=r
+            p + "requests",
+            "Requests by endpoint, outcome and served model (_none: refused before naming one, with "
+            "several models)",
+            ["endpoint", "status", "model"],
+            registry=r,
         )
         self.routes = Counter(p + "route_decisions", "Routing decisions", ["route", "reason"], registry=r)
         self.prefix_blocks = Counter(
@@ -208,9 +215,6 @@ class RouterMetrics:
     def _zero(self) -> None:
         """Every labelled child whose label values are known up front, exported as 0 from the start:
         a dashboard panel or an alert then reads 0 rather than "no data" until the first event."""
-        for endpoint in ENDPOINTS:
-            for status in STATUSES:
-                self.requests.labels(endpoint, status)
         for route, reason in ROUTES:
             self.routes.labels(route, reason)
         for role in WORKER_ROLES:
@@ -231,6 +235,13 @@ class RouterMetrics:
             self.parse_refused.labels(reason)
         for limit in LIMITS:
             self.rate_limited.labels(limit)
+
+    def serve_models(self, names: list[str]) -> None:
+        """The `model` label values (the served models): their request counters start at 0."""
+        for model in names:
+            for endpoint in ENDPOINTS:
+                for status in STATUSES:
+                    self.requests.labels(endpoint, status, model)
 
     def tenant(self, tenant: str | None) -> str:
         """The bounded label value of `tenant` (None: no key); its children start at 0 when first seen,
@@ -286,6 +297,13 @@ class RouterMetrics:
                 "ids would mean other text); since start",
                 registry=r,
             ).set_function(lambda: len(orch.pool.other_tokenizer))
+        if isinstance(getattr(orch.pool, "other_model", None), dict):
+            Gauge(
+                p + "registry_other_model_workers",
+                "Registered services left out because they serve a model this router does not (their "
+                "registered name is none of its served models'); since start",
+                registry=r,
+            ).set_function(lambda: len(orch.pool.other_model))
         index = getattr(orch.pool, "index", None)  # prefix-aware routing's KV index (kv_events.py)
         if index is not None:
             for name, attr, text in (

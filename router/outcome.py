@@ -72,7 +72,7 @@ class Outcomes:
 
     def refused(self, run: Run, request: Request, error: APIError | None) -> trace.Span:
         """Count a request refused before any work (4xx), ending its span."""
-        self.metrics.requests.labels(run.endpoint, "rejected").inc()
+        self.metrics.requests.labels(run.endpoint, "rejected", self.model_name).inc()
         span = run.span if run.span is not trace.INVALID_SPAN else self.root_span(request, run.endpoint)
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error.message))
@@ -115,7 +115,7 @@ class Outcomes:
         status = run.outcome if not isinstance(error, APIError) or error.status >= 500 else "rejected"
         if isinstance(error, APIError) and error.detail:
             _log_detail(run, error)
-        self.metrics.requests.labels(run.endpoint, status).inc()
+        self.metrics.requests.labels(run.endpoint, status, self.model_name).inc()
         self.metrics.output_tokens.inc(run.output_tokens)
         if run.counted_inflight:
             run.counted_inflight = False

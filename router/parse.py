@@ -41,6 +41,7 @@ class Parsed:
     score_only: bool = False  # completions, max_tokens 0 with echo: the one token generated is dropped
     tool_mode: str | None = None  # "auto" | "required" | "named": the output is parsed for tool calls
     tool_names: list[str] | None = None  # the functions offered: a call to another is not a call
+    model: str = ""  # the served model's name (router/served_model.py): whose services run it
 
     @property
     def chat(self) -> bool:
@@ -70,7 +71,8 @@ def parse(
     config: RouterConfig,
 ) -> Parsed:
     """Check `req` (its body) and `headers` for `key` (None while auth is off) and work out what the
-    services are sent; APIError(400) for anything that cannot be served."""
+    services are sent, for `model` (the one `req.model` names: else 404); APIError(400) for anything
+    that cannot be served."""
     model.check(req.model)
     _check_stops(req.stop_list, config.max_stop_chars)
     tenant, priority, targets = _tenant(headers, key), _priority(headers), _targets(headers, key)
@@ -84,7 +86,10 @@ def parse(
         echo = req.prompt if isinstance(req.prompt, str) else tok.decode(req.prompt)  # type: ignore[arg-type]
         if req.logprobs is not None:  # scored by the service that prefills the prompt
             sampling = sampling.replace(prompt_logprobs=req.logprobs)
-    return Parsed(req, prompt_ids, sampling, tenant, priority, targets, echo, max_tokens == 0, mode, names)
+    score_only = max_tokens == 0
+    return Parsed(
+        req, prompt_ids, sampling, tenant, priority, targets, echo, score_only, mode, names, model.name
+    )
 
 
 @functools.cache

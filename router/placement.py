@@ -191,8 +191,11 @@ class Placer:
     (router/trip.py: after a lost decode service, or when the prompt's decode service is full). A
     placement covers the prompt and any output already handed out (`output`)."""
 
-    def __init__(self, pool: WorkerPool, config: RouterConfig, output: Output, cache_salt: str = "") -> None:
+    def __init__(
+        self, pool: WorkerPool, config: RouterConfig, output: Output, cache_salt: str = "", model: str = ""
+    ) -> None:
         self.pool, self.config, self.output = pool, config, output
+        self.model = model  # the served model's name: its services only (router/workers.py)
         self.root = cache_root(cache_salt)  # prefix hits count only the request's own namespace
         self.route: Route | None = None  # the first placement's (what the response header says)
         self.lost: set[str] = set()  # decode services this request lost: never placed there again
@@ -207,14 +210,15 @@ class Placer:
         """Decode and prefill candidates, best first, without the decode services this request lost."""
         ids = self.output.tokens
         try:
-            decodes = [w for w in await self.pool.candidates("decode") if w.id not in self.lost]
+            decodes = [w for w in await self.pool.candidates("decode", self.model) if w.id not in self.lost]
             wants_prefill = len(ids) >= self.config.local_prefill_threshold and decodes
-            prefills = await self.pool.candidates("prefill") if wants_prefill else []
+            prefills = await self.pool.candidates("prefill", self.model) if wants_prefill else []
         except Exception as e:  # the registry (Redis) is down: nothing can be routed
             log.exception("worker registry lookup failed")  # the cause: the log, never the client
             raise unavailable("worker registry unavailable", self.config.retry_after_s) from e
         if not decodes:
-            raise unavailable("no decode service is available", self.config.retry_after_s)
+            serving = f" for model `{self.model}`" if self.model else ""
+            raise unavailable(f"no decode service is available{serving}", self.config.retry_after_s)
         if self.config.routing == "prefix_aware":
             decodes, prefills = self._rank("decode", decodes, ids), self._rank("prefill", prefills, ids)
         return decodes, prefills

@@ -18,7 +18,8 @@ bound. Bodies of at most `parse_inline_bytes` are prepared on the loop itself: t
 than a trip to a worker, and they never wait behind a flood of large ones.
 
 The workers are spawned (a fresh interpreter: no copy of the router's threads or sockets) on the first
-large body, or at start (`warm`); each rebuilds the served model from the tokenizer's JSON. A worker
+large body, or at start (`warm`); each rebuilds the served models from their tokenizers' JSON, and
+prepares each request with the model its `model` names (router/served_model.py). A worker
 that dies (killed, out of memory) fails the jobs it held with 503 and the pool is started again.
 
 A job's value crosses back pickled: a `Parsed` for an accepted request (its prompt fits the context, so
@@ -51,7 +52,7 @@ from router.errors import APIError, unavailable
 from router.many import name_prompt, refusal, subrequests, wants_many
 from router.metrics import RouterMetrics
 from router.parse import OpenAIRequest, Parsed, parse, read
-from router.served_model import ServedModel
+from router.served_model import ServedModels
 from router.tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,9 @@ PARSE_HEADERS = (
 
 @dataclass(frozen=True)
 class Context:
-    """What a job reads: the served model and the router's settings (a worker has its own copy)."""
+    """What a job reads: the served models and the router's settings (a worker has its own copy)."""
 
-    model: ServedModel
+    models: ServedModels
     config: RouterConfig
 
 
@@ -93,29 +94,30 @@ def prepare_generation(
     ctx: Context, body: bytes, chat: bool, headers: Mapping[str, str], key: ApiKey | None
 ) -> Prepared:
     """POST /v1/completions or /v1/chat/completions: the body read and every request in it parsed
-    (router/parse.py); APIError(400) for the first thing wrong, in the order the loop used to find it:
-    the body, how many choices, then each choice."""
+    (router/parse.py) for the model it names; APIError(400) for the first thing wrong, in the order the
+    loop used to find it: the body, its model (404), how many choices, then each choice."""
     req = read(body, chat)
+    model = ctx.models.lookup(req.model)
     if not wants_many(req):
-        return Prepared(req, [(0, 0, parse(req, headers, key, ctx.model, ctx.config))])
+        return Prepared(req, [(0, 0, parse(req, headers, key, model, ctx.config))])
     refused = refusal(req)
     if refused is not None:
         raise refused
     out = []
     for i, j, sub in subrequests(req):
         try:
-            out.append((i, j, parse(sub, headers, key, ctx.model, ctx.config)))
+            out.append((i, j, parse(sub, headers, key, model, ctx.config)))
         except APIError as e:
             raise name_prompt(req, i, e) from None
     return Prepared(req, out)
 
 
 def prepare_tokenize(ctx: Context, body: bytes) -> dict[str, Any]:
-    return tokenize(ctx.model, body)
+    return tokenize(ctx.models, body)
 
 
 def prepare_detokenize(ctx: Context, body: bytes) -> dict[str, Any]:
-    return detokenize(ctx.model, body)
+    return detokenize(ctx.models, body)
 
 
 # ---- the worker process -----------------------------------------------------------------------------
@@ -156,12 +158,12 @@ class _ModelState:
         return ModelInfo(self.model_id, self.context_length, tok)
 
 
-def _start_worker(config: RouterConfig, state: _ModelState | None) -> None:
-    assert state is not None
+def _start_worker(config: RouterConfig, states: tuple[_ModelState, ...] | None) -> None:
+    assert states is not None
     global _context
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICE)
-    _context = Context(ServedModel.of(config, state.info()), config)
+    _context = Context(ServedModels.of(config, [s.info() for s in states]), config)
 
 
 def _in_worker(job: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -188,13 +190,14 @@ class Preparation:
     """Runs the jobs above: inline for small bodies, else in the bounded worker pool."""
 
     def __init__(
-        self, config: RouterConfig, model: ServedModel, metrics: RouterMetrics | None = None
+        self, config: RouterConfig, models: ServedModels, metrics: RouterMetrics | None = None
     ) -> None:
-        self.config, self.context, self.metrics = config, Context(model, config), metrics
+        self.config, self.context, self.metrics = config, Context(models, config), metrics
         self.workers = config.parse_workers
         self.capacity = config.parse_workers + config.parse_queue  # running + waiting
         self.share = max(1, self.capacity // 2)  # of those, one key's at most
-        self._state: _ModelState | None = None  # the model as the workers get it, made with the pool
+        # the models as the workers get them, made with the pool
+        self._states: tuple[_ModelState, ...] | None = None
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self.pending = 0
@@ -272,12 +275,12 @@ class Preparation:
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         with self._lock:
             if self._pool is None:
-                if self._state is None:
-                    self._state = _ModelState.of(self.context.model.info)
+                if self._states is None:
+                    self._states = tuple(_ModelState.of(m.info) for m in self.context.models.models)
                 self._pool = concurrent.futures.ProcessPoolExecutor(
                     max_workers=self.workers,
                     mp_context=multiprocessing.get_context("spawn"),
-                    initializer=functools.partial(_start_worker, self.config, self._state),
+                    initializer=functools.partial(_start_worker, self.config, self._states),
                 )
             return self._pool
 

@@ -4,7 +4,9 @@
 `{model, messages, add_generation_prompt=true, add_special_tokens=false}` (rendered through the model's
 chat template) and answers `{count, max_model_len, tokens}`, plus `token_strs` (the vocabulary's own
 strings for the ids) when `return_token_strs` is true. /detokenize takes `{model, tokens}` and answers
-`{prompt}` (special tokens kept, as vLLM does). `model` may be left out, as vLLM allows: the served one.
+`{prompt}` (special tokens kept, as vLLM does). `model` picks the served model whose tokenizer and
+template are used (404 model_not_found for one not served); it may be left out, as vLLM allows: the
+first (default) model.
 
 The ids are the ones the generation endpoints would send to the workers for the same input: with the
 default flags the prompt goes through `router.parse.tokenize_prompt` itself, and otherwise through the
@@ -24,7 +26,7 @@ from pydantic_core import from_json
 from router.errors import from_validation, invalid
 from router.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, request_body_schema
 from router.parse import check_length, tokenize_prompt
-from router.served_model import ServedModel
+from router.served_model import ServedModel, ServedModels
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -99,10 +101,10 @@ def detokenize_body_schema(served: list[str]) -> dict[str, Any]:
     return request_body_schema(DetokenizeRequest, served)
 
 
-def tokenize(model: ServedModel, body: bytes) -> dict[str, Any]:
+def tokenize(models: ServedModels, body: bytes) -> dict[str, Any]:
     """POST /tokenize: the raw body in, the JSON answer out; APIError(400) for any bad input."""
     req = _parse_tokenize(body)
-    _check_model(model, req.model)
+    model = models.lookup(req.model)
     ids = _prompt_ids(model, req)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": model.info.context_length, "tokens": ids}
     if req.return_token_strs:
@@ -110,10 +112,10 @@ def tokenize(model: ServedModel, body: bytes) -> dict[str, Any]:
     return out
 
 
-def detokenize(model: ServedModel, body: bytes) -> dict[str, Any]:
+def detokenize(models: ServedModels, body: bytes) -> dict[str, Any]:
     """POST /detokenize: the raw body in, the JSON answer out; APIError(400) for any bad input."""
     req = _parse(DetokenizeRequest, body)
-    _check_model(model, req.model)
+    model = models.lookup(req.model)
     tok = model.info.tokenizer
     if not all(0 <= i < tok.vocab_size for i in req.tokens):
         raise invalid(f"tokens must be token ids in [0, {tok.vocab_size})", "tokens")
@@ -143,12 +145,6 @@ def _parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequ
             raise invalid("give either prompt or messages, not both", "prompt")
         return _parse(TokenizeChatRequest, body)
     return _parse(TokenizeCompletionRequest, body)
-
-
-def _check_model(model: ServedModel, asked: str | None) -> None:
-    """The same refusal as the generation endpoints' (router/parse.py) for a model not served here."""
-    if asked is not None:
-        model.check(asked)
 
 
 def _prompt_ids(model: ServedModel, req: TokenizeCompletionRequest | TokenizeChatRequest) -> list[int]:

@@ -42,7 +42,8 @@ class Trip:
     def __init__(self, orch: Orchestrator, request_id: str, parsed: Parsed, record: RequestRecord) -> None:
         self.id, self.config, self.metrics, self.record = request_id, orch.config, orch.metrics, record
         self.output = Output(parsed.prompt_ids, parsed.sampling)
-        self.placer = Placer(orch.pool, orch.config, self.output, cache_salt(orch.config, parsed.tenant))
+        salt = cache_salt(orch.config, parsed.tenant)
+        self.placer = Placer(orch.pool, orch.config, self.output, salt, parsed.model)
         self.arrival = time.time()
         deadline = self.arrival + orch.config.request_timeout_s
         self.legs = Legs(orch, request_id, self.output, deadline, parsed.tenant, parsed.priority)

@@ -1,9 +1,12 @@
 """The decode / prefill services a request may go to, and their order (router/placement.py).
 
 Workers come from the Redis registry (heartbeat load: running, waiting, queued_tokens, free_blocks;
-capacity: block_size), or from fixed URL lists. The registry's load is up to a heartbeat old, so the
-router's own count of requests it has in flight on each worker counts too (and is the only signal for
-fixed lists). With a KV index (Redis), every registry read tells it which workers to follow.
+capacity: block_size, model, tokenizer), or from fixed URL lists. Each registered service serves one of
+the router's models (`serve`, router/served_model.py): the one whose name, else model id, it registered;
+with one model, every service whose tokenizer is the model's. A request's candidates are its model's.
+The registry's load is up to a heartbeat old, so the router's own count of requests it has in flight on
+each worker counts too (and is the only signal for fixed lists). With a KV index (Redis), every registry
+read tells it which workers to follow.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from common.cluster.state import ClusterState
 from common.prefix_hash import ROOT
 from router.placement import Candidate, PrefixIndex, least_loaded_key, rank
+
+if TYPE_CHECKING:
+    from router.served_model import ServedModel, ServedModels
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +34,7 @@ class Worker:
     load: dict[str, Any] = field(default_factory=dict)
     incarnation: str = ""
     capacity: dict[str, Any] = field(default_factory=dict)  # block_size, total_blocks, max_num_seqs
+    model: str = ""  # the served model's name (WorkerPool.serve); "" before any
 
 
 class WorkerPool:
@@ -51,6 +58,9 @@ class WorkerPool:
         self.tokenizer = tokenizer
         # worker id -> the tokenizer fingerprint it registered, for those left out for it (logged once each)
         self.other_tokenizer: dict[str, str] = {}
+        self.models: tuple[ServedModel, ...] = ()  # what the router serves (`serve`); () : not told
+        # worker id -> the model it registered, for those left out because the router serves no such model
+        self.other_model: dict[str, str] = {}
         self.static = {"decode": list(decode_urls), "prefill": list(prefill_urls)}
         self.in_flight: Counter[str] = Counter()  # worker url -> requests this router has on it
         self._cache: dict[str, tuple[float, list[Worker]]] = {}  # role -> (read at, workers)
@@ -61,8 +71,15 @@ class WorkerPool:
         self._incarnations: dict[str, str] = {}  # worker id -> the process start last seen
         self._following: dict[str, list[tuple[str, str, int]]] = {}  # role -> what the index follows
 
-    async def candidates(self, role: str) -> list[Worker]:
-        """Workers of `role`, best first. When the registry (Redis) cannot be read, or comes back empty
+    def serve(self, models: ServedModels) -> None:
+        """The router's models: each registered service is sorted to one of them (or left out)."""
+        self.models = models.models
+        self.tokenizer = models.default.info.tokenizer.fingerprint
+        self._cache.clear()
+
+    async def candidates(self, role: str, model: str | None = None) -> list[Worker]:
+        """Workers of `role` (of the served model named `model`; None: of every model), best first.
+        When the registry (Redis) cannot be read, or comes back empty
         (restarted: workers re-register within a heartbeat), the last list read serves for up to
         STALE_S from the first such read — however long ago that list was read: a router that routed
         nothing for a while has no older news of its workers than a busy one. A down or restarted Redis
@@ -75,6 +92,8 @@ class WorkerPool:
                 workers = await self._read(role)
         else:
             workers = []
+        if model is not None and len(self.models) > 1:  # with one model, every worker serves it
+            workers = [w for w in workers if w.model == model]
         return sorted(workers, key=self._key)
 
     def known(self, role: str) -> int:
@@ -92,11 +111,13 @@ class WorkerPool:
         known = self._known.get(role, [])
         try:
             alive = await self.state.registry.alive(role)
-            workers = [
-                Worker(w.id, w.url.rstrip("/"), w.load, w.incarnation, w.capacity)
-                for w in alive
-                if self._same_tokenizer(w.id, role, w.capacity)
-            ]
+            workers = []
+            for info in alive:
+                served = self._model_of(info.id, role, info.capacity)
+                if served is not False:
+                    name = served.name if served is not None else ""
+                    url = info.url.rstrip("/")
+                    workers.append(Worker(info.id, url, info.load, info.incarnation, info.capacity, name))
         except Exception as e:
             if role not in self._known:
                 raise
@@ -121,18 +142,45 @@ class WorkerPool:
         self._cache[role] = (now, workers)
         return workers
 
-    def _same_tokenizer(self, worker_id: str, role: str, capacity: dict[str, Any]) -> bool:
+    def _model_of(
+        self, worker_id: str, role: str, capacity: dict[str, Any]
+    ) -> ServedModel | None | Literal[False]:
+        """The served model a registered service belongs to: the one whose name it registered (its
+        capacity's `model`), else whose model id; with one model, that one whatever name it registered
+        (a service started without the router's --served-model-name). False: left out, for a model this
+        router does not serve or a tokenizer not the model's (`_same_tokenizer`). None: the router was
+        not told its models (`serve`), the service taken on its tokenizer alone."""
+        if not self.models:
+            return None if self._same_tokenizer(worker_id, role, capacity, self.tokenizer) else False
+        registered = capacity.get("model")
+        served = next((m for m in self.models if m.name == registered), None) or next(
+            (m for m in self.models if registered in m.aliases), None
+        )
+        if served is None and len(self.models) == 1:
+            served = self.models[0]
+        if served is None:
+            if self.other_model.get(worker_id) != registered:
+                log.error(
+                    "%s %s serves model %r, which this router does not serve (%s): not routing to it",
+                    role, worker_id, registered, ", ".join(m.name for m in self.models),
+                )  # fmt: skip
+                self.other_model[worker_id] = str(registered)
+            return False
+        fingerprint = served.info.tokenizer.fingerprint
+        return served if self._same_tokenizer(worker_id, role, capacity, fingerprint) else False
+
+    def _same_tokenizer(self, worker_id: str, role: str, capacity: dict[str, Any], ours: str | None) -> bool:
         """Whether a registered service's token ids mean what this router's do (its signed capacity's
         `tokenizer`, common/text/tokenizer.py `fingerprint`): prompts tokenized here and tokens decoded
         here would be another model's text there, with no error anywhere. A service of a version that
         registers none is taken (a rolling upgrade)."""
         theirs = capacity.get("tokenizer")
-        if self.tokenizer is None or theirs is None or theirs == self.tokenizer:
+        if ours is None or theirs is None or theirs == ours:
             return True
         if self.other_tokenizer.get(worker_id) != theirs:
             log.error(
                 "%s %s serves another tokenizer (%s, %s here: model %r): not routing to it",
-                role, worker_id, theirs, self.tokenizer, capacity.get("model"),
+                role, worker_id, theirs, ours, capacity.get("model"),
             )  # fmt: skip
             self.other_tokenizer[worker_id] = theirs
         return False

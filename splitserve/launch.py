@@ -110,6 +110,9 @@ ROUTER_FLAGS = {  # flag -> RouterConfig field (SPLITSERVE_ROUTER_<FIELD>)
 # `up` passes these on to the router as well as the services (the router tokenizes for the services'
 # model, answers under its name and checks lengths against its context)
 SHARED_WITH_ROUTER = ("--model", "--served-model-name", "--max-model-len")
+# given once per served model (router, up): `--model A --model B --served-model-name a --served-model-name b`
+REPEATED_FLAGS = ("--model", "--served-model-name")
+REPEATED_HELP = " (up, router: once per model, several models in the same order)"
 
 
 def parse_tenant_weights(text: str) -> dict[str, float]:
@@ -140,15 +143,19 @@ def _add_config_flag(
     env_prefix: str,
     dest: str,
     default: Any = None,
+    repeat: bool = False,
 ) -> None:
     """A flag that sets one settings field: its type, choices, help and default come from the field
-    (`default`: the one shown, where the command decides it)."""
+    (`default`: the one shown, where the command decides it). `repeat`: given once per value (a list)."""
     help_text, field_default = field_help(model, field)
     default = field_default if default is None else default
     annotation = model.model_fields[field].annotation
     kwargs: dict[str, Any] = {"dest": dest, "help": help_text, "shown_default": default}
     choices, kind = _literal_args(annotation), _base_type(annotation)
-    if field == "tenant_weights":
+    if repeat:
+        kwargs.update(action="append", metavar=name.removeprefix("--").upper().replace("-", "_"))
+        kwargs["help"] = help_text + REPEATED_HELP
+    elif field == "tenant_weights":
         kwargs["type"] = parse_tenant_weights
     elif choices:
         kwargs["choices"] = choices
@@ -369,10 +376,11 @@ def supervise(children: list[Child], tick: Callable[[], None] | None = None) -> 
             c.started, c.wait = time.monotonic(), min(2 * c.wait, BACKOFF_S[1])
 
 
-def _up_plan(args: argparse.Namespace) -> list[dict[str, str]]:
-    """Each service's own environment additions: CUDA_VISIBLE_DEVICES, and its share of the GPU memory
-    when services share a device. PlacementError for an impossible plan."""
-    n = args.prefill + args.decode
+def _up_plan(args: argparse.Namespace, models: int = 1) -> list[dict[str, str]]:
+    """Each service's own environment additions (every model's prefill services, then every model's
+    decode services): CUDA_VISIBLE_DEVICES, and its share of the GPU memory when services share a
+    device. PlacementError for an impossible plan."""
+    n = models * (args.prefill + args.decode)
     tp = args.engine_tensor_parallel_size or EngineConfig().tensor_parallel_size
     devices = args.devices
     if devices is None and args.prefill_devices is None and args.decode_devices is None:
@@ -380,7 +388,9 @@ def _up_plan(args: argparse.Namespace) -> list[dict[str, str]]:
         if gpus is None:  # no GPU: nothing to place
             return [{} for _ in range(n)]
         devices = spread(gpus, n, tp)
-    placed = plan(args.prefill, args.decode, tp, devices, args.prefill_devices, args.decode_devices)
+    placed = plan(
+        models * args.prefill, models * args.decode, tp, devices, args.prefill_devices, args.decode_devices
+    )
     assert placed is not None
     util = args.engine_gpu_memory_utilization or EngineConfig().gpu_memory_utilization
     out = []
@@ -394,11 +404,13 @@ def _up_plan(args: argparse.Namespace) -> list[dict[str, str]]:
 
 def up(args: argparse.Namespace) -> int:
     """`splitserve up`: everything on this machine; a service that exits is started again (with
-    backoff); Ctrl-C or SIGTERM drains and stops them all."""
+    backoff); Ctrl-C or SIGTERM drains and stops them all. Several `--model`s: each gets its own
+    --prefill and --decode services, and the router serves them all."""
     try:
-        engine = engine_config(args)  # every service would refuse a bad value: say it once, here
-        check_model(engine.model)
-        placement = _up_plan(args)
+        models, names = _up_models(args)
+        for m in models:  # every service would refuse a bad value: say it once, here
+            check_model(engine_config(argparse.Namespace(**{**vars(args), "engine_model": m})).model)
+        placement = _up_plan(args, len(models))
         if args.api_key is not None:
             from router.auth.keys import api_key_entry
 
@@ -428,7 +440,8 @@ def up(args: argparse.Namespace) -> int:
     engine_flags = [
         x
         for f, field_name in ENGINE_FLAGS.items()
-        if (v := getattr(args, f"engine_{field_name}")) is not None and field_name != "enable_prefix_caching"
+        if (v := getattr(args, f"engine_{field_name}")) is not None
+        and field_name not in ("enable_prefix_caching", "model")  # the model: per service
         for x in (f, str(v) if not isinstance(v, dict) else args.tenant_weights_text)
     ]
     if args.engine_enable_prefix_caching is not None:
@@ -438,8 +451,6 @@ def up(args: argparse.Namespace) -> int:
     extra = ["--threads", str(args.threads_per_service)] if args.threads_per_service else []
     if args.kv_backend:
         extra += ["--kv-backend", args.kv_backend]
-    if args.served_model_name:
-        extra += ["--served-model-name", args.served_model_name]
 
     def stop(*_: Any) -> None:
         everyone = [c.proc for c in children + retiring]
@@ -465,11 +476,15 @@ def up(args: argparse.Namespace) -> int:
     ports = iter(range(args.base_port + 1, 65536))
     index = {"prefill": 0, "decode": 0}
 
-    def start_service(role: str, place: dict[str, str], redis_url: str) -> tuple[Child, str]:
+    def start_service(role: str, place: dict[str, str], redis_url: str, m: int = 0) -> tuple[Child, str]:
+        """A `role` service of the m-th model."""
         port, i = next(ports), index[role]
         index[role] += 1
         cmd = [*me, role, "--port", str(port), "--worker-id", f"{role}-{i}"]
         cmd += [*engine_flags, *extra]
+        model = models[m]
+        cmd += ["--model", model] if model is not None else []
+        cmd += ["--served-model-name", names[m]] if names else []
         # the Redis URL through the environment: it carries the password, a flag would show in `ps`
         env = {**os.environ, **place, "SPLITSERVE_REDIS_URL": redis_url}
         child = Child(f"{role}-{i}", role, cmd, env, subprocess.Popen(cmd, env=env))
@@ -479,7 +494,9 @@ def up(args: argparse.Namespace) -> int:
         return child, url
 
     try:
-        roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+        # every model's prefill services, then every model's decode services (the order _up_plan places)
+        roles = [(role, k) for role in ("prefill", "decode") for k in range(len(models))
+                 for _ in range(getattr(args, role))]  # fmt: skip
         _check_free(args.host, args.port, "--port")
         for k in range(len(roles)):  # an old stack still draining there would answer our health checks
             _check_free("127.0.0.1", args.base_port + 1 + k, "--base-port")
@@ -489,22 +506,22 @@ def up(args: argparse.Namespace) -> int:
             kept = f"kept in {args.redis_data}" if args.redis_data else "not kept: --redis-data DIR keeps it"
             print(f"  redis: {_masked(redis_url)}, password generated ({kept})", flush=True)
         urls = []
-        for role, place in zip(roles, placement, strict=True):
-            child, url = start_service(role, place, redis_url)
+        for (role, k), place in zip(roles, placement, strict=True):
+            child, url = start_service(role, place, redis_url, k)
             children.append(child)
             urls.append(url)
         for child, url in zip(list(children), urls, strict=True):
             took = _wait_healthy(child.name, url, child.proc, args.startup_timeout, child.started)
             print(f"  {child.name}: ready at {url} ({took:.1f} s)", flush=True)
         router_cmd = [*me, "router", "--host", args.host, "--port", str(args.port)]
-        # The router tokenizes for the model the services load: their flag, else their environment's
+        # The router tokenizes for the models the services load: their flags, else their environment's
         # SPLITSERVE_MODEL (the router reads SPLITSERVE_ROUTER_MODEL, which a user setting only the
         # first would leave at the default: another tokenizer than the services', silently).
-        served = args.engine_model or os.environ.get("SPLITSERVE_MODEL")
-        if served:
-            router_cmd += ["--model", served]
-        if args.served_model_name:
-            router_cmd += ["--served-model-name", args.served_model_name]
+        for served in models:
+            served = served or os.environ.get("SPLITSERVE_MODEL")
+            router_cmd += ["--model", served] if served else []
+        for name in names:
+            router_cmd += ["--served-model-name", name]
         if args.engine_max_model_len:
             router_cmd += ["--max-model-len", str(args.engine_max_model_len)]
         if args.chat_template:
@@ -561,6 +578,27 @@ def up(args: argparse.Namespace) -> int:
         stop()
 
 
+def _up_models(args: argparse.Namespace) -> tuple[list[str | None], list[str]]:
+    """`up`'s models (None: the services' SPLITSERVE_MODEL, else the default) and their served names
+    (none given: each model's id, as the router and the services both default to). ConfigError for
+    names that do not pair up with the models, or two models that would be served under one name."""
+    models: list[str | None] = list(args.engine_model or [None])
+    names: list[str] = list(args.served_model_name or [])
+    if names and len(names) != len(models):
+        raise ConfigError(
+            f"error: --served-model-name: {len(names)} names for {len(models)} models: give one per --model, "
+            "in the same order"
+        )
+    named = [str(n) for n in names or models]
+    twice = sorted({str(n) for n in named if named.count(n) > 1})
+    if twice:
+        raise ConfigError(
+            f"error: --model / --served-model-name: two models would be served as {', '.join(twice)}: give "
+            "each --model its own --served-model-name"
+        )
+    return models, names
+
+
 def _check_free(host: str, port: int, flag_name: str) -> None:
     import socket
 
@@ -603,7 +641,8 @@ def run_router(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        check_model(config.model)
+        for model in config.model:
+            check_model(model)
     except ConfigError as e:
         print(str(e).replace("SPLITSERVE_MODEL", "SPLITSERVE_ROUTER_MODEL"), file=sys.stderr)
         return 2
@@ -621,7 +660,9 @@ def add_parsers(sub: Any) -> None:
         "router", help="run the router (OpenAI API)", description="The OpenAI-compatible router."
     )
     for name, field in ROUTER_FLAGS.items():
-        _add_config_flag(r, name, RouterConfig, field, "SPLITSERVE_ROUTER_", field)
+        _add_config_flag(
+            r, name, RouterConfig, field, "SPLITSERVE_ROUTER_", field, repeat=name in REPEATED_FLAGS
+        )
     add_log_flags(r)
     r.set_defaults(func=run_router)
     for role, port in (("prefill", 8101), ("decode", 8201)):
@@ -680,14 +721,15 @@ def add_up_parser(sub: Any) -> None:
     flag(u, "--threads-per-service", type=int, help="torch CPU threads per service (--threads)")
     _add_config_flag(u, "--kv-backend", ServiceConfig, "kv_backend", "SPLITSERVE_", "kv_backend")
     _add_config_flag(u, "--served-model-name", ServiceConfig, "served_model_name", "SPLITSERVE_",
-                     "served_model_name")  # fmt: skip
+                     "served_model_name", repeat=True)  # fmt: skip
     _add_config_flag(
         u, "--chat-template", RouterConfig, "chat_template", "SPLITSERVE_ROUTER_", "chat_template"
     )
     _add_config_flag(u, "--api-key", RouterConfig, "api_key", "SPLITSERVE_ROUTER_", "api_key")
     for name, field in ENGINE_FLAGS.items():
         if name != "--threads":
-            _add_config_flag(u, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}")
+            repeat = name in REPEATED_FLAGS
+            _add_config_flag(u, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}", repeat=repeat)
     flag(u, "--autoscale", action="store_true",
          help="the planner sets how many prefill and decode services run (docs/operations.md)")  # fmt: skip
     flag(u, "--autoscale-interval-s", type=float, default=10.0, help="--autoscale: seconds between decisions")
@@ -737,6 +779,9 @@ def _up_defaults(args: argparse.Namespace) -> int:
         return 2
     if args.autoscale and (args.devices or args.prefill_devices or args.decode_devices):
         print("error: --autoscale places no GPUs yet: leave out --devices", file=sys.stderr)
+        return 2
+    if len(args.engine_model or ()) > 1 and (args.autoscale or args.chat_template is not None):
+        print("error: --autoscale and --chat-template serve one model: give one --model", file=sys.stderr)
         return 2
     if args.autoscale:
         from planner.main import config_from_args

@@ -194,7 +194,7 @@ async def test_bad_requests_are_openai_400s(
     code: str | None,
 ) -> None:
     resp = await client.post(path, json=body)
-    assert resp.status_code == 400, resp.text
+    assert resp.status_code == (404 if code == "model_not_found" else 400), resp.text
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error" and err["message"]
@@ -205,7 +205,7 @@ async def test_bad_requests_are_openai_400s(
 async def test_unknown_model_is_refused_as_by_completions(client: httpx.AsyncClient) -> None:
     tok = await client.post("/tokenize", json={"model": "gpt-4", "prompt": "hi"})
     gen = await client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
-    assert tok.status_code == gen.status_code == 400 and tok.json() == gen.json()
+    assert tok.status_code == gen.status_code == 404 and tok.json() == gen.json()
 
 
 DEEP = b"[" * 100_000 + b"]" * 100_000

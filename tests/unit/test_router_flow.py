@@ -332,13 +332,14 @@ async def test_deadline_exceeded_is_504(out_ids: list[int]) -> None:
 async def test_client_disconnect_closes_upstream(out_ids: list[int]) -> None:
     cluster = FakeCluster(out_ids)
     cluster.hang_after = 3
-    async with make_router(cluster) as client:
+    async with make_router(cluster, served_model_name="m") as client:
         body = {"model": "default", "prompt": "Hi", "stream": True}
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             async for line in resp.aiter_lines():
                 if line.startswith("data: "):
                     break  # got a token; now walk away
-        cancelled = 'splitserve_router_requests_total{endpoint="completions",status="cancelled"} 1.0'
+        labels = 'endpoint="completions",model="m",status="cancelled"'
+        cancelled = f"splitserve_router_requests_total{{{labels}}} 1.0"
         for _ in range(200):
             if cancelled in (await client.get("/metrics")).text:
                 break

@@ -53,7 +53,6 @@ def test_parse_scores_an_echoed_prompt_with_max_tokens_0(served: ServedModel) ->
 @pytest.mark.parametrize(
     ("body", "headers", "param"),
     [
-        (b'{"model": "gpt-9", "prompt": "Hi"}', {}, "model"),
         (b'{"model": "default", "prompt": "Hi", "stop": ["' + b"x" * 300 + b'"]}', {}, "stop"),
         (b'{"model": "default", "prompt": "Hi"}', {"x-splitserve-priority": "soon"}, "x-splitserve-priority"),
         (b'{"model": "default", "prompt": "Hi", "max_tokens": 0}', {}, "max_tokens"),

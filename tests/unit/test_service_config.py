@@ -38,7 +38,7 @@ def test_empty_env_vars_count_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, "")
     assert EngineConfig().model is None
     assert ServiceConfig(role="prefill").advertise_host is None
-    assert RouterConfig().model is None
+    assert RouterConfig().model == []
 
 
 def test_decode_kv_endpoint_carries_the_advertised_host() -> None:
