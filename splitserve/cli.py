@@ -138,11 +138,25 @@ def _add_planner_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "planner",
-        help="decide how many prefill and decode workers to run (dry run: logs the decisions)",
+        help="decide how many prefill and decode workers to run, and set them (Kubernetes) or log them",
         description="Reads the worker registry (Redis) and the router's TTFT/TPOT histograms, decides the "
-        "prefill and decode worker counts (planner/policy.py has the rules), and prints each decision with "
-        "its inputs as one JSON line. The actuator is a dry run for now.",
+        "prefill and decode worker counts (planner/policy.py has the rules), hands them to the actuator "
+        "(dry run, or the Kubernetes Deployments' replicas) and prints each decision with its inputs as "
+        "one JSON line.",
     )
+    flag(p, "--actuator", env="SPLITSERVE_PLANNER_ACTUATOR", choices=["dry-run", "kubernetes"],
+         default=env_or("SPLITSERVE_PLANNER_ACTUATOR") or "dry-run", shown_default="dry-run",
+         help="dry-run: log what it would do; kubernetes: set the Deployments' replicas")  # fmt: skip
+    for name, what in [
+        ("namespace", "kubernetes: the Deployments' namespace (default: the pod's own)"),
+        ("prefill-deployment", "kubernetes: the prefill Deployment's name"),
+        ("decode-deployment", "kubernetes: the decode Deployment's name"),
+        ("kube-api", "kubernetes: the API server's URL (default: in the pod, KUBERNETES_SERVICE_HOST/PORT)"),
+        ("kube-token-file", "kubernetes: a bearer token file, read on every call (default: the pod's)"),
+        ("kube-ca-file", "kubernetes: the API server's CA (default: the pod's; with --kube-api: system CAs)"),
+    ]:
+        env = "SPLITSERVE_PLANNER_" + name.upper().replace("-", "_")
+        flag(p, f"--{name}", env=env, default=env_or(env), shown_default=None, help=what)
     flag(p, "--redis-url", env="SPLITSERVE_REDIS_URL", default=env_or("SPLITSERVE_REDIS_URL"),
          shown_default=None, help="the worker registry (required)")  # fmt: skip
     flag(p, "--router-url", help="the router whose /metrics gives TTFT and TPOT (none: load signals only)")

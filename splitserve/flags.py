@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from common.runtime.logs import LOG_FORMATS, LOG_LEVELS
 
-SERVING_COMMANDS = ("up", "prefill", "decode", "router", "generate")  # what the table covers
+SERVING_COMMANDS = ("up", "prefill", "decode", "router", "generate", "planner")  # what the table covers
 
 
 _UNSET: Any = object()

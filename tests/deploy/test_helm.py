@@ -42,6 +42,7 @@ VALUE_SETS = {
     "ingress": "ci/ingress-values.yaml",
     "tls-existing-secrets": "ci/tls-existing-secrets-values.yaml",
     "tp-cpu": "ci/tp-cpu-values.yaml",
+    "planner": "ci/planner-values.yaml",
 }
 CERT_MANAGER = {
     "tls": {"enabled": True, "certManager": {"issuerRef": {"name": "internal-ca", "kind": "ClusterIssuer"}}}
@@ -902,7 +903,9 @@ def expected_flows(
     out |= {("router", "prefill", "http"), ("router", "decode", "http")}
     out |= {("prefill", "decode", p) for p in kv_ports}
     if "redis" in pods:
-        out |= {(s, "redis", "redis") for s in ("router", "prefill", "decode")}
+        out |= {(s, "redis", "redis") for s in ("router", "prefill", "decode", "planner") if s in pods}
+    if "planner" in pods:  # its signals: the router's /metrics, whoever else may reach the router
+        out.add(("planner", "router", "http"))
     if monitoring:
         out |= {("prometheus", c, "http") for c in ("router", "prefill", "decode")}
     if kv_any_port:  # the data plane: either side, any port
@@ -922,6 +925,7 @@ def expected_flows(
         ("tp-cpu", None, False, False),
         ("cert-manager", None, False, True),
         ("tcp", None, False, False),
+        ("planner", "ingress-controller", False, True),
     ],
 )
 def test_network_policies_admit_exactly_the_needed_flows(
@@ -1102,3 +1106,121 @@ def test_the_router_runs_its_own_image_and_the_workers_the_engines(
         assert container(m, role)["image"] == "splitserve:cuda", role
     one = objects(render({"router": {"image": {"repository": "reg/splitserve", "tag": "cuda"}}}))
     assert container(one, "router")["image"] == "reg/splitserve:cuda"
+
+
+# ---- the planner (planner.enabled) ----
+
+PLANNER_RULES = [
+    {"apiGroups": ["apps"], "resources": ["deployments/scale"],
+     "resourceNames": [f"{FULL}-prefill", f"{FULL}-decode"], "verbs": ["get", "patch"]},
+    {"apiGroups": ["apps"], "resources": ["deployments"],
+     "resourceNames": [f"{FULL}-prefill", f"{FULL}-decode"], "verbs": ["get"]},
+]  # fmt: skip
+
+
+def test_the_planner_is_off_by_default(rendered: dict[str, dict[str, str]]) -> None:
+    for name, r in rendered.items():
+        m = objects(r)
+        planner = {key for key in m if key[1] == f"{FULL}-planner"}
+        assert bool(planner) == (name == "planner"), name
+        assert (
+            not {k for k, _ in m} & {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
+            or name == "planner"
+        )
+
+
+def test_the_planner_runs_with_exactly_the_rbac_it_needs(rendered: dict[str, dict[str, str]]) -> None:
+    """ci/planner-values.yaml (linted, kubernetes-validated, flow-checked and security-checked with the
+    other value sets): the Role allows get/patch on the two Deployments' scale and get on them, nothing
+    else; the planner's own ServiceAccount gets it; the token is a projected, read-only one."""
+    m = objects(rendered["planner"])
+    name = f"{FULL}-planner"
+    assert {k for k in m if k[1] == name} == {
+        ("ServiceAccount", name),
+        ("Role", name),
+        ("RoleBinding", name),
+        ("Deployment", name),
+    }
+    assert m[("Role", name)]["rules"] == PLANNER_RULES
+    binding = m[("RoleBinding", name)]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": NAMESPACE}]
+    pod = m[("Deployment", name)]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name and pod["automountServiceAccountToken"] is False
+    for component in ("router", "prefill", "decode"):  # the others keep the shared, tokenless account
+        assert workloads(m)[component]["serviceAccountName"] == FULL
+    (c,) = pod["containers"]
+    assert c["image"] == "splitserve:router"  # no torch in the planner's imports
+    mounts = {vm["mountPath"]: vm for vm in c["volumeMounts"]}
+    sa = mounts["/var/run/secrets/kubernetes.io/serviceaccount"]
+    assert sa["readOnly"] is True
+    (projected,) = [v["projected"] for v in pod["volumes"] if v["name"] == sa["name"]]
+    token = projected["sources"][0]["serviceAccountToken"]
+    assert token["path"] == "token" and token["expirationSeconds"] <= 3600
+    e = env(c)
+    assert e["SPLITSERVE_PLANNER_API_KEY"] == {
+        "secretKeyRef": {"name": "splitserve-planner-key", "key": "api-key"}
+    }
+    assert e["SSL_CERT_FILE"] == "/etc/splitserve/tls/ca.crt"  # the router serves HTTPS here
+    assert e["SPLITSERVE_REDIS_URL"].startswith("rediss://worker:$(REDIS_PASSWORD)@")  # not the router's user
+    assert f"--router-url=https://{FULL}-router:8000" in c["args"]
+    # the registry's entries are signed: the planner checks them with the internal secret, as a file
+    assert e["SPLITSERVE_INTERNAL_SECRET_FILE"] == "/etc/splitserve/secrets/internal/secret"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    secret = volumes[mounts["/etc/splitserve/secrets/internal"]["name"]]["secret"]
+    assert secret["secretName"] == f"{FULL}-internal"
+    assert volumes[mounts["/etc/splitserve/tls"]["name"]]["secret"]["items"] == [
+        {"key": "ca.crt", "path": "ca.crt"}
+    ]
+
+
+def test_the_planners_arguments_are_what_splitserve_planner_takes(
+    rendered: dict[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from planner.kube import KubeActuator
+    from planner.main import actuator_from_args, config_from_args
+    from splitserve.cli import build_parser
+
+    pod = objects(rendered["planner"])[("Deployment", f"{FULL}-planner")]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    for k, v in env(c).items():
+        if isinstance(v, str):
+            monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    args = build_parser().parse_args(c["args"])
+    config = config_from_args(args)
+    assert (config.min_prefill, config.max_prefill, config.min_decode, config.max_decode, config.budget) == (
+        1, 4, 2, 6, 8
+    )  # fmt: skip
+    actuator = actuator_from_args(args, config)
+    assert isinstance(actuator, KubeActuator)
+    assert actuator.target.namespace == NAMESPACE and actuator.target.api == "https://10.0.0.1:443"
+    assert actuator.target.deployments == {"prefill": f"{FULL}-prefill", "decode": f"{FULL}-decode"}
+    assert actuator.floors == {"prefill": 1, "decode": 2}
+
+
+def test_the_planner_reads_the_router_only_with_a_metrics_key_when_keys_are_required() -> None:
+    def planner(vals: dict[str, Any]) -> dict[str, Any]:
+        m = objects(render({"planner": {"enabled": True}, **vals}))
+        (c,) = m[("Deployment", f"{FULL}-planner")]["spec"]["template"]["spec"]["containers"]
+        return c
+
+    c = planner({})  # keys required, no key: load signals only
+    assert not any(a.startswith("--router-url") for a in c["args"])
+    assert "SPLITSERVE_PLANNER_API_KEY" not in env(c)
+    c = planner({"serviceMonitor": {"apiKeySecret": "prom-key"}})  # Prometheus' key serves it too
+    assert f"--router-url=http://{FULL}-router:8000" in c["args"]
+    assert env(c)["SPLITSERVE_PLANNER_API_KEY"] == {"secretKeyRef": {"name": "prom-key", "key": "api-key"}}
+    c = planner({"auth": {"requireApiKey": False, "allowUnauthenticated": True}})
+    assert f"--router-url=http://{FULL}-router:8000" in c["args"]
+    assert env(c)["SPLITSERVE_REDIS_URL"].startswith("redis://worker:")
+
+
+def test_planner_settings_are_checked() -> None:
+    with pytest.raises(Exception, match="budget"):
+        render({"planner": {"enabled": True, "minPrefill": 4, "minDecode": 4, "budget": 6}})
+    with pytest.raises(Exception, match="planner"):
+        render({"planner": {"enabled": True, "minDecode": 0}})  # decode workers serve every request
+    with pytest.raises(Exception, match="planner"):
+        render({"planner": {"enabled": True, "replicas": 2}})  # not a setting: refused, never ignored

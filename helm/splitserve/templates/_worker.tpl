@@ -46,7 +46,14 @@ metadata:
   labels:
     {{- include "splitserve.componentLabels" $ctx | nindent 4 }}
 spec:
-  replicas: {{ $c.replicas }}
+  {{- /* with the planner, <role>.replicas is the starting point only: an upgrade keeps what runs */}}
+  {{- $replicas := $c.replicas }}
+  {{- if $root.Values.planner.enabled }}
+  {{- with lookup "apps/v1" "Deployment" $root.Release.Namespace (printf "%s-%s" (include "splitserve.fullname" $root) $role) }}
+  {{- $replicas = .spec.replicas }}
+  {{- end }}
+  {{- end }}
+  replicas: {{ $replicas }}
   strategy:
     {{- toYaml $c.updateStrategy | nindent 4 }}
   selector:
