@@ -42,6 +42,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "tp": "tp",
     "matmul": "matmul",
     "tiers": "tiers",
+    "fleet": "fleet",
 }
 
 
@@ -87,7 +88,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | kv-dtype | tp | matmul | tiers | all",
+        "prefix | fairness | kv-dtype | tp | matmul | tiers | fleet | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(
@@ -178,6 +179,13 @@ def add_bench_parser(sub: Any) -> None:
         action="store_true",
         help="tp: only the engines (TP=1 against TP=2), not the services split at TP 1->2 and 2->1",
     )
+    fl = b.add_argument_group("fleet")
+    fl.add_argument("--fleet-prefill", type=int, default=16, help="fleet: simulated prefill services")
+    fl.add_argument("--fleet-decode", type=int, default=48, help="fleet: simulated decode services")
+    fl.add_argument("--fleet-procs", type=int, default=4, help="fleet: sim-fleet processes holding them")
+    fl.add_argument("--fleet-routers", type=int, default=1, help="fleet: routers sharing the Redis")
+    fl.add_argument("--fleet-duration-s", type=float, default=20.0, help="fleet: seconds of arrivals")
+    fl.add_argument("--fleet-output-tokens", type=int, default=4, help="fleet: max_tokens of each request")
     o = b.add_argument_group("soak")
     o.add_argument("--concurrency", type=int, default=8, help="soak: requests in flight at once")
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -87,6 +87,24 @@ class EngineConfig(BaseSettings):
         16.0, gt=0, allow_inf_nan=False, description="the disk tier's size limit, per service"
     )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
+    engine: Literal["torch", "sim"] = Field(
+        "torch",
+        description="sim: the real scheduler, KV accounting and services with the forward replaced by a "
+        "sleep of the step's roofline time on --sim-profile's hardware, and tokens drawn deterministically "
+        "(docs/simulation.md)",
+    )
+    sim_profile: str = Field(
+        "llama3-8b-h100",
+        description="engine=sim: a shipped profile (llama3-8b-h100, llama3-8b-h200, llama3-70b-h100-tp4, "
+        "llama3-70b-h200-tp2) or a profile JSON file",
+    )
+    sim_kv_block_bytes: int = Field(
+        1024, ge=64, description="engine=sim: bytes of one block of the real KV pool the transfers move"
+    )
+    sim_seed: int = Field(0, description="engine=sim: the token draw's seed (a request's own seed wins)")
+    sim_output_len: int | None = Field(
+        None, ge=1, description="engine=sim: the n-th output token is EOS; default never (max_tokens ends)"
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,
@@ -94,6 +112,14 @@ class EngineConfig(BaseSettings):
         "CPU/gloo only; in a service each rank moves its own KV heads, prefill and decode may differ); each "
         "rank uses num_threads, default cores // tensor_parallel_size",
     )
+
+    @model_validator(mode="after")
+    def _sim_fields_need_sim(self) -> EngineConfig:
+        """A sim_* setting on the torch engine would be ignored: an error instead."""
+        given = sorted(f for f in self.model_fields_set if f.startswith("sim_"))
+        if given and self.engine != "sim":
+            raise ValueError(f"{', '.join(given)} only apply with engine=sim")
+        return self
 
 
 class ServiceConfig(BaseSettings):

@@ -57,6 +57,11 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field (SPLITSERVE_<FIELD>)
     "--fair-burst-s": "fair_burst_s",
     "--threads": "num_threads",
     "--tensor-parallel-size": "tensor_parallel_size",
+    "--engine": "engine",
+    "--sim-profile": "sim_profile",
+    "--sim-kv-block-bytes": "sim_kv_block_bytes",
+    "--sim-seed": "sim_seed",
+    "--sim-output-len": "sim_output_len",
 }
 SERVICE_FLAGS = {  # flag -> ServiceConfig field (SPLITSERVE_<FIELD>); decode-only ones in DECODE_FLAGS
     "--host": "host",
@@ -670,6 +675,10 @@ def add_parsers(sub: Any) -> None:
         add_service_flags(p, role, port)
         p.set_defaults(func=run_service)
     add_up_parser(sub)
+    from splitserve import sim_calibrate, sim_fleet
+
+    sim_fleet.add_parser(sub)
+    sim_calibrate.add_parser(sub)
 
 
 def add_up_parser(sub: Any) -> None:

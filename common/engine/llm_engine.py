@@ -260,6 +260,10 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, connector: KVConnector | None = None) -> LLMEngine:
+        if config.engine == "sim":  # the roofline-timed stand-in for the model (common/engine/sim.py)
+            from common.engine.sim import SimEngine
+
+            return SimEngine(config, connector)
         placement = Placement.from_config(config)
         if config.tensor_parallel_size > 1:
             _check_tensor_parallel(placement, connector)  # before loading anything

@@ -1,0 +1,271 @@
+"""`splitserve bench fleet`: the router in front of a fleet of simulated workers (`--engine sim`).
+
+Two parts:
+1. step accuracy: a sim engine in this process at low load (1 and 16 sequences decoding, and a prefill
+   chunk), each step's wall time (engine.step(), scheduling included) over the profile's time for the
+   batch it ran; the median ratio and its spread per batch shape.
+2. fleet: Redis, `--fleet-procs` `splitserve sim-fleet` processes holding --fleet-prefill + --fleet-decode
+   services between them, --fleet-routers routers, then open-loop Poisson arrivals of short requests at
+   --rate for --fleet-duration-s, spread over the routers. Reported: offered vs achieved rate, errors,
+   end-to-end latency, router CPU per request (its process's user + system time over the run), and, from a
+   sample of the requests' records, the router's queued -> reserved time (placement plus the decode
+   service's reservation round trip: an upper bound on placement time, which the router does not
+   time on its own), the fleet's RSS and the load generator's own CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+
+from bench.rounds import load_avg
+from bench.serving import Stack
+from common.cluster.redis_server import RedisServer
+from common.config import EngineConfig
+from common.engine.sim import SimEngine, SimRunner
+from common.sampling_params import SamplingParams
+
+PROFILE = "llama3-8b-h100"
+
+
+def step_accuracy(steps: int = 40) -> dict[str, Any]:
+    """Wall time of engine.step() over the profiled time of the step it ran, at low load (module doc)."""
+    engine = SimEngine(EngineConfig(engine="sim", sim_profile=PROFILE, max_num_seqs=16))
+    runner = engine.runner
+    assert isinstance(runner, SimRunner)
+    fresh = iter(range(1000, 10**6))  # token ids never used before: no prefix-cache hit
+
+    def measure(
+        batch: int, prompt_len: int, max_tokens: int, want_prefill: bool
+    ) -> tuple[list[float], float]:
+        for _ in range(batch):
+            ids = [next(fresh) for _ in range(prompt_len)]
+            engine.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        ratios, profiled = [], 0.0
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            result = engine.step()
+            wall = time.perf_counter() - t0
+            if (result.num_tokens > result.num_scheduled) == want_prefill:
+                ratios.append(wall / runner.last_duration)
+                profiled = runner.last_duration
+        return ratios, profiled
+
+    shapes = {
+        "decode_b1": lambda: measure(1, 64, steps, False),
+        "decode_b16": lambda: measure(16, 64, steps, False),
+        "prefill_512": lambda: measure(1, 512, 1, True),
+    }
+    out: dict[str, Any] = {}
+    for label, run in shapes.items():
+        ratios: list[float] = []
+        profiled = 0.0
+        while len(ratios) < (10 if label.startswith("prefill") else steps - 2):
+            more, profiled = run()
+            ratios += more
+        out[label] = {
+            "steps": len(ratios),
+            "profile_ms": round(profiled * 1e3, 3),
+            "wall_over_profile_median": round(float(np.median(ratios)), 4),
+            "min": round(min(ratios), 4),
+            "max": round(max(ratios), 4),
+        }
+    return out
+
+
+def _free_ports(n: int) -> int:
+    """The first of n consecutive free ports on 127.0.0.1."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 60000 - n)
+        try:
+            socks = []
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
+def _wait(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _routed(url: str, decode: int, prefill: int) -> bool:
+    try:
+        h = httpx.get(url + "/health", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return bool(h.get("decode_workers", 0) >= decode and h.get("prefill_workers", 0) >= prefill)
+
+
+async def _load(
+    routers: list[str], rate: float, duration_s: float, max_tokens: int, seed: int
+) -> dict[str, Any]:
+    """Open-loop Poisson arrivals for duration_s, round-robin over the routers; every request is waited
+    for (up to 30 s). Returns the latencies, errors and request ids."""
+    rng = random.Random(seed)
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    ids: list[str] = []
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+
+        async def one(i: int) -> None:
+            body = {
+                "model": "default",
+                "prompt": f"Request {i}: say something short.",
+                "max_tokens": max_tokens,
+            }
+            t0 = time.perf_counter()
+            try:
+                r = await client.post(routers[i % len(routers)] + "/v1/completions", json=body)
+            except httpx.HTTPError as e:
+                errors[type(e).__name__] = errors.get(type(e).__name__, 0) + 1
+                return
+            if r.status_code != 200:
+                errors[str(r.status_code)] = errors.get(str(r.status_code), 0) + 1
+                return
+            latencies.append(time.perf_counter() - t0)
+            ids.append(routers[i % len(routers)] + "/v1/requests/" + r.headers["x-request-id"])
+
+        tasks = []
+        start = time.perf_counter()
+        next_at, i = start, 0
+        while next_at < start + duration_s:
+            delay = next_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+            i += 1
+            next_at += rng.expovariate(rate)
+        sent_s = time.perf_counter() - start
+        await asyncio.gather(*tasks)
+        done_s = time.perf_counter() - start
+        sample = rng.sample(ids, min(200, len(ids)))
+        placements, decodes = [], []
+        for url in sample:
+            rec = (await client.get(url)).json()
+            decodes.append(rec.get("decode_id"))
+            stamps = dict((s, t) for s, t in rec.get("history", []))
+            if "queued" in stamps and "reserved" in stamps:
+                placements.append(stamps["reserved"] - stamps["queued"])
+    return {"sent": i, "sent_s": sent_s, "done_s": done_s, "latencies": latencies, "errors": errors,
+            "placements": placements, "decodes": decodes}  # fmt: skip
+
+
+def _ms(xs: list[float], q: float) -> float | None:
+    return round(float(np.percentile(xs, q)) * 1e3, 2) if xs else None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    load_before = load_avg()
+    accuracy = step_accuracy()
+    prefill, decode, procs = args.fleet_prefill, args.fleet_decode, args.fleet_procs
+    log_dir = tempfile.mkdtemp(prefix="splitserve-fleet-")
+    redis = RedisServer().start()
+    stack = Stack(log_dir)
+    try:
+        fleet_pids = []
+        for p, d in zip(_split(prefill, procs), _split(decode, procs), strict=True):
+            base = _free_ports(p + d)
+            flags = [
+                "--prefill",
+                str(p),
+                "--decode",
+                str(d),
+                "--redis-url",
+                redis.url,
+                "--sim-profile",
+                PROFILE,
+            ]
+            stack.start("sim-fleet", *flags, port=base, timeout_s=300)
+            fleet_pids.append(stack.procs[-1].pid)
+            for port in range(base, base + p + d):
+                _wait(lambda port=port: _healthy(port), 120, f"the sim service on port {port}")
+        routers = [stack.start("router", "--redis-url", redis.url) for _ in range(args.fleet_routers)]
+        router_pids = [stack.procs[-1 - i].pid for i in range(args.fleet_routers)]
+        for url in routers:
+            _wait(lambda url=url: _routed(url, decode, prefill), 60, f"{url} to see the fleet")
+        asyncio.run(_load(routers, min(args.rate, 20.0), 2.0, args.fleet_output_tokens, args.seed))  # warm-up
+        rprocs = [psutil.Process(pid) for pid in router_pids]
+        me = psutil.Process()
+        fprocs = [psutil.Process(pid) for pid in fleet_pids]
+        fleet0 = sum(sum(p.cpu_times()[:2]) for p in fprocs)
+        cpu0 = [sum(p.cpu_times()[:2]) for p in rprocs]
+        me0 = sum(me.cpu_times()[:2])
+        load = asyncio.run(
+            _load(routers, args.rate, args.fleet_duration_s, args.fleet_output_tokens, args.seed)
+        )
+        router_cpu = sum(sum(p.cpu_times()[:2]) - c for p, c in zip(rprocs, cpu0, strict=True))
+        me_cpu = sum(me.cpu_times()[:2]) - me0
+        fleet_cpu = sum(sum(p.cpu_times()[:2]) for p in fprocs) - fleet0
+        rss = sum(psutil.Process(pid).memory_info().rss for pid in fleet_pids)
+    finally:
+        stack.stop()
+        redis.stop()
+    done = len(load["latencies"])
+    return {
+        "profile": PROFILE,
+        "step_accuracy": accuracy,
+        "workers": prefill + decode,
+        "prefill": prefill,
+        "decode": decode,
+        "fleet_processes": procs,
+        "fleet_rss_mb": round(rss / 2**20),
+        "routers": args.fleet_routers,
+        "offered_rps": args.rate,
+        "sent": load["sent"],
+        "sent_rps": round(load["sent"] / load["sent_s"], 1),
+        "completed": done,
+        "achieved_rps": round(done / load["done_s"], 1),
+        "errors": load["errors"],
+        "e2e_p50_ms": _ms(load["latencies"], 50),
+        "e2e_p99_ms": _ms(load["latencies"], 99),
+        "queued_to_reserved_p50_ms": _ms(load["placements"], 50),
+        "queued_to_reserved_p99_ms": _ms(load["placements"], 99),
+        "router_cpu_ms_per_request": round(router_cpu / max(1, done) * 1e3, 3),
+        "router_cpu_cores": round(router_cpu / load["done_s"], 2),
+        "loadgen_cpu_cores": round(me_cpu / load["done_s"], 2),
+        "fleet_cpu_cores": round(fleet_cpu / load["done_s"], 2),
+        # how the sampled requests spread over the decode services (router placement under this load)
+        "decode_services_used": len(set(load["decodes"])),
+        "busiest_decode_share": round(max(Counter(load["decodes"]).values()) / len(load["decodes"]), 3)
+        if load["decodes"]
+        else None,
+        "duration_s": args.fleet_duration_s,
+        "cores": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": load_avg(),
+    }
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
