@@ -249,6 +249,8 @@ class KVCompat(msgspec.Struct, frozen=True):
     head_dim: int
     block_size: int
     layout: str = "LBSHD"  # (layer, block, slot, kv_head, head_dim), K and V separate
+    architecture: str = ""  # the model family (model_type), e.g. "gemma3_text"
+    layer_groups: str = ""  # KVCacheSpec.layer_groups(): which layers slide, and their windows
     kv_scales: str = ""  # fp8 KV: a digest of the rotation and the per-channel scales (common/kv/quant.py)
     protocol_version: int = PROTOCOL_VERSION
     # Tensor parallelism: this record is rank `tp_rank` of a service with `tp_size` ranks, whose KV shard

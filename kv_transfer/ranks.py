@@ -39,7 +39,7 @@ from common.parallel.messages import (
     Settle,
     call_id_of,
 )
-from common.parallel.plan import SaveItem, Tally, shard_dones, shard_writes, split_endpoints
+from common.parallel.plan import SaveItem, Tally, layer_pairs, shard_dones, shard_writes, split_endpoints
 from common.protocol import KVCompat, KVDone, ProtocolError, decode, encode
 from kv_transfer import KVReceiver, KVSender, make_receiver, make_sender
 
@@ -167,12 +167,15 @@ class RankAgent:
         for it in items:
             if it.request_id in self._stopped:
                 continue
+            src, dst = layer_pairs(it.src, it.dst, it.skip, layer)
+            if not dst:
+                continue  # out of this layer's sliding window: rank 0 skips it alike
             writes = self._writes.setdefault(it.request_id, [])
             sender = self._sender_for(it.endpoint)
             c = self.compat
             for endpoint, heads in _routes(c.num_kv_heads, c.tp_size, self.rank, it.endpoint):
                 coro = sender.send_layer(
-                    endpoint, it.request_id, it.fence, layer, it.src, it.dst, it.traceparent, heads=heads
+                    endpoint, it.request_id, it.fence, layer, src, dst, it.traceparent, heads=heads
                 )
                 writes.append((endpoint, asyncio.run_coroutine_threadsafe(coro, self.loop)))
 

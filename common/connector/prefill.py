@@ -30,9 +30,17 @@ from common.connector.base import RemoteKVConnector
 from common.connector.remote_kv import OutgoingKV, TransferState
 from common.engine.scheduler import SchedulerOutput
 from common.engine.sequence import Sequence
-from common.kv.kv_cache import PagedKVCache
+from common.kv.kv_cache import KVCacheSpec, PagedKVCache
 from common.parallel.messages import Finish, Settle
-from common.parallel.plan import HeadSlice, SaveItem, plan, shard_dones, shard_writes, split_endpoints
+from common.parallel.plan import (
+    HeadSlice,
+    SaveItem,
+    layer_pairs,
+    plan,
+    shard_dones,
+    shard_writes,
+    split_endpoints,
+)
 from common.protocol import KVCompat, KVDone, PrefillRequest, TransferError
 from common.runtime.telemetry import span_ctx, traceparent, tracer
 
@@ -69,6 +77,7 @@ class LayerWrite:
     src: list[int]
     dst: list[int]
     tokens: int  # tokens of the request this step computes
+    skip: tuple[int, ...] = ()  # per layer, leading pairs left out: out of that layer's sliding window
 
 
 @dataclass(frozen=True)
@@ -88,10 +97,11 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
         super().__init__(on_failed)  # the decode side is gone: the service ends the request
         self.sender_for = sender_for  # the sender for a decode service's endpoint (its scheme names it)
         self.block_size = self.num_layers = self.head_bytes = 0  # from bind()
+        self.spec: KVCacheSpec | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind(self, kv: PagedKVCache) -> None:
-        s = kv.spec
+        s = self.spec = kv.spec
         self.block_size, self.num_layers = s.block_size, s.num_layers
         self.head_bytes = 2 * s.block_size * s.head_dim * kv.k.element_size()  # one KV head's K and V
         self._heads = (s.num_kv_heads, 1)  # (the model's KV heads, ranks): one rank until bind_ranks
@@ -117,6 +127,9 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
             self.ranks.attach(lambda rank, msg: None)  # a prefill agent only answers calls
         rkv = OutgoingKV(req.request_id, req.fence, req.block_ids, S.HELD)
         rkv.endpoint, rkv.skip_blocks = req.kv_endpoint, req.num_cached_tokens // self.block_size
+        if self.spec is not None and self.spec.layer_windows:  # sliding layers: only their windows move
+            n = len(req.token_ids)
+            rkv.first_needed = tuple(self.spec.first_needed_block(i, n) for i in range(self.num_layers))
         # once per request, not per layer write: the pairs rank 0 writes, and every rank's bytes a block
         rkv.routes = self._routes(req.kv_endpoint)
         rkv.block_bytes = self.head_bytes * self._heads_moved(req.kv_endpoint)
@@ -178,7 +191,11 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
             last = -(-end // bs)
             rkv.first_chunk = False
             if first < last:
-                writes.append(LayerWrite(rkv, seq.block_table[first:last], rkv.block_ids[first:last], n))
+                # per layer, the leading blocks of this write before the layer's window: not sent
+                skip = tuple(max(0, min(f - first, last - first)) for f in rkv.first_needed)
+                skip = skip if any(skip) else ()
+                src, dst = seq.block_table[first:last], rkv.block_ids[first:last]
+                writes.append(LayerWrite(rkv, src, dst, n, skip))
         return SaveMeta(writes, self.num_layers - 1) if writes else None
 
     def rank_meta(self, meta: SaveMeta) -> list[SaveItem] | None:
@@ -189,7 +206,9 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
         for w in meta.writes:
             rkv = w.rkv
             self._start_span(rkv)  # the ranks' writes carry the kv.transfer span too
-            items.append(SaveItem(rkv.request_id, rkv.fence, rkv.endpoint, w.src, w.dst, rkv.traceparent))
+            items.append(
+                SaveItem(rkv.request_id, rkv.fence, rkv.endpoint, w.src, w.dst, rkv.traceparent, w.skip)
+            )
         return items
 
     def _start_span(self, rkv: OutgoingKV) -> None:
@@ -212,16 +231,19 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
                 rkv.chunks[-1][1] = now
             if rkv.state is not S.HELD:
                 continue  # stopped meanwhile
+            src, dst = layer_pairs(w.src, w.dst, w.skip, layer)
+            if not dst:
+                continue  # this layer's window starts after these blocks: nothing of them is read
             self._start_span(rkv)
             sender = self.sender_for(rkv.endpoint)
             for endpoint, heads in rkv.routes:
                 coro = sender.send_layer(
-                    endpoint, rkv.request_id, rkv.fence, layer, w.src, w.dst, rkv.traceparent, heads=heads
+                    endpoint, rkv.request_id, rkv.fence, layer, src, dst, rkv.traceparent, heads=heads
                 )
                 rkv.writes.append(asyncio.run_coroutine_threadsafe(_timed(coro, rkv.active), self._loop))
                 rkv.written.append(endpoint)
-            rkv.nbytes += len(w.dst) * rkv.block_bytes  # every rank's
-            rkv.dst_blocks.update(w.dst)
+            rkv.nbytes += len(dst) * rkv.block_bytes  # every rank's
+            rkv.dst_blocks.update(dst)
             rkv.layers.add(layer)
 
 

@@ -62,6 +62,8 @@ class OutgoingKV(RemoteKV):
 
     endpoint: str = ""  # the decode service's KV endpoint
     skip_blocks: int = 0  # leading destination blocks the decode service already holds
+    # per layer, the first prompt block decoding reads (sliding-window layers: the window's; else 0)
+    first_needed: tuple[int, ...] = ()
     routes: list[tuple[str, Any]] = field(default_factory=list)  # rank 0's (decode endpoint, heads) pairs
     block_bytes: int = 0  # K and V bytes of one block of one layer, every rank's heads together
     first_chunk: bool = True  # the first chunk also ships prefix blocks this service had cached

@@ -105,6 +105,8 @@ def kv_compat(
     return KVCompat(
         model_id=model_config.model_id,
         weights_hash=model_config.weights_hash,
+        architecture=model_config.architecture,
+        layer_groups=spec.layer_groups(),
         dtype=str(spec.dtype).removeprefix("torch."),  # torch.bfloat16 -> "bfloat16"
         num_layers=model_config.num_layers,
         num_kv_heads=model_config.num_kv_heads,
@@ -184,7 +186,11 @@ class LLMEngine:
         self._scales_digest = scales.digest() if scales is not None else ""
 
         def kv_spec(blocks: int, kv_heads: int) -> KVCacheSpec:
-            return KVCacheSpec(mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype)
+            windows = tuple(mc.window(i) for i in range(mc.num_layers))
+            windows = windows if any(w is not None for w in windows) else ()  # the layer groups
+            return KVCacheSpec(
+                mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype, windows
+            )
 
         # rank 0 holds the most KV heads (the partition gives the first ranks the larger share), so the
         # KV budget (kv_cache_memory_mb, per rank) sizes the block count every rank uses
@@ -229,6 +235,7 @@ class LLMEngine:
             fair_quantum_tokens=config.fair_quantum_tokens,
             fair_bulk_prefill_tokens=config.fair_bulk_prefill_tokens,
             fair_burst_s=config.fair_burst_s,
+            kv_window=min((w for w in spec.layer_windows if w is not None), default=None),
         )
         self.connector = connector or KVConnector()
         self.speed = StepSpeed()  # recent steps' prefill and decode speed (the service publishes it)

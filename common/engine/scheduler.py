@@ -209,7 +209,13 @@ class Scheduler:
         assert seq.status is SequenceStatus.PARKED, f"{seq.seq_id} holds no reservation ({seq.status})"
         del self.parked[seq.seq_id]
         seq.num_computed_tokens = seq.num_tokens
-        self.bm.commit(seq, seq.num_computed_tokens)
+        w = self.config.kv_window
+        if w is not None and seq.num_tokens - w + 1 >= self.bm.block_size:
+            # the sliding layers of the blocks before their window were not sent: correct for this
+            # sequence (it never reads them), wrong for another that shares the prefix and would
+            seq.kv_partial = True
+        else:
+            self.bm.commit(seq, seq.num_computed_tokens)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         seq.append_token(first_token)
@@ -348,6 +354,7 @@ class Scheduler:
         else:
             self.bm.free(seq)
             seq.num_computed_tokens = 0
+            seq.kv_partial = False  # recomputed here: every layer's KV, whole
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)  # first in line to come back (fair: first of its tenant's)
             self.policy.requeued(seq)
@@ -359,7 +366,8 @@ class Scheduler:
         finished: list[Sequence] = []
         for (seq, n), tok in zip(out.scheduled, sampled, strict=True):
             seq.num_computed_tokens += n
-            self.bm.commit(seq, seq.num_computed_tokens)
+            if not seq.kv_partial:
+                self.bm.commit(seq, seq.num_computed_tokens)
             if seq.num_computed_tokens > seq.num_charged_tokens:  # a decode step: a position new to the bill
                 self._charge(seq, seq.num_computed_tokens - seq.num_charged_tokens)
                 seq.num_charged_tokens = seq.num_computed_tokens

@@ -32,6 +32,10 @@ class SchedulerConfig:
     # never; common/engine/policy/fair.py): a sparse tenant's few overlapping requests are not held to
     # its share.
     fair_burst_s: float = 2.0
+    # The model's smallest sliding window (None: no layer slides). A prompt whose KV arrives from a
+    # prefill service holds, in its sliding layers, only the blocks of their windows (the rest were not
+    # sent): such a sequence's blocks are never offered to the prefix cache.
+    kv_window: int | None = None
     # Cost model for choosing swap or recompute (seconds). Defaults are CPU-ish; the engine
     # passes measured figures.
     swap_s_per_block: float = 2e-5  # copy one block out (and again back in)

@@ -40,6 +40,25 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float32  # what the cache stores (see the module doc)
+    # Layer groups: each layer's sliding window (None: full attention); () when no layer slides
+    layer_windows: tuple[int | None, ...] = ()
+
+    def first_needed_block(self, layer: int, num_tokens: int) -> int:
+        """The first block of a `num_tokens`-token prompt that decoding it still reads in `layer`: 0 for
+        full attention; for a sliding window W, the block holding position num_tokens - W + 1 (a query
+        at position p sees keys p - W + 1 .. p, and decoding starts at p = num_tokens)."""
+        window = self.layer_windows[layer] if self.layer_windows else None
+        if window is None:
+            return 0
+        return max(0, num_tokens - window + 1) // self.block_size
+
+    def layer_groups(self) -> str:
+        """The layer groups as the KV preflight compares them, e.g. "full:3,window512:15"."""
+        counts: dict[str, int] = {}
+        for w in self.layer_windows or (None,) * self.num_layers:
+            key = "full" if w is None else f"window{w}"
+            counts[key] = counts.get(key, 0) + 1
+        return ",".join(f"{k}:{n}" for k, n in counts.items())
 
     @property
     def bytes_per_block(self) -> int:

@@ -51,6 +51,16 @@ class SaveItem:
     src: list[int]
     dst: list[int]
     traceparent: str | None = None
+    skip: tuple[int, ...] = ()  # per layer, leading pairs of src/dst not sent (out of the layer's window)
+
+
+def layer_pairs(
+    src: list[int], dst: list[int], skip: tuple[int, ...], layer: int
+) -> tuple[list[int], list[int]]:
+    """The (src, dst) blocks a layer write sends: all of them, less the leading ones the layer's sliding
+    window has left behind (`skip`, per layer; () for none)."""
+    n = skip[layer] if skip else 0
+    return (src, dst) if n == 0 else (src[n:], dst[n:])
 
 
 def plan(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[Route]:

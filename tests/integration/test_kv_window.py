@@ -1,0 +1,117 @@
+"""Sliding-window layers send only their window across the split (issue 28, point 3).
+
+Real processes over loopback: a prefill and a decode service (tcp KV transfer) and two routers on one
+Redis, serving tiny random-weight models that transformers builds in the test — mistral (every layer
+slides, window 8) and gemma3 (sliding and full layers interleaved). For a prompt five times the window:
+
+* the bytes the prefill service moved are exactly what the layer groups need: every block for a full
+  layer, only the blocks from the one holding position `prompt - window + 1` for a sliding layer;
+* the greedy tokens of the split path equal the local path's (the decode service computing the prompt
+  itself: every layer's KV, whole), request after request;
+* a second prompt sharing the first one's prefix is not served from the decode service's window-only
+  blocks (they are kept out of its prefix cache) and still equals the local path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from common.cluster.redis_server import RedisServer
+from common.kv.kv_cache import KVCacheSpec
+from common.model.loader import load_model
+from tests.integration.test_model_archs import ARCHS, VOCAB, build
+from tests.support.cluster import Cluster, Proc, free_port
+
+pytestmark = pytest.mark.services
+BLOCK = 4  # the services' block size: a window of 8 spans blocks
+PROMPT = 44  # 11 blocks, 5.5 windows
+NEW_TOKENS = 12
+
+
+def _ids(seed: int, n: int = PROMPT) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp(f"window-{request.param}")
+    folder = build(tmp / "model", ARCHS[request.param])
+    redis = RedisServer(port=free_port()).start()
+    c = Cluster(redis.url, str(tmp), model=str(folder))
+    env = {"SPLITSERVE_BLOCK_SIZE": str(BLOCK), "SPLITSERVE_DTYPE": "float32"}
+    try:
+        flags = ("--threads", "1", "--kv-backend", "tcp")
+        prefill = c.start("prefill", *flags, env=env)
+        decode = c.start("decode", *flags, env=env)
+        split = c.start("router", env={"SPLITSERVE_ROUTER_LOCAL_PREFILL_THRESHOLD": "16"})
+        local = c.start("router", env={"SPLITSERVE_ROUTER_LOCAL_PREFILL_THRESHOLD": "100000"})
+        c.wait_routed()
+        model, _ = load_model(str(folder))
+        yield {"prefill": prefill, "decode": decode, "split": split, "local": local, "config": model.config}
+    finally:
+        c.stop()
+        redis.stop()
+
+
+def _complete(router: Proc, ids: list[int]) -> tuple[str, str]:
+    body = {"model": "default", "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"], r.headers["x-splitserve-route"]
+
+
+def _moved_bytes(prefill: Proc) -> float:
+    text = httpx.get(prefill.url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("splitserve_kv_transfer_bytes_total")
+    )
+
+
+def test_only_the_window_moves_and_the_tokens_equal_the_local_path(stack: dict) -> None:
+    cfg = stack["config"]
+    windows = tuple(cfg.window(i) for i in range(cfg.num_layers))
+    assert any(w is not None for w in windows)
+    spec = KVCacheSpec(cfg.num_layers, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim, layer_windows=windows)
+    layer_block = 2 * BLOCK * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one block of one layer, fp32
+    blocks = -(-PROMPT // BLOCK)
+    want = sum(blocks - spec.first_needed_block(i, PROMPT) for i in range(cfg.num_layers)) * layer_block
+    every_layer = cfg.num_layers * blocks * layer_block
+
+    for seed in (1, 2):
+        ids = _ids(seed)
+        before = _moved_bytes(stack["prefill"])
+        text, route = _complete(stack["split"], ids)
+        assert route.startswith("split"), route
+        moved = _moved_bytes(stack["prefill"]) - before
+        assert moved == want < every_layer, (moved, want, every_layer)
+        local, route = _complete(stack["local"], ids)
+        assert route.startswith("local"), route
+        assert text == local
+
+    # a prompt split, then another sharing its first 40 tokens: the decode service kept the first one's
+    # window-only blocks out of its prefix cache (no hit, nothing stale read), so the second moves whole
+    # again (the prefill service's own cache has the prefix: it computed every layer)
+    first = _ids(4)
+    assert _complete(stack["split"], first)[1].startswith("split")
+    ids = first[:40] + _ids(3, PROMPT - 40)
+    text, route = _complete(stack["split"], ids)
+    assert route.startswith("split") and "; prefix_hit" not in route, route  # no decode-side hit
+    assert text == _complete(stack["local"], ids)[0]
+
+
+def test_the_kv_preflight_names_the_layer_groups(stack: dict) -> None:
+    cfg = stack["config"]
+    windows = tuple(cfg.window(i) for i in range(cfg.num_layers))
+    spec = KVCacheSpec(cfg.num_layers, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim, layer_windows=windows)
+    groups = spec.layer_groups()
+    assert groups.startswith(("window8:", "full:")) and "window8" in groups
+    if cfg.architecture == "mistral":
+        assert groups == f"window8:{cfg.num_layers}"
+    else:
+        assert "full:" in groups
