@@ -27,11 +27,17 @@ read latency. The JSON's headline keys:
 * `ttft_p50_ratio_ram`, `ttft_p50_ratio_disk`: pool's TTFT p50 over ram's (disk's), the median of the
   per-round ratios, with min, max and IQR;
 * `wrong_completions`: turns of `ram` and `disk` whose greedy answer is not `pool`'s, text for text;
-* `predicted_vs_served_hits`: the router does not know the tiers yet (its KV index follows only the
-  pool), so this is the services' side: the prompt blocks the decode service counted as reused (pool
-  prefix hits plus tier hits, from /metrics) over the cached tokens the responses reported, in tokens,
-  over the tier configurations' rounds; `router_predicted_vs_served_hits` is what the router predicted
-  (the `prefix_hit` of `x-splitserve-route`, from its KV index) over the same cached tokens.
+* `predicted_vs_served_hits`: how well the router predicts tier hits (its KV index follows the pool and
+  the tiers: KV events name each hash's tier). Per turn of the tier configurations' rounds, the prompt
+  tokens the router predicted the decode service would reuse (`prefix_hit` of `x-splitserve-route`,
+  in blocks, times the block size) against the cached tokens the response reported
+  (`usage.prompt_tokens_details.cached_tokens`): sum of min(predicted, served) over sum of
+  max(predicted, served), so 1.0 only when every turn is predicted exactly, and a miss or an
+  overestimate both count; `service_counted_vs_served_hits` is the services' own side (pool prefix hits
+  plus tier hits from /metrics, over the same cached tokens).
+
+Turns are `THINK_S` apart (a chat user's pause, far shorter than a real one): the tier write and the
+KV event that follow one turn's evictions reach the router's index before the next turn is placed.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from common.security.secret import ensure_for_children
 CONFIGS = ("pool", "ram", "disk")
 PLOT_NAME = "tiers_ttft.png"
 TIERS = ("ram", "disk")
+THINK_S = 0.3  # between turns (module doc): KV events are flushed every 0.1 s and read at once
 _SAMPLE = re.compile(r"^(splitserve_(?:prefix_cache_hits|kv_tier_\w+?))(?:\{([^}]*)\})? (\S+)$", re.MULTILINE)
 
 
@@ -117,6 +124,7 @@ def run_trace(url: str, sessions: list[Session], max_tokens: int, desc: str) -> 
                         text = s.messages[-1]["content"] if r.error is None else ""
                         out.append(Answered(r, text))
                         bar.update(1)
+                        await asyncio.sleep(THINK_S)
         return out
 
     return asyncio.run(go())
@@ -146,6 +154,9 @@ def summarize(
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "router_predicted_tokens": sum(route_hit_blocks(t.route) * block_size for t in ok),
+        # per turn, predicted against served (module doc: predicted_vs_served_hits)
+        "predicted_served_min": sum(min(route_hit_blocks(t.route) * block_size, t.cached_tokens) for t in ok),
+        "predicted_served_max": sum(max(route_hit_blocks(t.route) * block_size, t.cached_tokens) for t in ok),
         "working_set_tokens": sum(last.values()),
         **tier_figures(counters),
         "errors": len(turns) - len(ok),
@@ -272,6 +283,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         (r["pool_hit_blocks"] + r["ram_hit_blocks"] + r["disk_hit_blocks"]) * block_size for r in tiered
     )
     predicted = sum(r["router_predicted_tokens"] for r in tiered)
+    agree, either = (
+        sum(r["predicted_served_min"] for r in tiered),
+        sum(r["predicted_served_max"] for r in tiered),
+    )
     pool_tokens = pool_blocks * block_size
     working = [r["working_set_tokens"] for r in results["pool"]]
     out: dict[str, Any] = {
@@ -290,11 +305,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **{f"ttft_p50_ram_{k}": v for k, v in ratio_keys(ratios["ram"]).items() if k != "ratio"},
         "ttft_p50_ratio_disk": ratios["disk"]["median"],
         **{f"ttft_p50_disk_{k}": v for k, v in ratio_keys(ratios["disk"]).items() if k != "ratio"},
-        "predicted_vs_served_hits": round(counted / served, 4) if served else None,
-        "predicted_vs_served_hits_means": "ram+disk rounds: prompt blocks the decode service counted as "
-        "reused (pool prefix hits + tier hits, /metrics) x block size / cached_tokens the responses "
-        "reported; the router does not predict tier hits yet",
-        "router_predicted_vs_served_hits": round(predicted / served, 4) if served else None,
+        "predicted_vs_served_hits": round(agree / either, 4) if either else None,
+        "predicted_vs_served_hits_means": "ram+disk rounds, per turn: the router's predicted reused prompt "
+        "tokens (x-splitserve-route prefix_hit x block size) against the response's cached_tokens; "
+        "sum of min / sum of max (1.0: every turn exact; misses and overestimates both count)",
+        "router_predicted_tokens": predicted,
+        "served_cached_tokens": served,
+        "service_counted_vs_served_hits": round(counted / served, 4) if served else None,
         "wrong_completions": wrong,
         "compared_completions": compared,
         "first_wrong_completion": first_wrong,

@@ -11,11 +11,21 @@ blocks of work, lowest first:
     cost = prefix_weight * uncached_blocks + load_weight * (queued_blocks + sequences)
 
 - uncached_blocks: the prompt's blocks the worker would have to compute (or receive): all of them minus
-  its hit;
+  its hit, where a hit block is worth what it saves (`tier_worth`): one held in the device pool a whole
+  block, one in an offload tier (RAM, disk) 1 - read cost / recompute cost (nothing when recomputing
+  that block is as cheap as reading it);
 - queued_blocks: prompt tokens already waiting in its queue, in blocks (its heartbeat's
   `queued_tokens`);
 - sequences: requests sharing its steps — the heartbeat's running + waiting, or this router's own count
   of requests it has on the worker when that is higher (the heartbeat is up to a second old).
+
+A worker's hit (`TierMatch`) is counted the way its engine reuses a prompt: the run of leading blocks
+its pool holds, then the run its tiers return (KV events name each hash's tier). The costs are
+measured by the services and published in their load: `prefill_tps` (recompute: block_size /
+prefill_tps seconds a block) and `kv_tier_read_ms` ({tier: ms a block read back and verified}); while
+either is missing (a fresh service, a tier that has not been read yet) a tier block is worth
+DEFAULT_TIER_WORTH of a device block, on the low side of what the tiers measure here (a RAM read is ~1%
+of recomputing a block of SmolLM2 on CPU, a disk read a few %).
 
 Ties go to the least loaded (the `least_loaded` order). The index is approximate: a block may have been
 evicted since its event, and the decode service's reservation says what it really reused. With
@@ -35,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from common.cluster.kv_events import TierMatch
 from common.prefix_hash import ROOT, cache_root, prefix_chain
 from common.runtime.telemetry import span_scope, tracer
 from router.config import RouterConfig
@@ -48,10 +59,13 @@ log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 
 
+DEFAULT_TIER_WORTH = {"ram": 0.8, "disk": 0.5}  # a tier block's worth while its costs are not measured
+
+
 class PrefixIndex(Protocol):
     """What placement needs of the KV index (common.cluster.kv_events.KVIndex is one)."""
 
-    def matched_blocks(self, worker_id: str, chain: list[int]) -> int: ...
+    def matched(self, worker_id: str, chain: list[int]) -> TierMatch: ...
 
 
 @dataclass(frozen=True)
@@ -59,13 +73,32 @@ class Candidate:
     """A worker with the figures its place in the order came from."""
 
     worker: Any  # router.workers.Worker
-    hit_blocks: int  # leading prompt blocks the index says the worker holds
+    hit_blocks: int  # leading prompt blocks the index says the worker would reuse (any tier)
     block_size: int  # the worker's (0: not known)
     cost: float
+    tier_blocks: int = 0  # of hit_blocks, those read back from an offload tier (RAM, disk)
+    tier_discount: float = 0.0  # hit blocks' worth lost to reading them from a tier, in blocks
 
     @property
     def hit_tokens(self) -> int:
+        """Prompt tokens the worker would not compute (what its engine reports as cached)."""
         return self.hit_blocks * self.block_size
+
+    @property
+    def worth_tokens(self) -> int:
+        """hit_tokens less what reading the tier blocks costs, in tokens of prefill."""
+        return round((self.hit_blocks - self.tier_discount) * self.block_size)
+
+
+def tier_worth(load: dict[str, Any], tier: str, block_size: int) -> float:
+    """What a block read from `tier` saves, as a fraction of recomputing it: 1 - read / recompute,
+    from the worker's measured costs (module doc); 0 when recomputing is as cheap."""
+    read_ms = (load.get("kv_tier_read_ms") or {}).get(tier)
+    tps = float(load.get("prefill_tps", 0) or 0)
+    if read_ms is None or tps <= 0:
+        return DEFAULT_TIER_WORTH[tier]
+    recompute_ms = block_size / tps * 1000
+    return max(0.0, 1.0 - float(read_ms) / recompute_ms)
 
 
 def least_loaded_key(load: dict[str, Any], in_flight: int) -> tuple[int, int, int]:
@@ -89,18 +122,22 @@ def rank(
     out = []
     for w in workers:
         bs = int(w.capacity.get("block_size", 0) or 0)
-        hit = 0
+        match = TierMatch()
         if index is not None and bs > 0:
             chain = chains.get(bs)
-            if chain is None:
-                chain = chains[bs] = prefix_chain(prompt_ids, bs, root=root)
-            hit = index.matched_blocks(w.id, chain) if chain else 0
+            if chain is None:  # an engine leaves the last prompt token to compute: its block is never a hit
+                chain = chains[bs] = prefix_chain(prompt_ids, bs, (len(prompt_ids) - 1) // bs, root)
+            match = index.matched(w.id, chain) if chain else match
+        hit = match.total
+        discount = sum(
+            n * (1 - tier_worth(w.load, t, bs)) for t, n in (("ram", match.ram), ("disk", match.disk)) if n
+        )
         unit = bs or 16  # a worker that published no block size: count in 16-token blocks
-        uncached = -(-(len(prompt_ids) - hit * bs) // unit)
+        uncached = -(-(len(prompt_ids) - hit * bs) // unit) + discount
         queued_blocks = int(w.load.get("queued_tokens", 0)) / unit
         seqs = max(int(w.load.get("running", 0)) + int(w.load.get("waiting", 0)), in_flight[w.url])
         cost = prefix_weight * uncached + load_weight * (queued_blocks + seqs)
-        out.append(Candidate(w, hit, bs, cost))
+        out.append(Candidate(w, hit, bs, cost, match.ram + match.disk, discount))
     out.sort(key=lambda c: (c.cost, least_loaded_key(c.worker.load, in_flight[c.worker.url])))
     return out
 
@@ -114,14 +151,19 @@ class Route:
     # "long_prompt" | "short_prompt" | "cached_prefix" | "no_prefill_worker" | "prefill_failed" |
     # "shared_prefix" | "slo"
     reason: str
-    prefix_hit: int = 0  # leading prompt blocks the chosen decode service holds, as the KV index says
+    prefix_hit: int = (
+        0  # leading prompt blocks the chosen decode service would reuse (any tier), as the KV index says
+    )
     prefill_hit: int = 0  # the same on the chosen prefill service (split path)
+    tier_hit: int = 0  # of prefix_hit, the blocks the decode service would read back from an offload tier
 
     @property
     def header(self) -> str:
         h = "split" if self.path == "split" else f"local; reason={self.reason}"
         if self.prefix_hit:
             h += f"; prefix_hit={self.prefix_hit} blocks"
+        if self.tier_hit:
+            h += f"; tier_hit={self.tier_hit} blocks"
         if self.prefill_hit:
             h += f"; prefill_prefix_hit={self.prefill_hit} blocks"
         return h
@@ -141,17 +183,19 @@ def choose_route(
 ) -> Route:
     """Split or local, and why, for `threshold` (local_prefill_threshold): conditional disaggregation
     weighs the prompt tokens the decode service would compute itself, the whole prompt less the prefix
-    the index says it already holds."""
+    the index says it already holds (a tier block counted at its worth: `Candidate.worth_tokens`)."""
     if shared_prefix:  # the decode service holds the prompt already (another choice of the request)
         return Route("local", "shared_prefix")
     hit = decode_hit.hit_blocks if decode_hit is not None else 0
+    tier = decode_hit.tier_blocks if decode_hit is not None else 0
     if prompt_tokens < threshold:
-        return Route("local", "short_prompt", hit)
-    if decode_hit is not None and prompt_tokens - decode_hit.hit_tokens < threshold:
-        return Route("local", "cached_prefix", hit)
+        return Route("local", "short_prompt", hit, tier_hit=tier)
+    if decode_hit is not None and prompt_tokens - decode_hit.worth_tokens < threshold:
+        return Route("local", "cached_prefix", hit, tier_hit=tier)
     if not prefills:
-        return Route("local", "no_prefill_worker", hit)
-    return Route("split", "long_prompt", hit, prefill_hit.hit_blocks if prefill_hit is not None else 0)
+        return Route("local", "no_prefill_worker", hit, tier_hit=tier)
+    p_hit = prefill_hit.hit_blocks if prefill_hit is not None else 0
+    return Route("split", "long_prompt", hit, p_hit, tier)
 
 
 # ---- one request's placements --------------------------------------------------------------------
@@ -236,7 +280,9 @@ class Placer:
         p = self.scored.get(("prefill", prefills[0].id)) if prefills else None
         out = self.output
         if self.slo_local and not out.ids:
-            return Route("local", "slo", d.hit_blocks if d is not None else 0)
+            return Route(
+                "local", "slo", d.hit_blocks if d is not None else 0, tier_hit=d.tier_blocks if d else 0
+            )
         shared = bool(decodes) and decodes[0].id == self.affinity and not out.ids
         threshold = self.config.local_prefill_threshold
         return choose_route(threshold, len(out.tokens), prefills, shared, d, p)
@@ -248,6 +294,7 @@ class Placer:
         return sorted(decodes, key=lambda w: w.id != self.affinity)  # stable: the rest keep their order
 
     def uncached(self, role: str, w: Worker) -> int:
-        """Prompt tokens `w` would compute: all of them less the prefix the index says it holds."""
+        """Prompt tokens `w` would compute: all of them less the prefix the index says it holds (a
+        tier block at its worth: reading it back costs part of a block's prefill)."""
         c = self.scored.get((role, w.id))
-        return len(self.output.tokens) - (c.hit_tokens if c is not None else 0)
+        return len(self.output.tokens) - (c.worth_tokens if c is not None else 0)

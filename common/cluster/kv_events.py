@@ -2,9 +2,21 @@
 router into an approximate index.
 
     kvev:{worker}     stream, one entry per flush: inc (incarnation), seq (1, 2, ... per incarnation),
-                      s (hashes stored), r (hashes removed); trimmed to about maxlen entries
+                      v (format, FORMAT), s / r (hashes stored in / removed from the device pool),
+                      s.ram / r.ram, s.disk / r.disk (the same for the offload tiers, when any);
+                      trimmed to about maxlen entries
     kvsnap:{worker}   string (JSON): incarnation, block_size, seq and stream id of the last entry
-                      before the copy, hashes; TTL = a few snapshot periods (the stream's too)
+                      before the copy, hashes (the device pool's), version, tiers ({tier: hashes});
+                      TTL = a few snapshot periods (the stream's too)
+
+Tiers (format 2). Every hash is named with the tier that holds it: `device` (the KV pool's prefix
+cache), `ram` or `disk` (common/kv/tiers.py: a tier publishes a hash once it has stored it, so a read
+can return it, and removes it when its LRU or a failed verification lets go of it). A block leaving the
+pool for a tier is "removed" from device and "stored" in that tier. Format 1 (no v, no tiers) was
+device only; a format-1 reader reads a format-2 stream's device fields correctly and never sees the
+tiers (it predicts less, never more). This reader refuses an entry or snapshot of a later format, or a
+field it does not know, and holds no hashes for that worker meanwhile (logged once): a misread index
+would route to blocks nobody holds.
 
 Hashes are the block manager's chained block hashes (common/prefix_hash.py), never tokens; a list of
 them travels as base64 of little-endian int64s. A flush carries each hash's net change since the last
@@ -44,7 +56,15 @@ log = logging.getLogger(__name__)
 SNAPSHOT_TTL_PERIODS = 3  # a snapshot (and the stream) outlives this many missed snapshot periods
 EMPTY_STREAM_ID = "0-0"  # XREAD from here returns a stream's every entry
 
-KVEvent = tuple[bool, int]  # (stored, hash), as BlockManager.drain_kv_events returns them
+FORMAT = 2  # the stream's and snapshot's format (module doc); readers refuse later ones
+DEVICE, RAM, DISK = "device", "ram", "disk"
+TIERS = (DEVICE, RAM, DISK)  # best first: a hash's best tier is the first that holds it
+_BIT = {t: 1 << i for i, t in enumerate(TIERS)}
+_FIELDS = {DEVICE: ("s", "r"), RAM: ("s.ram", "r.ram"), DISK: ("s.disk", "r.disk")}  # (stored, removed)
+_KNOWN_FIELDS = frozenset({"inc", "seq", "v", *(f for pair in _FIELDS.values() for f in pair)})
+
+KVEvent = tuple[bool, int, str]  # (stored, hash, tier), as BlockManager.drain_kv_events returns them
+KVHeld = tuple[int, str]  # (hash, tier), as BlockManager.cached_hashes returns them
 StreamEntry = tuple[str, dict[str, str]]  # (stream id, fields), as XREAD returns them
 
 
@@ -55,7 +75,9 @@ class KVSnapshot(msgspec.Struct):
     block_size: int
     seq: int
     last_id: str
-    hashes: str  # pack_hashes
+    hashes: str  # pack_hashes: the device pool's
+    version: int = 1  # FORMAT (absent: 1, device only)
+    tiers: dict[str, str] = {}  # offload tier -> pack_hashes
 
 
 def stream_key(prefix: str, worker_id: str) -> str:
@@ -81,12 +103,33 @@ def unpack_hashes(text: str) -> list[int]:
     return a.tolist()
 
 
-def net_changes(events: Iterable[KVEvent]) -> tuple[list[int], list[int]]:
-    """(stored, removed): each hash's last event wins, so the two lists are disjoint."""
-    last: dict[int, bool] = {}
-    for stored, h in events:
-        last[h] = stored
-    return [h for h, s in last.items() if s], [h for h, s in last.items() if not s]
+def net_changes(events: Iterable[KVEvent]) -> dict[str, tuple[list[int], list[int]]]:
+    """{tier: (stored, removed)} for the tiers with changes: each (hash, tier)'s last event wins, so a
+    tier's two lists are disjoint."""
+    last: dict[tuple[str, int], bool] = {}
+    for stored, h, tier in events:
+        assert tier in _BIT, f"unknown KV tier {tier!r}"
+        last[(tier, h)] = stored
+    out: dict[str, tuple[list[int], list[int]]] = {}
+    for (tier, h), stored in last.items():
+        out.setdefault(tier, ([], []))[0 if stored else 1].append(h)
+    return out
+
+
+@dataclass(frozen=True)
+class TierMatch:
+    """A prompt's leading blocks a worker holds, by the tier it would read them from, as the engine
+    reuses them (common/kv/block_manager.py): first the run the device pool holds, then the run the
+    offload tiers return (RAM before disk for each block), up to a block held by neither or by the
+    pool again (the engine's tier load stops there)."""
+
+    device: int = 0
+    ram: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.ram + self.disk
 
 
 class KVEventPublisher:
@@ -107,7 +150,7 @@ class KVEventPublisher:
         incarnation: str,
         block_size: int,
         source: Callable[[], Sequence[KVEvent]],
-        snapshot: Callable[[], Sequence[int]],
+        snapshot: Callable[[], Sequence[KVHeld]],
         interval_s: float = 0.1,
         snapshot_s: float = 5.0,
         maxlen: int = 10_000,
@@ -169,15 +212,21 @@ class KVEventPublisher:
         """One tick: the events drained since the last tick as one stream entry, then the snapshot if
         it is due. Raises on a Redis error; the next tick goes on (an entry that did not land is lost:
         readers see the gap in seq, and the next snapshot, written as soon as Redis answers, covers it)."""
-        stored, removed = net_changes(self.source())
-        if stored or removed:
+        changes = net_changes(self.source())
+        if changes:
             self.seq += 1
+            device = changes.get(DEVICE, ([], []))
             entry: dict[FieldT, EncodableT] = {
                 "inc": self.incarnation,
                 "seq": self.seq,
-                "s": pack_hashes(stored),
-                "r": pack_hashes(removed),
+                "v": FORMAT,
+                "s": pack_hashes(device[0]),  # always there: what a format-1 reader reads
+                "r": pack_hashes(device[1]),
             }
+            for tier in (RAM, DISK):
+                for name, hashes in zip(_FIELDS[tier], changes.get(tier, ([], [])), strict=True):
+                    if hashes:
+                        entry[name] = pack_hashes(hashes)
             try:
                 entry_id = await self.redis.xadd(self.stream_key, entry, maxlen=self.maxlen, approximate=True)
             except Exception:
@@ -202,8 +251,13 @@ class KVEventPublisher:
 
     def _snapshot_body(self) -> bytes:
         seq, last_id = self.seq, self.last_id  # taken before the copy (see the class docstring)
-        hashes = pack_hashes(self.snapshot())
-        return msgspec.json.encode(KVSnapshot(self.incarnation, self.block_size, seq, last_id, hashes))
+        by_tier: dict[str, list[int]] = {t: [] for t in TIERS}
+        for h, tier in self.snapshot():
+            by_tier[tier].append(h)
+        device = pack_hashes(by_tier.pop(DEVICE))
+        tiers = {t: pack_hashes(hs) for t, hs in by_tier.items() if hs}
+        snap = KVSnapshot(self.incarnation, self.block_size, seq, last_id, device, FORMAT, tiers)
+        return msgspec.json.encode(snap)
 
     def _ttl_ms(self) -> int:
         return int(SNAPSHOT_TTL_PERIODS * self.snapshot_s * 1000)
@@ -215,12 +269,13 @@ class _Tracked:
 
     incarnation: str
     block_size: int
-    hashes: set[int] = field(default_factory=set)
+    hashes: dict[int, int] = field(default_factory=dict)  # hash -> bit set of the tiers holding it (_BIT)
     seq: int = 0  # the last entry applied (or the snapshot's)
     last_id: str = EMPTY_STREAM_ID  # where the next XREAD starts
     synced: bool = False  # False: (re)sync from the snapshot before reading the stream again
     synced_at: float = float("-inf")  # monotonic time of the last sync
     retry_at: float = 0.0  # monotonic time the next sync may be tried
+    refused: bool = False  # its events are of a format this reader does not know (logged once)
 
 
 class KVIndex:
@@ -268,21 +323,32 @@ class KVIndex:
         self.resyncs = 0  # snapshots loaded
         self.lag_s = 0.0  # age of the newest entry in the last poll that read any (Redis' clock vs ours)
         self.errors = 0  # polls that failed on Redis
+        self.refused = 0  # entries and snapshots of a format this reader does not know
         self._added = asyncio.Event()  # set_workers added a worker: ends poll's wait when none is synced
         self._task: asyncio.Task[None] | None = None
 
     # --- the request path: memory only -----------------------------------------------------------
-    def matched_blocks(self, worker_id: str, chain: Sequence[int]) -> int:
-        """How many leading hashes of a prompt's chain the worker holds (0 for an unknown worker)."""
+    def matched(self, worker_id: str, chain: Sequence[int]) -> TierMatch:
+        """The leading hashes of a prompt's chain the worker would reuse, by tier (`TierMatch`; all 0
+        for an unknown worker)."""
         tracked = self.workers.get(worker_id)
         if tracked is None:
-            return 0
-        n = 0
-        for h in chain:
-            if h not in tracked.hashes:
+            return TierMatch()
+        held, dev, ram = tracked.hashes, _BIT[DEVICE], _BIT[RAM]
+        n, i = [0, 0, 0], 0
+        while i < len(chain) and held.get(chain[i], 0) & dev:
+            i += 1
+        n[0] = i
+        for h in chain[i:]:
+            bits = held.get(h, 0)
+            if not bits or bits & dev:  # not held, or the pool's again: the engine's tier load stops
                 break
-            n += 1
-        return n
+            n[1 if bits & ram else 2] += 1
+        return TierMatch(*n)
+
+    def matched_blocks(self, worker_id: str, chain: Sequence[int]) -> int:
+        """How many leading hashes of a prompt's chain the worker would reuse, from any tier."""
+        return self.matched(worker_id, chain).total
 
     def block_size(self, worker_id: str) -> int | None:
         """The block size the worker's hashes are computed with; None for an unknown worker."""
@@ -363,7 +429,7 @@ class KVIndex:
         )
         newest = 0
         for key, entries in cast(list[tuple[str, list[StreamEntry]]], reply or []):
-            self._apply(streams[key], entries)
+            self._apply(key, streams[key], entries)
             newest = max(newest, int(entries[-1][0].split("-")[0]))
         if newest:
             self.lag_s = max(0.0, time.time() - newest / 1000)
@@ -378,14 +444,21 @@ class KVIndex:
         if snap is None:
             return
         if snap.incarnation != tracked.incarnation:
-            tracked.hashes = set()
+            tracked.hashes = {}
             return
-        tracked.hashes = set(unpack_hashes(snap.hashes))
+        if snap.version > FORMAT or not set(snap.tiers) <= {RAM, DISK}:
+            self._refuse(worker_id, tracked, f"snapshot format {snap.version}, tiers {sorted(snap.tiers)}")
+            return
+        hashes: dict[int, int] = {}
+        for tier, packed in ((DEVICE, snap.hashes), *snap.tiers.items()):
+            for h in unpack_hashes(packed):
+                hashes[h] = hashes.get(h, 0) | _BIT[tier]
+        tracked.hashes = hashes
         tracked.block_size, tracked.seq, tracked.last_id = snap.block_size, snap.seq, snap.last_id
-        tracked.synced, tracked.synced_at = True, time.monotonic()
+        tracked.synced, tracked.synced_at, tracked.refused = True, time.monotonic(), False
         self.resyncs += 1
 
-    def _apply(self, tracked: _Tracked, entries: list[StreamEntry]) -> None:
+    def _apply(self, key: str, tracked: _Tracked, entries: list[StreamEntry]) -> None:
         """Apply entries in order; one that does not follow the last applied means a sync."""
         for entry_id, fields in entries:
             seq = int(fields["seq"])
@@ -393,13 +466,43 @@ class KVIndex:
                 tracked.synced = False
                 tracked.retry_at = tracked.synced_at + self.resync_s
                 return
+            if int(fields.get("v", 1)) > FORMAT or not fields.keys() <= _KNOWN_FIELDS:
+                self._refuse(key, tracked, f"entry format {fields.get('v')}, {sorted(fields)}")
+                return
             if seq == tracked.seq + 1:  # an older one is in the snapshot already
-                stored, removed = unpack_hashes(fields["s"]), unpack_hashes(fields["r"])
-                tracked.hashes.update(stored)
-                tracked.hashes.difference_update(removed)
+                held = tracked.hashes
+                for tier, (s_field, r_field) in _FIELDS.items():
+                    bit = _BIT[tier]
+                    stored, removed = (
+                        unpack_hashes(fields.get(s_field, "")),
+                        unpack_hashes(fields.get(r_field, "")),
+                    )
+                    for h in stored:
+                        held[h] = held.get(h, 0) | bit
+                    for h in removed:
+                        bits = held.get(h, 0) & ~bit
+                        if bits:
+                            held[h] = bits
+                        else:
+                            held.pop(h, None)
+                    self.events_applied += len(stored) + len(removed)
                 tracked.seq = seq
-                self.events_applied += len(stored) + len(removed)
             tracked.last_id = entry_id
+
+    def _refuse(self, who: str, tracked: _Tracked, what: str) -> None:
+        """A format this reader does not know: hold none of the worker's hashes (rather than misread
+        them) and look again from its snapshot after resync_s (a downgrade brings it back)."""
+        self.refused += 1
+        if not tracked.refused:
+            log.warning(
+                "KV events of %s are in a format this router does not read (%s; it reads up to %d): "
+                "ignoring them until they are",
+                who,
+                what,
+                FORMAT,
+            )
+        tracked.refused, tracked.hashes, tracked.synced = True, {}, False
+        tracked.retry_at = time.monotonic() + self.resync_s
 
 
 def _decode_snapshot(worker_id: str, raw: Any) -> KVSnapshot | None:

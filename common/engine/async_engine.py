@@ -24,7 +24,7 @@ from typing import Any
 
 from common.engine.api import Admission, Command, EngineLoad, TokenOutput
 from common.engine.llm_engine import LLMEngine
-from common.kv.block_manager import KVEvent
+from common.kv.block_manager import KVEvent, KVHeld
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class AsyncEngine:
         """The engine's load as of its last step or command (see the module docstring)."""
         return self._load
 
-    def kv_events(self) -> tuple[Callable[[], list[KVEvent]], Callable[[], list[int]]]:
+    def kv_events(self) -> tuple[Callable[[], list[KVEvent]], Callable[[], list[KVHeld]]]:
         """Record the prefix cache's changes from now on; (drain, snapshot) for a KVEventPublisher. The
         block manager hands these over itself (common/kv/block_manager.py): the engine thread appends to
         an event deque that one other thread drains, and the snapshot copies the hash index, again if

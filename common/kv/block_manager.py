@@ -10,11 +10,14 @@ Prefix caching: a full block whose KV has been computed gets a hash chained on i
 hash, so equal hashes mean equal token prefixes. Hashes are stable across processes (blake2b), so a
 router can match them against hashes another service published.
 
-KV events: once enable_kv_events() is called, every hash that enters the prefix cache (commit) or
-leaves it (eviction, in _take) is recorded as (stored, hash) in a deque the engine thread appends to
-and another thread drains (drain_kv_events); a publisher turns them into Redis stream entries
-(common/cluster/kv_events.py). A freed hashed block stays cached, so freeing records nothing. Off by
-default, so offline use keeps no buffer that nobody drains.
+KV events: once enable_kv_events() is called, every hash that enters the prefix cache (commit, a tier
+load) or leaves it (eviction, in _take) is recorded as (stored, hash, "device") in a deque the engine
+thread appends to and another thread drains (drain_kv_events, with the offload tiers' own events:
+(held, hash, "ram" | "disk"), recorded when a tier has stored a block a read can return or let go of
+it); a publisher turns them into Redis stream entries (common/cluster/kv_events.py). A block evicted
+from the pool is so "removed" from the device and, once a tier has written it, "stored" in that tier.
+A freed hashed block stays cached, so freeing records nothing. Off by default, so offline use keeps no
+buffer that nobody drains.
 
 Offload tiers (`tier`, an `OffloadTier`: common/kv/offload.py): an evicted hashed block is handed to
 the tier before the block is reused, and `allocate` continues a prompt's pool prefix with the blocks the
@@ -31,7 +34,11 @@ from typing import Protocol
 
 from common.prefix_hash import ROOT, block_hash
 
-KVEvent = tuple[bool, int]  # (stored, hash): True when the hash entered the prefix cache, False when it left
+# (stored, hash, tier): True when the hash entered the tier ("device": the pool's prefix cache; "ram",
+# "disk": the offload tiers), False when it left it
+KVEvent = tuple[bool, int, str]
+KVHeld = tuple[int, str]  # (hash, tier): one hash a tier holds now, for a snapshot
+DEVICE = "device"
 SNAPSHOT_TRIES = 8  # cached_hashes(): copies attempted while the engine thread changes the index
 
 
@@ -44,6 +51,17 @@ class OffloadTier(Protocol):
     def load(self, hashes: Seq[int], tokens: Seq[tuple[int, ...]], block_ids: Seq[int]) -> int:
         """Write the KV of the longest run of leading `hashes` the tier returns (verified) into
         `block_ids`; returns how many blocks it wrote."""
+
+    def enable_events(self) -> None:
+        """Record the tier's own KV events from now on."""
+
+    def drain_events(self) -> list[KVEvent]:
+        """(held, hash, tier) since the last drain: a tier stored a block a read can return, or let go."""
+        ...
+
+    def held_hashes(self) -> list[KVHeld]:
+        """Every (hash, tier) the tiers hold now."""
+        ...
 
 
 class BlockOwner(Protocol):
@@ -133,7 +151,7 @@ class BlockManager:
                 self.tier.evicted(bid, evicted, tokens)
             del self.hash_to_block[evicted]
             if self.kv_events is not None:
-                self.kv_events.append((False, evicted))
+                self.kv_events.append((False, evicted, DEVICE))
         self.blocks[bid].ref_count = 1
         self.num_used += 1
         return bid
@@ -193,7 +211,7 @@ class BlockManager:
             blk.hash, blk.tokens = h, toks
             self.hash_to_block[h] = bid
             if self.kv_events is not None:
-                self.kv_events.append((True, h))
+                self.kv_events.append((True, h, DEVICE))
         seq.num_hashed_blocks = start + loaded
         self.tier_hits += loaded
         return loaded
@@ -240,7 +258,7 @@ class BlockManager:
                 self.hash_to_block[h] = blk.block_id
                 new.append(h)
                 if self.kv_events is not None:
-                    self.kv_events.append((True, h))
+                    self.kv_events.append((True, h, DEVICE))
             elif blk.hash != h:
                 break  # same content computed twice concurrently; keep this copy private
             seq.num_hashed_blocks = i + 1
@@ -251,24 +269,32 @@ class BlockManager:
         """Record KV events from now on (see the module docstring); drain them regularly."""
         if self.kv_events is None:
             self.kv_events = deque()
+        if self.tier is not None:
+            self.tier.enable_events()
 
     def drain_kv_events(self) -> list[KVEvent]:
-        """The events recorded since the last drain, oldest first. Safe to call from another thread
-        than the engine's (one drainer at a time)."""
+        """The events recorded since the last drain, oldest first: the pool's, then the tiers' (each
+        hash's events keep their order within a tier, and tiers are independent). Safe to call from
+        another thread than the engine's (one drainer at a time)."""
         events = self.kv_events
         if events is None:
             return []
-        return [events.popleft() for _ in range(len(events))]
+        out = [events.popleft() for _ in range(len(events))]
+        if self.tier is not None:
+            out += self.tier.drain_events()
+        return out
 
-    def cached_hashes(self) -> list[int]:
-        """Every hash in the prefix cache now (blocks in use and cached ones), for a snapshot. Safe
-        from another thread: a copy the engine thread disturbs is taken again."""
+    def cached_hashes(self) -> list[KVHeld]:
+        """Every (hash, tier) held now, for a snapshot: the prefix cache's (blocks in use and cached
+        ones) as "device", then the offload tiers'. Safe from another thread: a copy the engine thread
+        disturbs is taken again."""
+        held = self.tier.held_hashes() if self.tier is not None else []
         for _ in range(SNAPSHOT_TRIES - 1):
             try:
-                return list(self.hash_to_block)
+                return [(h, DEVICE) for h in self.hash_to_block] + held
             except RuntimeError:  # "dictionary changed size during iteration"
                 continue
-        return list(self.hash_to_block)
+        return [(h, DEVICE) for h in self.hash_to_block] + held
 
     # --- invariants -------------------------------------------------------------------------------
     def check_integrity(self) -> None:

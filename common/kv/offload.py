@@ -5,11 +5,14 @@ is computed, or once every layer of a transfer has arrived) the block manager ca
 handing the block to anyone. Its id is noted; `flush` — the engine calls it after each schedule(),
 before anything writes into the pool — copies the noted blocks out of the pool in one gather and
 offers them to the store as one chunk. A write into the pool never comes between an eviction and its
-copy: `load` flushes first too.
+copy: `load` copies them out first too, and offers them once its own read is done.
 
 In: at admission the block manager asks `load` for the blocks that continue a prompt's pool prefix;
 what the store returns (verified) is copied into the freshly allocated blocks before the block manager
 hashes them, so a block is in the prefix cache only once its KV is there.
+
+KV events: what the store comes to hold and lets go of (common/kv/tiers.py) is the block manager's to
+drain with its own (`drain_events`, `held_hashes`), so a service publishes one stream naming each hash's tier.
 
 A chunk's payload is block-major: block i is one contiguous run of (2, layers, block_size, kv_heads,
 head_dim) values of the cache's dtype, K then V: any subset of blocks is a byte slice.
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from common.kv.kv_cache import PagedKVCache
-from common.kv.tiers import StoreStats, TierStore
+from common.kv.tiers import StoreStats, TierEvent, TierStore
 
 log = logging.getLogger("splitserve.kv_tiers")
 
@@ -52,6 +55,8 @@ class KVOffload:
         s = cache.spec
         self.block_shape = (2, s.num_layers, s.block_size, s.num_kv_heads, s.head_dim)
         self._pending: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens), evicted
+        # copied out of the pool, not offered yet: (hashes, tokens, block-major bytes)
+        self._copied: list[tuple[list[int], list[tuple[int, ...]], torch.Tensor]] = []
         self.offered_blocks = 0
 
     @classmethod
@@ -84,22 +89,51 @@ class KVOffload:
         if self.store.wants(block_hash):
             self._pending.append((block_id, block_hash, tokens))
             if len(self._pending) >= CHUNK_BLOCKS:
-                self.flush()
+                self._copy_out()
 
     def load(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> int:
-        self.flush()  # the evicted blocks' KV out before anything is written into the pool
-        got = self.store.read(hashes, tokens)
-        if not got:
-            return 0
-        for buf, bid in zip(got, block_ids, strict=False):
-            kv = torch.frombuffer(buf, dtype=torch.uint8).view(self.cache.spec.dtype).view(self.block_shape)
-            self.cache.k[:, bid].copy_(kv[0])
-            self.cache.v[:, bid].copy_(kv[1])
+        # The evicted blocks' KV out before anything is written into the pool, but offered only after
+        # the read: the blocks this allocation evicted must not push what it reads out of a full tier
+        # (the router predicted the read from what the tiers held; a tier as small as the pool would
+        # otherwise lose the prompt's own blocks to its eviction while the read runs).
+        self._copy_out()
+        try:
+            got = self.store.read(hashes, tokens)
+            for buf, bid in zip(got, block_ids, strict=False):
+                kv = (
+                    torch.frombuffer(buf, dtype=torch.uint8)
+                    .view(self.cache.spec.dtype)
+                    .view(self.block_shape)
+                )
+                self.cache.k[:, bid].copy_(kv[0])
+                self.cache.v[:, bid].copy_(kv[1])
+        finally:
+            self._offer()
         return len(got)
+
+    def enable_events(self) -> None:
+        self.store.enable_events()
+
+    def drain_events(self) -> list[TierEvent]:
+        return self.store.drain_events()
+
+    def held_hashes(self) -> list[tuple[int, str]]:
+        return self.store.held()
+
+    def read_ms_per_block(self) -> dict[str, float]:
+        """Each tier's measured read cost in ms per block (for the registry's load: the router weighs
+        a tier hit against recomputing with it); a tier that returned nothing yet is left out."""
+        return {t: round(s * 1000, 4) for t, s in self.store.read_s_per_block().items()}
 
     # --- the engine's -------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Copy the blocks evicted since the last flush out of the pool and offer them (one chunk)."""
+        """Copy the blocks evicted since the last flush out of the pool and offer them (a chunk of at
+        most CHUNK_BLOCKS each)."""
+        self._copy_out()
+        self._offer()
+
+    def _copy_out(self) -> None:
+        """Copy the pending evicted blocks out of the pool (one gather), to offer later."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
@@ -107,10 +141,13 @@ class KVOffload:
         # (n, 2, L, bs, kv_heads, hd): block-major, K then V within a block
         kv = torch.stack((self.cache.k[:, idx], self.cache.v[:, idx])).permute(2, 0, 1, 3, 4, 5)
         data = kv.contiguous().to("cpu").view(torch.uint8).reshape(-1)
-        self.store.offer(
-            [h for _, h, _ in pending], [t for _, _, t in pending], memoryview(data.numpy().data)
-        )
-        self.offered_blocks += len(pending)
+        self._copied.append(([h for _, h, _ in pending], [t for _, _, t in pending], data))
+
+    def _offer(self) -> None:
+        copied, self._copied = self._copied, []
+        for hashes, tokens, data in copied:
+            self.store.offer(hashes, tokens, memoryview(data.numpy().data))
+            self.offered_blocks += len(hashes)
 
     def stats(self) -> StoreStats:
         return self.store.stats()

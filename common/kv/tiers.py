@@ -35,6 +35,12 @@ because reads run on the engine thread in this version. A cryptographic hash wou
 without a secret key: whoever can write the slot folder (0700, this process's user) could recompute
 any unkeyed digest.
 
+KV events. Once `enable_events` is called, every block hash a tier comes to hold (a chunk stored, so
+a read can return it) or lets go of (the LRU, a record that did not verify) is recorded as
+(held, hash, tier name), under the store's lock; `drain_events` hands them to the service's KV event
+publisher (common/cluster/kv_events.py), `held` lists every (hash, tier) for a snapshot. A write that
+was dropped (queue full), filtered or failed stores nothing, so it is never published.
+
 Reads run on the caller's thread (the engine's, at admission; TODO(issue 32): reads overlapped with
 compute, prefetch when the router places a request). The index is guarded by one lock, held for index
 changes only, never across I/O.
@@ -53,7 +59,7 @@ import threading
 import time
 import zlib
 from array import array
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,15 +202,20 @@ class _Chunk:
     record: bytearray | None = None  # RAM: the record itself; disk: in the chunk's file
 
 
+TierEvent = tuple[bool, int, str]  # (held, block hash, tier name): the block manager's KVEvent
+
+
 class _Tier:
     """One tier's index: chunks in LRU order (oldest first), and which chunk holds each block hash.
-    Guarded by the store's lock."""
+    Guarded by the store's lock; `events` (the store's, None while off) records what it comes to hold
+    and lets go of."""
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
         self.chunks: OrderedDict[int, _Chunk] = OrderedDict()
         self.where: dict[int, tuple[int, int]] = {}  # block hash -> (chunk key, index in the chunk)
         self.stats = TierStats(name, capacity)
+        self.events: deque[TierEvent] | None = None
 
     def holds(self, h: int) -> bool:
         return h in self.where
@@ -223,6 +234,8 @@ class _Tier:
         self.chunks[c.key] = c
         for i, h in enumerate(c.hashes):
             self.where[h] = (c.key, i)
+            if self.events is not None:
+                self.events.append((True, h, self.name))
         self.stats.bytes += c.nbytes
         self.stats.blocks += len(c.hashes)
         self.stats.writes += len(c.hashes)
@@ -237,6 +250,8 @@ class _Tier:
         for i, h in enumerate(c.hashes):
             if self.where.get(h) == (c.key, i):
                 del self.where[h]
+                if self.events is not None:
+                    self.events.append((False, h, self.name))
         self.stats.bytes -= c.nbytes
         self.stats.blocks -= len(c.hashes)
 
@@ -276,6 +291,7 @@ class TierStore:
         self.dropped_blocks = 0  # offered while the write queue was full
         self.filtered_blocks = 0  # kept off the disk by the reuse filter
         self._keys = 0
+        self._events: deque[TierEvent] = deque()  # shared by the tiers once enable_events is called
         self._logged: set[tuple[str, str]] = set()
         self._queue: queue.Queue[_Offer | None] = queue.Queue(maxsize=queue_chunks)
         self._closed = False
@@ -387,6 +403,36 @@ class TierStore:
             with contextlib.suppress(OSError):
                 (self.slot / _name(chunk.key)).unlink()
         self._log_once(tier.name, e.cause, f"a KV chunk did not read back ({e}): a miss, recomputed")
+
+    # --- KV events -------------------------------------------------------------------------------
+    def enable_events(self) -> None:
+        """Record what the tiers come to hold and let go of from now on (module doc); drain regularly."""
+        with self._lock:
+            for tier in (self.ram, self.disk):
+                if tier is not None and tier.events is None:
+                    tier.events = self._events
+
+    def drain_events(self) -> list[TierEvent]:
+        """The events recorded since the last drain, oldest first (any thread, one drainer at a time)."""
+        with self._lock:
+            out = list(self._events)
+            self._events.clear()
+        return out
+
+    def held(self) -> list[tuple[int, str]]:
+        """Every (block hash, tier name) the tiers hold now, RAM's first: what a read can return."""
+        with self._lock:
+            return [(h, t.name) for t in (self.ram, self.disk) if t is not None for h in t.where]
+
+    def read_s_per_block(self) -> dict[str, float]:
+        """Each tier's measured read cost: seconds of chunk reads (and their verification) per block
+        returned, since the start; a tier that has returned nothing yet is left out."""
+        with self._lock:
+            return {
+                t.name: t.stats.read_latency.sum / t.stats.hits
+                for t in (self.ram, self.disk)
+                if t is not None and t.stats.hits
+            }
 
     # --- the writer thread --------------------------------------------------------------------------
     def _write_loop(self) -> None:

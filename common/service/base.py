@@ -114,6 +114,9 @@ class Service:
             # measured on recent steps (0 until measured): what SLO-aware admission predicts from
             "prefill_tps": round(load.prefill_tps, 1),
             "decode_step_ms": round(load.decode_step_ms, 2),
+            # the offload tiers' measured read cost (the store's figures, behind its lock): prefix-aware
+            # routing weighs a tier hit against recomputing it (router/placement.py)
+            **({"kv_tier_read_ms": off.read_ms_per_block()} if (off := self.engine.kv_offload) else {}),
         }
 
     def transfer_counters(self) -> list[TransportCount]:

@@ -32,7 +32,12 @@ def test_tiers_bench_serves_tier_hits_and_the_same_answers(tmp_path: Path) -> No
     # every answer of both tier configurations compared with the tiers-off one, none different
     assert out["compared_completions"] == 2 * 3 * 3 and out["wrong_completions"] == 0
     # the services counted as reused exactly what the responses reported as cached
-    assert out["predicted_vs_served_hits"] == 1.0
+    assert out["service_counted_vs_served_hits"] == 1.0
+    # and the router predicted it: every reused block of a tier configuration was evicted from the pool
+    # before its turn (the pool configuration reuses nothing), so a router that sees only the pool
+    # predicts 0 of it. The bound leaves room for a turn whose tier write, or its KV event, is late.
+    assert out["served_cached_tokens"] > 0
+    assert out["predicted_vs_served_hits"] >= 0.9, out
     assert out["ttft_p50_ratio_ram"] > 0 and out["ttft_p50_ratio_disk"] > 0
     assert len(out["load_before"]) == 3 and len(out["load_after"]) == 3
     assert os.path.getsize(out["plot"]) > 0

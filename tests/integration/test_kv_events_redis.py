@@ -17,10 +17,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from common.cluster.kv_events import KVEvent, KVEventPublisher, KVIndex, snapshot_key, stream_key
+from common.cluster.kv_events import (
+    FORMAT,
+    KVEvent,
+    KVEventPublisher,
+    KVIndex,
+    TierMatch,
+    snapshot_key,
+    stream_key,
+)
 from common.cluster.state import connect
 from common.kv.block_manager import BlockManager
 from common.prefix_hash import prefix_chain
@@ -97,7 +106,7 @@ async def poll_until(index: KVIndex, cond: Callable[[], bool], timeout_s: float 
 
 
 def held(index: KVIndex, worker_id: str = "w0") -> set[int]:
-    return index.workers[worker_id].hashes
+    return set(index.workers[worker_id].hashes)
 
 
 def test_events_reach_the_index_and_eviction_removes(redis_url: str) -> None:
@@ -133,7 +142,7 @@ def test_matched_blocks_counts_leading_blocks_only(redis_url: str) -> None:
         index = KVIndex(client, prefix)
         index.set_workers([("w0", "inc-a", 16)])
         await pub.start()
-        pending.extend([(True, 1), (True, 3), (True, 4)])
+        pending.extend([(True, 1, "device"), (True, 3, "device"), (True, 4, "device")])
         await pub.flush()
         await poll_until(index, lambda: held(index) == {1, 3, 4})
         assert index.matched_blocks("w0", [1, 2, 3, 4]) == 1, "a hole ends the match"
@@ -141,7 +150,7 @@ def test_matched_blocks_counts_leading_blocks_only(redis_url: str) -> None:
         assert index.matched_blocks("w0", [1]) == 1 and index.matched_blocks("w0", []) == 0
         assert index.matched_blocks("unknown", [1]) == 0
         assert index.block_size("w0") == 16 and index.block_size("unknown") is None
-        pending.extend([(True, 2), (False, 4)])
+        pending.extend([(True, 2, "device"), (False, 4, "device")])
         await pub.flush()
         await poll_until(index, lambda: index.matched_blocks("w0", [1, 2, 3, 4]) == 3)
         index.set_workers([])  # gone from the registry: dropped
@@ -310,10 +319,10 @@ def test_a_blocked_read_wakes_on_an_entry_and_stop_cancels_it(redis_url: str) ->
         try:
             await until_blocked(client, name)
             assert await reader.ping(), "the pool answers while the index's read is blocked"
-            pending.extend([(True, 1), (True, 2)])
+            pending.extend([(True, 1, "device"), (True, 2, "device")])
             await pub.flush()
             await until(lambda: held(index) == {1, 2}, timeout_s=block_s / 6)
-            pending.append((False, 1))
+            pending.append((False, 1, "device"))
             await pub.flush()
             await until(lambda: held(index) == {2}, timeout_s=block_s / 6)
             await until_blocked(client, name)  # back to waiting
@@ -415,7 +424,7 @@ def test_workers_added_while_the_index_waits_are_followed(redis_url: str) -> Non
         pubs = [publisher("w0"), publisher("w1")]
         for pub, h in zip(pubs, (1, 2), strict=True):
             await pub.start()  # an empty snapshot
-            pending[pub.worker_id].append((True, h))
+            pending[pub.worker_id].append((True, h, "device"))
             await pub.flush()  # then one entry
         waiting, blocked = KVIndex(client, prefix, block_s=60), KVIndex(client, prefix, block_s=1)
         blocked.set_workers([("w0", "inc-a", 16)])
@@ -435,5 +444,49 @@ def test_workers_added_while_the_index_waits_are_followed(redis_url: str) -> Non
             await blocked.stop()
             for pub in pubs:
                 await pub.stop()
+
+    run(redis_url, body)
+
+
+def test_tiers_travel_in_entries_and_snapshots_and_later_formats_are_refused(redis_url: str) -> None:
+    """Format 2: a hash moved from the pool to RAM is held in RAM, not gone, by a reader of the stream
+    and by one that syncs from the snapshot; a format-1 snapshot still reads (device only); a later
+    format is refused (nothing held) rather than misread."""
+
+    async def body(client: aioredis.Redis, prefix: str) -> None:
+        pending, source = event_queue()
+        now: list[tuple[int, str]] = []  # what the worker holds, for its snapshots
+        pub = KVEventPublisher(client, prefix, "w0", "inc-a", BS, source, lambda: list(now), interval_s=HOUR)
+        await pub.start()
+        following = KVIndex(client, prefix)
+        following.set_workers([("w0", "inc-a", BS)])
+        await following.poll()  # synced from the empty snapshot: reads the stream from here on
+        pending.extend([(True, 1, "device"), (True, 2, "device")])
+        pending.extend([(False, 2, "device"), (True, 2, "ram"), (True, 3, "disk")])  # 2 evicted to RAM
+        now[:] = [(1, "device"), (2, "ram"), (3, "disk")]
+        await pub.flush()
+        fields = (await client.xrange(stream_key(prefix, "w0")))[-1][1]
+        assert fields["v"] == str(FORMAT) and {"s", "r", "s.ram", "s.disk"} <= set(fields)
+        await poll_until(following, lambda: following.matched("w0", [1, 2, 3]) == TierMatch(1, 1, 1))
+        await pub.write_snapshot()
+        late = KVIndex(client, prefix)
+        late.set_workers([("w0", "inc-a", BS)])
+        await late.poll()
+        assert late.matched("w0", [1, 2, 3]) == TierMatch(1, 1, 1) and late.resyncs == 1
+
+        snap = msgspec.json.decode(await client.get(snapshot_key(prefix, "w0")))
+        assert snap["version"] == FORMAT and set(snap["tiers"]) == {"ram", "disk"}
+        old = {k: v for k, v in snap.items() if k not in ("version", "tiers")}  # a format-1 worker's
+        await client.set(snapshot_key(prefix, "w0"), msgspec.json.encode(old))
+        v1 = KVIndex(client, prefix)
+        v1.set_workers([("w0", "inc-a", BS)])
+        await v1.poll()
+        assert v1.matched("w0", [1, 2, 3]) == TierMatch(1, 0, 0) and v1.refused == 0
+        await client.set(snapshot_key(prefix, "w0"), msgspec.json.encode({**snap, "version": FORMAT + 1}))
+        later = KVIndex(client, prefix)
+        later.set_workers([("w0", "inc-a", BS)])
+        await later.poll()
+        assert later.matched_blocks("w0", [1]) == 0 and later.refused == 1 and not later.workers["w0"].synced
+        await pub.stop()
 
     run(redis_url, body)

@@ -34,14 +34,14 @@ def test_commit_records_stored_hashes() -> None:
     bm.enable_kv_events()
     a = computed(bm, [1, 2, 3, 4, 5])
     chain = prefix_chain(a.token_ids, 2)
-    assert bm.drain_kv_events() == [(True, h) for h in chain]
+    assert bm.drain_kv_events() == [(True, h, "device") for h in chain]
     assert bm.drain_kv_events() == [], "a drain empties the buffer"
     # a prefix hit commits nothing new; freeing keeps the blocks cached, so it records nothing either
     b = computed(bm, [1, 2, 3, 4, 9])
     bm.free(a)
     bm.free(b)
     assert bm.drain_kv_events() == []
-    assert sorted(bm.cached_hashes()) == sorted(chain)
+    assert sorted(bm.cached_hashes()) == sorted((h, "device") for h in chain)
     bm.check_integrity()
 
 
@@ -51,13 +51,13 @@ def test_eviction_records_removed_hashes() -> None:
     a = computed(bm, [1, 2, 3, 4])
     bm.free(a)
     old = prefix_chain([1, 2, 3, 4], 2)
-    assert bm.drain_kv_events() == [(True, h) for h in old]
+    assert bm.drain_kv_events() == [(True, h, "device") for h in old]
     b = computed(bm, [5, 6, 7, 8, 9, 10, 11, 12])  # needs all 4 blocks: evicts both cached ones
     events = bm.drain_kv_events()
     # the tail is freed first, so it is the least recently used: evicted first
-    assert events[:2] == [(False, old[1]), (False, old[0])]
-    assert events[2:] == [(True, h) for h in prefix_chain(b.token_ids, 2)]
-    assert set(bm.cached_hashes()) == set(prefix_chain(b.token_ids, 2))
+    assert events[:2] == [(False, old[1], "device"), (False, old[0], "device")]
+    assert events[2:] == [(True, h, "device") for h in prefix_chain(b.token_ids, 2)]
+    assert {h for h, _ in bm.cached_hashes()} == set(prefix_chain(b.token_ids, 2))
     bm.check_integrity()
 
 
@@ -73,8 +73,13 @@ def test_hashes_pack_and_net_changes() -> None:
     assert unpack_hashes(pack_hashes(hashes)) == hashes
     assert unpack_hashes(pack_hashes([])) == []
     # each hash's last event wins: stored then removed is removed, removed then stored is stored
-    events = [(True, 1), (False, 1), (False, 2), (True, 2), (True, 3), (False, 4)]
-    assert net_changes(events) == ([2, 3], [1, 4])
+    d = "device"
+    events = [(True, 1, d), (False, 1, d), (False, 2, d), (True, 2, d), (True, 3, d), (False, 4, d)]
+    assert net_changes(events) == {d: ([2, 3], [1, 4])}
+    # per tier: a block leaving the pool for RAM is removed from one and stored in the other
+    moved = [(True, 5, d), (False, 5, d), (True, 5, "ram"), (True, 6, "disk"), (False, 6, "disk")]
+    assert net_changes(moved) == {d: ([], [5]), "ram": ([5], []), "disk": ([], [6])}
+    assert net_changes([]) == {}
 
 
 ops = st.lists(
@@ -99,12 +104,13 @@ def test_replayed_events_equal_the_hash_index(ops, num_blocks, block_size) -> No
 
     def drain() -> None:
         events = bm.drain_kv_events()
-        for stored, h in events:
+        for stored, h, tier in events:
+            assert tier == "device", "no offload tier here"
             if stored:
                 replayed.add(h)
             else:
                 replayed.discard(h)
-        stored, removed = net_changes(events)
+        stored, removed = net_changes(events).get("device", ([], []))
         netted.update(stored)
         netted.difference_update(removed)
 
@@ -129,7 +135,7 @@ def test_replayed_events_equal_the_hash_index(ops, num_blocks, block_size) -> No
             del owners[who]
         elif op == "drain":
             drain()
-            assert replayed == netted == set(bm.hash_to_block) == set(bm.cached_hashes())
+            assert replayed == netted == set(bm.hash_to_block) == {h for h, _ in bm.cached_hashes()}
     drain()
-    assert replayed == netted == set(bm.hash_to_block) == set(bm.cached_hashes())
+    assert replayed == netted == set(bm.hash_to_block) == {h for h, _ in bm.cached_hashes()}
     bm.check_integrity()

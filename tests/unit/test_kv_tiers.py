@@ -326,6 +326,15 @@ class RecordingTier:
             n += 1
         return n
 
+    def enable_events(self) -> None:
+        pass
+
+    def drain_events(self) -> list[tuple[bool, int, str]]:
+        return []  # tests/unit/test_kv_tier_events.py covers a real store's
+
+    def held_hashes(self) -> list[tuple[int, str]]:
+        return [(h, "ram") for h in self.held]
+
 
 def test_only_hashed_blocks_are_offloaded_never_a_reservation_still_being_filled() -> None:
     bm = BlockManager(num_blocks=5, block_size=BS)
@@ -357,7 +366,7 @@ def test_tier_blocks_continue_the_pool_prefix_and_count_as_cached() -> None:
     assert seq.num_cached_tokens == 3 * BS and seq.num_hashed_blocks == 3 and bm.tier_hits == 3
     assert t.loads == [seq.block_table[:4]], "asked for the 4 full blocks, read into fresh blocks"
     assert [bm.blocks[b].hash for b in seq.block_table[:3]] == chain[:3]
-    assert bm.drain_kv_events() == [(True, h) for h in chain[:3]]
+    assert bm.drain_kv_events() == [(True, h, "device") for h in chain[:3]]
     bm.commit(seq, len(prompt))  # the computed 4th block chains on the loaded ones
     assert bm.blocks[seq.block_table[3]].hash == chain[3]
     again = Owner(prompt)  # the loaded blocks are ordinary prefix-cache blocks now

@@ -9,11 +9,12 @@ from collections import Counter
 import httpx
 import pytest
 
+from common.cluster.kv_events import TierMatch
 from common.prefix_hash import prefix_chain
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Route
-from router.placement import rank
+from router.placement import DEFAULT_TIER_WORTH, choose_route, rank
 from router.workers import Worker
 
 BS = 16
@@ -25,13 +26,13 @@ class SetIndex:
     def __init__(self, held: dict[str, set[int]]) -> None:
         self.held = held
 
-    def matched_blocks(self, worker_id: str, chain: list[int]) -> int:
+    def matched(self, worker_id: str, chain: list[int]) -> TierMatch:
         n = 0
         for h in chain:
             if h not in self.held.get(worker_id, set()):
                 break
             n += 1
-        return n
+        return TierMatch(device=n)
 
 
 def worker(wid: str, running: int = 0, waiting: int = 0, queued_tokens: int = 0, free: int = 100) -> Worker:
@@ -103,3 +104,61 @@ def test_the_route_header_names_the_hits() -> None:
     )
     assert Route("local", "cached_prefix", 40).header == "local; reason=cached_prefix; prefix_hit=40 blocks"
     assert Route("local", "cached_prefix", 40).record == "local:cached_prefix"
+
+
+class TierIndex:
+    """worker id -> {hash: tier}; matched as the KV index does (pool run, then tier run)."""
+
+    def __init__(self, held: dict[str, dict[int, str]]) -> None:
+        self.held = held
+
+    def matched(self, worker_id: str, chain: list[int]) -> TierMatch:
+        tiers = [self.held.get(worker_id, {}).get(h) for h in chain]
+        n = {"device": 0, "ram": 0, "disk": 0}
+        for t in tiers:
+            if t is None or (t == "device" and n["ram"] + n["disk"]):
+                break
+            n[t] += 1
+        return TierMatch(**n)
+
+
+def tiered(wid: str, prefill_tps: float = 0.0, **read_ms: float) -> Worker:
+    w = worker(wid)
+    w.load.update(prefill_tps=prefill_tps, kv_tier_read_ms=read_ms)
+    return w
+
+
+def test_a_tier_hit_is_worth_what_it_saves_against_recomputing() -> None:
+    # 1600 prompt tokens/s: a 16-token block takes 10 ms to recompute
+    ram = TierIndex({"d1": dict.fromkeys(CHAIN[:30], "ram")})
+    cheap, dear = tiered("d1", 1600, ram=1.0), tiered("d1", 1600, ram=25.0)
+    ranked = rank([worker("d0"), cheap], PROMPT, ram, Counter(), 1.0, 1.0)
+    assert [c.worker.id for c in ranked] == ["d1", "d0"]
+    assert ranked[0].hit_blocks == 30 and ranked[0].tier_blocks == 30  # what the engine would reuse...
+    assert ranked[0].cost == pytest.approx(11 + 30 * 0.1)  # ...at 1 ms read for 10 ms of compute
+    assert ranked[0].worth_tokens == round(30 * 0.9 * BS)
+    # a tier read slower than recomputing is worth nothing: the cost of no hit, the hit still predicted
+    (slow,) = rank([dear], PROMPT, ram, Counter(), 1.0, 1.0)
+    assert slow.cost == pytest.approx(41) and slow.hit_blocks == 30 and slow.worth_tokens == 0
+    # not measured yet (a fresh service): the documented defaults
+    (fresh,) = rank([tiered("d1")], PROMPT, ram, Counter(), 1.0, 1.0)
+    assert fresh.cost == pytest.approx(11 + 30 * (1 - DEFAULT_TIER_WORTH["ram"]))
+
+
+def test_a_pool_hit_beats_the_same_hit_on_disk_and_the_route_counts_tiers() -> None:
+    held = {"d0": dict.fromkeys(CHAIN[:20], "device"), "d1": dict.fromkeys(CHAIN[:20], "disk")}
+    held["d0"].update(dict.fromkeys(CHAIN[20:30], "ram"))
+    ranked = rank(
+        [tiered("d1", 1600, disk=5.0), tiered("d0", 1600, ram=1.0)], PROMPT, TierIndex(held), Counter(), 1, 1
+    )
+    assert [(c.worker.id, c.hit_blocks, c.tier_blocks) for c in ranked] == [("d0", 30, 10), ("d1", 20, 20)]
+    route = choose_route(24, len(PROMPT), [worker("p0")], decode_hit=ranked[0])
+    assert route == Route("split", "long_prompt", 30, 0, 10)
+    assert route.header == "split; prefix_hit=30 blocks; tier_hit=10 blocks"
+
+
+def test_the_last_prompt_token_block_is_never_predicted() -> None:
+    whole = PROMPT[: 40 * BS]  # whole blocks: the engine computes the last one again (one token to sample)
+    index = TierIndex({"d0": dict.fromkeys(prefix_chain(whole, BS), "device")})
+    (c,) = rank([worker("d0")], whole, index, Counter(), 1.0, 1.0)
+    assert c.hit_blocks == 39
