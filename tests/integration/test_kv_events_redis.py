@@ -14,7 +14,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -33,17 +32,10 @@ from common.cluster.kv_events import (
 from common.cluster.state import connect
 from common.kv.block_manager import BlockManager
 from common.prefix_hash import prefix_chain
+from tests.support.block_owner import Owner
 
 BS = 2  # tokens per block
 HOUR = 3600.0  # a task interval that never comes around during a test
-
-
-@dataclass
-class Owner:
-    token_ids: list[int]
-    block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_hashed_blocks: int = 0
 
 
 def run(redis_url: str, body: Callable[[aioredis.Redis, str], Awaitable[Any]]) -> Any:

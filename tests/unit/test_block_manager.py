@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.kv.block_manager import BlockManager, block_hash
-
-
-@dataclass
-class Owner:
-    token_ids: list[int]
-    block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_hashed_blocks: int = 0
+from tests.support.block_owner import Owner
 
 
 def test_allocate_free_and_prefix_reuse() -> None:

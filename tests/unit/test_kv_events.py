@@ -3,22 +3,13 @@ publisher puts them in. No Redis here: tests/integration/test_kv_events_redis.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.cluster.kv_events import net_changes, pack_hashes, unpack_hashes
 from common.kv.block_manager import BlockManager
 from common.prefix_hash import prefix_chain
-
-
-@dataclass
-class Owner:
-    token_ids: list[int]
-    block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_hashed_blocks: int = 0
+from tests.support.block_owner import Owner
 
 
 def computed(bm: BlockManager, tokens: list[int]) -> Owner:

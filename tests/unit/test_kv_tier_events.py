@@ -6,7 +6,6 @@ router's index keeps each hash's tiers and matches a prompt the way the engine r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -16,6 +15,7 @@ from hypothesis import strategies as st
 from common.cluster.kv_events import FORMAT, KVIndex, TierMatch, net_changes, pack_hashes
 from common.kv.block_manager import BlockManager
 from common.kv.tiers import TierStore
+from tests.support.block_owner import Owner
 from tests.unit.test_kv_tiers import BB, BS, DIGEST, StuckDisk, blocks, encode, put, store
 
 
@@ -93,14 +93,6 @@ def test_a_dropped_offer_is_never_published(tmp_path: Path) -> None:
     finally:
         s.go.set()
         s.close()
-
-
-@dataclass
-class Owner:
-    token_ids: list[int]
-    block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_hashed_blocks: int = 0
 
 
 class StoreTier:

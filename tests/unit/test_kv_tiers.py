@@ -18,6 +18,7 @@ import pytest
 from common.kv.block_manager import BlockManager
 from common.kv.tiers import MAGIC, TierStats, TierStore, VerifyError, decode, encode
 from common.prefix_hash import ROOT, prefix_chain
+from tests.support.block_owner import Owner
 
 BS, BB = 4, 256  # tokens per block, payload bytes per block
 DIGEST = bytes(range(16))
@@ -297,14 +298,6 @@ def test_a_disk_that_refuses_a_write_is_a_miss_not_an_error(tmp_path: Path) -> N
 
 
 # --- the block manager's side ------------------------------------------------------------------------
-
-
-@dataclass
-class Owner:
-    token_ids: list[int]
-    block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_hashed_blocks: int = 0
 
 
 @dataclass
