@@ -198,6 +198,7 @@ def create_app(
                 "created": started,
                 "owned_by": "splitserve",
                 "max_model_len": m.info.context_length,
+                "tool_call_parser": m.tool_format,  # how its tool calls are parsed (router/tool_formats.py)
             }
             for m in server.models.models
         ]

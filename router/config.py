@@ -30,6 +30,11 @@ class RouterConfig(BaseSettings):
         default_factory=list,
         description="the OpenAI model name of each --model, in the same order; default: the model id",
     )
+    tool_call_parser: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="how the model writes tool calls (docs/openai_api.md): hermes, llama3_json, mistral, or "
+        "auto (the default: detected from its chat template); one value for every model, or one per --model",
+    )
     chat_template: str | None = Field(
         None,
         description="a Jinja chat template, or the path of a file holding one, instead of the model's own "
@@ -159,7 +164,9 @@ class RouterConfig(BaseSettings):
         "first seen since start); the rest are counted as `_other`",
     )
 
-    @field_validator("decode_urls", "prefill_urls", "model", "served_model_name", mode="before")
+    @field_validator(
+        "decode_urls", "prefill_urls", "model", "served_model_name", "tool_call_parser", mode="before"
+    )
     @classmethod
     def _split_urls(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -169,6 +176,17 @@ class RouterConfig(BaseSettings):
 
                 return json.loads(v)
             return [u.strip() for u in v.split(",") if u.strip()]
+        return v
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parsers(cls, v: list[str]) -> list[str]:
+        from router.tool_formats import PARSER_NAMES
+
+        unknown = [p for p in v if p not in PARSER_NAMES]
+        if unknown:
+            listed = ", ".join(map(repr, unknown))
+            raise ValueError(f"unknown tool call parser {listed}: choose from {', '.join(PARSER_NAMES)}")
         return v
 
     @field_validator("decode_urls", "prefill_urls")
@@ -191,5 +209,10 @@ class RouterConfig(BaseSettings):
             raise ValueError(
                 f"{len(self.served_model_name)} served model names for {max(1, len(self.model))} models: "
                 "give one per --model, in the same order"
+            )
+        if len(self.tool_call_parser) not in (0, 1, max(1, len(self.model))):
+            raise ValueError(
+                f"{len(self.tool_call_parser)} tool call parsers for {max(1, len(self.model))} models: give "
+                "one for every model, or one per --model in the same order"
             )
         return self

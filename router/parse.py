@@ -22,6 +22,7 @@ from router.errors import from_validation, invalid
 from router.openai_types import ChatCompletionRequest, CompletionRequest
 from router.served_model import ServedModel
 from router.slo import Targets, parse_target
+from router.tool_formats import detect
 from router.tools import check_tools, render_messages, tool_guide, tool_mode
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
@@ -42,6 +43,7 @@ class Parsed:
     tool_mode: str | None = None  # "auto" | "required" | "named": the output is parsed for tool calls
     tool_names: list[str] | None = None  # the functions offered: a call to another is not a call
     model: str = ""  # the served model's name (router/served_model.py): whose services run it
+    tool_format: str = "hermes"  # how the model writes tool calls (router/tool_formats.py)
 
     @property
     def chat(self) -> bool:
@@ -77,7 +79,7 @@ def parse(
     _check_stops(req.stop_list, config.max_stop_chars)
     tenant, priority, targets = _tenant(headers, key), _priority(headers), _targets(headers, key)
     guide, mode, names = _guide(req)
-    prompt_ids = tokenize_prompt(model.info, req)
+    prompt_ids = tokenize_prompt(model.info, req, model.tool_format)
     max_tokens = _max_tokens(req, len(prompt_ids), model.info.context_length, config.default_max_tokens)
     sampling = req.sampling(max(max_tokens, 1), model.info.tokenizer.vocab_size, guide)
     echo = None
@@ -88,8 +90,9 @@ def parse(
             sampling = sampling.replace(prompt_logprobs=req.logprobs)
     score_only = max_tokens == 0
     return Parsed(
-        req, prompt_ids, sampling, tenant, priority, targets, echo, score_only, mode, names, model.name
-    )
+        req, prompt_ids, sampling, tenant, priority, targets, echo, score_only, mode, names, model.name,
+        model.tool_format,
+    )  # fmt: skip
 
 
 @functools.cache
@@ -110,13 +113,15 @@ def check_length(info: ModelInfo, text: str, param: str) -> None:
         )  # fmt: skip
 
 
-def tokenize_prompt(info: ModelInfo, req: OpenAIRequest) -> list[int]:
-    """The prompt's token ids as the services get them (POST /tokenize gives the same, router/tokenize.py)."""
+def tokenize_prompt(info: ModelInfo, req: OpenAIRequest, tool_format: str | None = None) -> list[int]:
+    """The prompt's token ids as the services get them (POST /tokenize gives the same, router/tokenize.py).
+    `tool_format`: the model's (ServedModel.tool_format); None: detected from its chat template."""
     tok = info.tokenizer
     if isinstance(req, ChatCompletionRequest):
         messages, kwargs = req.template_messages(), dict[str, Any]()
         if req.uses_tools:
-            messages, kwargs = render_messages(messages, req.tools, tok.chat_template, req.tool_choice)
+            fmt = tool_format or detect(tok.chat_template)
+            messages, kwargs = render_messages(messages, req.tools, tok.chat_template, req.tool_choice, fmt)
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         except (jinja2.TemplateError, ValueError) as e:

@@ -1,7 +1,8 @@
 """Phase 6: the answer. The trip's token ids become text as they come (incrementally, UTF-8 safe, stop
 strings applied: common/text/detokenizer.py), then one JSON body (`full`) or an SSE stream of chunks
-(`stream`), with logprobs and tool calls in OpenAI's shapes (router/openai_responses.py). `usage` is
-counted in one place for both, and summed over the choices of a request that has several."""
+(`stream`), with logprobs and tool calls in OpenAI's shapes (router/openai_responses.py; tool calls are
+parsed in the served model's format, router/tool_formats.py). `usage` is counted
+in one place for both, and summed over the choices of a request that has several."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def full(job: Job, token_texts: TokenTexts, text: str) -> dict[str, Any]:
     calls: list[dict[str, Any]] | None = None
     content: str | None = text
     if parsed.tool_mode is not None:
-        content, calls = parse_tool_calls(text, parsed.tool_mode, parsed.tool_names)
+        content, calls = parse_tool_calls(text, parsed.tool_mode, parsed.tool_names, parsed.tool_format)
         if calls:
             finish = "tool_calls"
     logprobs: Any = None
@@ -119,7 +120,9 @@ async def stream(
             yield b.chunk(text, logprobs=_chunk_logprobs(job, token_texts, cl, i, j))
         finish = job.run.finish_reason
         if parsed.tool_mode is not None:
-            content, calls = parse_tool_calls("".join(held), parsed.tool_mode, parsed.tool_names)
+            content, calls = parse_tool_calls(
+                "".join(held), parsed.tool_mode, parsed.tool_names, parsed.tool_format
+            )
             if content:
                 yield b.chunk(content)
             if calls:

@@ -1,6 +1,8 @@
 """The models this router serves, as its endpoints name them: for each, the names a request may ask
 for, the one its answers carry, its tokenizer and context length (common/text/model_info.py), the
-system fingerprint, and each token's bytes for logprobs.
+system fingerprint, each token's bytes for logprobs, and how it writes tool calls (router/tool_formats.py:
+`tool_call_parser` in the same place as its --model, one value for all, else detected from the chat
+template the router renders with).
 
 A router serves the models it is configured with (`model`, repeated, each named by the
 `served_model_name` in the same place, else by its model id): it renders each one's prompts, so it
@@ -20,6 +22,7 @@ from common.text.model_info import ModelInfo
 from router.config import RouterConfig
 from router.errors import APIError
 from router.logprobs import TokenTexts
+from router.tool_formats import AUTO, resolve
 
 DEFAULT_ALIAS = "default"  # what a request may say for the first model configured
 
@@ -31,6 +34,7 @@ class ServedModel:
     info: ModelInfo
     fingerprint: str  # system_fingerprint: what answers (model, splitserve version), as OpenAI's does
     token_texts: TokenTexts
+    tool_format: str  # how it writes tool calls: a name of router/tool_formats.py's FORMATS
 
     @classmethod
     def of(cls, config: RouterConfig, info: ModelInfo) -> ServedModel:
@@ -38,9 +42,13 @@ class ServedModel:
         return ServedModels.of(config, [info]).default
 
     @classmethod
-    def make(cls, name: str, info: ModelInfo, aliases: frozenset[str]) -> ServedModel:
+    def make(
+        cls, name: str, info: ModelInfo, aliases: frozenset[str], tool_call_parser: str | None = None
+    ) -> ServedModel:
+        """`tool_call_parser`: a format's name; None or auto: detected from the model's chat template."""
         digest = hashlib.sha256(f"{info.model_id}/{_version()}".encode()).hexdigest()
-        return cls(name, aliases | {name}, info, f"fp_{digest[:10]}", TokenTexts(info.tokenizer))
+        tool_format = resolve(tool_call_parser, info.tokenizer.chat_template)
+        return cls(name, aliases | {name}, info, f"fp_{digest[:10]}", TokenTexts(info.tokenizer), tool_format)
 
     def check(self, asked: str) -> None:
         """A 404 (model_not_found) unless `asked` names this model."""
@@ -72,13 +80,20 @@ class ServedModels:
                 f"two models are served as {', '.join(map(repr, twice))}: give each --model its own "
                 "--served-model-name"
             )
+        parsers = list(config.tool_call_parser) or [AUTO]  # one value: every model's
+        if len(parsers) not in (1, len(infos)):
+            raise ValueError(
+                f"{len(parsers)} tool call parsers for {len(infos)} models: give one for every model, or "
+                "one per --model, in order"
+            )
+        parsers = parsers * len(infos) if len(parsers) == 1 else parsers
         ids = Counter(info.model_id for info in infos)
         models = []
         for i, (name, info) in enumerate(zip(names, infos, strict=True)):
             aliases = {info.model_id} if ids[info.model_id] == 1 and info.model_id not in names else set()
             if i == 0:
                 aliases.add(DEFAULT_ALIAS)
-            models.append(ServedModel.make(name, info, frozenset(aliases)))
+            models.append(ServedModel.make(name, info, frozenset(aliases), parsers[i]))
         return cls(tuple(models))
 
     @property

@@ -152,7 +152,7 @@ def _prompt_ids(model: ServedModel, req: TokenizeCompletionRequest | TokenizeCha
     if isinstance(req, TokenizeChatRequest):
         chat = ChatCompletionRequest.model_construct(model=req.model or "", messages=req.messages)
         if req.add_generation_prompt and not req.add_special_tokens:
-            return tokenize_prompt(model.info, chat)  # exactly what /v1/chat/completions sends
+            return tokenize_prompt(model.info, chat, model.tool_format)  # what /v1/chat/completions sends
         messages = chat.template_messages()  # the same messages, the same errors
         try:
             text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)

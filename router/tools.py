@@ -2,10 +2,9 @@
 constrains a forced call, and the parsing of the generated text back into `tool_calls`.
 
 Three modes, from `tool_choice` (`tool_mode`):
-- "auto" (the default when tools are given): free text; the model calls a function by writing
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the Hermes/Qwen convention, which
-  small instruct models have seen), found afterwards by `parse_tool_calls`. Nothing is constrained:
-  a text answer must stay possible.
+- "auto" (the default when tools are given): free text; the model calls a function the way its family
+  does (router/tool_formats.py: `hermes` `<tool_call>` blocks, `llama3_json`, `mistral` `[TOOL_CALLS]`),
+  found afterwards by `parse_tool_calls`. Nothing is constrained: a text answer must stay possible.
 - "required": the output is constrained to a JSON array of one or more calls
   `[{"name": <a declared name>, "arguments": <that function's parameters>}, ...]`.
 - "named" (`{"type": "function", "function": {"name": ...}}`): constrained to one call object
@@ -16,16 +15,15 @@ The name is generated first, so the arguments are generated knowing which functi
 
 Prompts: a chat template that knows about tools (it mentions `tools`) gets them natively, as the
 `tools` template variable, with the history's tool calls and results in the OpenAI shapes it expects.
-Any other template (SmolLM2's) gets a system message describing the functions and the `<tool_call>`
-format; past calls become that text in the assistant turn, and tool results become a user turn of
-`<tool_response>` blocks, which every template accepts.
+Any other template (SmolLM2's) gets a system message describing the functions and the model's call
+format (hermes unless --tool-call-parser says otherwise); past calls become that text in the assistant
+turn, and tool results become a user turn of `<tool_response>` blocks, which every template accepts.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from collections.abc import Collection, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -36,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from common.sampling_params import Guide
 from common.text.grammar import GuideError, validate_guide
 from router.errors import invalid
+from router.tool_formats import FORMATS, ToolFormat, as_call
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 
@@ -264,14 +263,16 @@ def _json_or_text(arguments: str) -> Any:
         return arguments
 
 
-def _call_text(call: dict[str, Any]) -> str:
-    f = call["function"]
-    body = {"name": f["name"], "arguments": _json_or_text(f.get("arguments") or "{}")}
-    return f"<tool_call>{json.dumps(body, ensure_ascii=False)}</tool_call>"
+def _calls_text(calls: list[dict[str, Any]], fmt: ToolFormat) -> str:
+    pairs = [(c["function"]["name"], _json_or_text(c["function"].get("arguments") or "{}")) for c in calls]
+    return fmt.calls_text(pairs)
 
 
-def tools_prompt(tools: Sequence[Tool], tool_choice: ToolChoice | None = None) -> str:
-    """The system text that describes the functions to a template that does not take tools."""
+def tools_prompt(
+    tools: Sequence[Tool], tool_choice: ToolChoice | None = None, tool_format: str = "hermes"
+) -> str:
+    """The system text that describes the functions, and how `tool_format` writes a call, to a template
+    that does not take tools."""
     lines = ["You can call the following functions:"]
     for t in tools:
         f = t.function
@@ -280,13 +281,7 @@ def tools_prompt(tools: Sequence[Tool], tool_choice: ToolChoice | None = None) -
             spec["description"] = f.description
         spec["parameters"] = _object_schema(f.parameters)
         lines.append(json.dumps(spec, ensure_ascii=False))
-    lines += [
-        "",
-        "To call a function, reply with a <tool_call></tool_call> block holding a JSON object with "
-        "the function's name and its arguments, one block per call:",
-        '<tool_call>{"name": "<function name>", "arguments": {<arguments as JSON>}}</tool_call>',
-        "The results come back in <tool_response></tool_response> blocks.",
-    ]
+    lines += ["", *FORMATS[tool_format].instructions()]
     if isinstance(tool_choice, NamedToolChoice):
         lines.append(f"Now call the function {tool_choice.function.name}.")
     elif tool_choice == "required":
@@ -301,14 +296,16 @@ def render_messages(
     tools: Sequence[Tool] | None,
     tokenizer_template: str | None,
     tool_choice: ToolChoice | None = None,
+    tool_format: str = "hermes",
 ) -> ChatInput:
     """A history with tools, assistant `tool_calls` and `tool` results, made renderable by the model's
-    chat template (see the module docstring). With tool_choice "none" the tools are left out of the
-    prompt (no call can be made); the history's calls and results are still rendered."""
+    chat template (see the module docstring); `tool_format`: how the model writes calls, where the
+    template does not say it itself. With tool_choice "none" the tools are left out of the prompt (no
+    call can be made); the history's calls and results are still rendered."""
     offered = list(tools or ()) if tool_choice != "none" else []
     if template_takes_tools(tokenizer_template):
         return _native(messages, offered)
-    return _as_text(messages, offered, tool_choice)
+    return _as_text(messages, offered, tool_choice, FORMATS[tool_format])
 
 
 def _native(messages: list[dict[str, Any]], tools: list[Tool]) -> ChatInput:
@@ -342,7 +339,9 @@ def _native(messages: list[dict[str, Any]], tools: list[Tool]) -> ChatInput:
     return ChatInput(out, kwargs)
 
 
-def _as_text(messages: list[dict[str, Any]], tools: list[Tool], tool_choice: ToolChoice | None) -> ChatInput:
+def _as_text(
+    messages: list[dict[str, Any]], tools: list[Tool], tool_choice: ToolChoice | None, fmt: ToolFormat
+) -> ChatInput:
     names: dict[str, str] = {}
     out: list[dict[str, Any]] = []
     pending: list[str] = []  # consecutive tool results: one user turn, as templates alternate roles
@@ -364,13 +363,13 @@ def _as_text(messages: list[dict[str, Any]], tools: list[Tool], tool_choice: Too
             calls = [_as_dict(c) for c in m["tool_calls"]]
             for c in calls:
                 names[c.get("id", "")] = c["function"]["name"]
-            parts = [_text(m.get("content")).strip()] + [_call_text(c) for c in calls]
+            parts = [_text(m.get("content")).strip(), _calls_text(calls, fmt)]
             out.append({"role": "assistant", "content": "\n".join(p for p in parts if p)})
         else:
             out.append({"role": role, "content": _text(m.get("content"))})
     flush()
     if tools:
-        prompt = tools_prompt(tools, tool_choice)
+        prompt = tools_prompt(tools, tool_choice, fmt.name)
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}".lstrip()}
         else:
@@ -381,64 +380,23 @@ def _as_text(messages: list[dict[str, Any]], tools: list[Tool], tool_choice: Too
 # --- parsing --------------------------------------------------------------------------------------
 
 
-def tool_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
-
-
-def _tool_call(obj: Any, names: Collection[str] | None) -> dict[str, Any] | None:
-    """The OpenAI tool_call for one generated {"name", "arguments"} object; None if it is not one."""
-    if not isinstance(obj, dict):
-        return None
-    name = obj.get("name")
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(name, str) or not name or (names is not None and name not in names):
-        return None
-    # a model may write the arguments as a JSON string itself; it is passed on as written
-    text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False, separators=(",", ":"))
-    return {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": text}}
-
-
-_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
-
-
 def parse_tool_calls(
-    text: str, mode: str, names: Collection[str] | None = None
+    text: str, mode: str, names: Collection[str] | None = None, tool_format: str = "hermes"
 ) -> tuple[str | None, list[dict[str, Any]]]:
     """The message content and the OpenAI `tool_calls` in generated text. mode "required": a JSON array
-    of calls; "named": one call object; "auto": `<tool_call>` blocks (the content is the text around
-    them; a block that is not a call stays in the content, as does an unclosed one that does not
-    parse). `names`: if given, a call to any other function is not a call. Text that is not the
-    expected JSON (a length cut) comes back as content, with no calls."""
+    of calls; "named": one call object; "auto": calls as `tool_format` writes them (the content is the
+    text around them; router/tool_formats.py). `names`: if given, a call to any other function is not a
+    call. Text that is not the expected JSON (a length cut) comes back as content, with no calls."""
     if mode in ("required", "named"):
         try:
             value = json.loads(text)
         except ValueError:
             return text, []
         items = value if mode == "required" and isinstance(value, list) else [value]
-        found = [c for c in (_tool_call(v, names) for v in items) if c is not None]
+        found = [c for c in (as_call(v, names) for v in items) if c is not None]
         if not found or len(found) != len(items):
             return text, []
         return None, found
     if mode != "auto":
         raise ValueError(f"unknown tool mode {mode!r}")
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    pos = 0
-    while (start := text.find(_OPEN, pos)) >= 0:
-        end = text.find(_CLOSE, start)
-        body_end, after = (len(text), len(text)) if end < 0 else (end, end + len(_CLOSE))
-        try:
-            call = _tool_call(json.loads(text[start + len(_OPEN) : body_end]), names)
-        except ValueError:
-            call = None
-        if call is None:  # not a call: the block stays in the content as it was written
-            kept.append(text[pos:after])
-        else:
-            kept.append(text[pos:start])
-            calls.append(call)
-        pos = after
-    if not calls:
-        return text, []
-    kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return content or None, calls
+    return FORMATS[tool_format].parse(text, names)

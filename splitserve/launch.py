@@ -85,6 +85,7 @@ ROUTER_FLAGS = {  # flag -> RouterConfig field (SPLITSERVE_ROUTER_<FIELD>)
     "--model": "model",
     "--served-model-name": "served_model_name",
     "--chat-template": "chat_template",
+    "--tool-call-parser": "tool_call_parser",
     "--max-model-len": "max_model_len",
     "--api-key": "api_key",
     "--api-keys-file": "api_keys_file",
@@ -116,7 +117,7 @@ ROUTER_FLAGS = {  # flag -> RouterConfig field (SPLITSERVE_ROUTER_<FIELD>)
 # model, answers under its name and checks lengths against its context)
 SHARED_WITH_ROUTER = ("--model", "--served-model-name", "--max-model-len")
 # given once per served model (router, up): `--model A --model B --served-model-name a --served-model-name b`
-REPEATED_FLAGS = ("--model", "--served-model-name")
+REPEATED_FLAGS = ("--model", "--served-model-name", "--tool-call-parser")
 REPEATED_HELP = " (up, router: once per model, several models in the same order)"
 
 
