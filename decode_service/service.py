@@ -30,7 +30,7 @@ from common.engine.api import AddRequest, Admission, Finish, KVArrived, RemoteKV
 from common.engine.llm_engine import LLMEngine, fault
 from common.protocol import ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
 from common.runtime.telemetry import context_from, span_scope, tracer
-from common.service.base import HANDED_BACK, Interrupt, Job, Service, engine_for
+from common.service.base import Interrupt, Job, Service
 from common.service.metrics import TransportCount
 from decode_service.timeline import Timeline
 from kv_transfer import ReceiverStats, make_receiver, resolve_backend
@@ -52,14 +52,14 @@ class Stream(Job):
 
 
 class DecodeService(Service):
-    def __init__(self, cfg: ServiceConfig, engine_cfg: EngineConfig, reuse: LLMEngine | None = None) -> None:
+    def __init__(self, cfg: ServiceConfig, engine_cfg: EngineConfig) -> None:
         self.connector = DecodeConnector(on_arrived=self._on_arrived, on_failed=self._on_failed)
         self.kv_backend, why = resolve_backend(cfg.kv_backend)
         log.warning("decode %s: KV transfer backend %s (%s)", cfg.worker_name, self.kv_backend, why)
         # tensor parallelism: rank r (a worker process) receives its own KV heads on kv_port + r
         options = {"host": cfg.host, "port": cfg.kv_port, "advertise_host": cfg.advertise_host}
         self.connector.rank_transfer = RankTransfer("decode", self.kv_backend, options)
-        engine = engine_for(engine_cfg, self.connector, reuse)  # reuse: a role switch keeps the weights
+        engine = LLMEngine.from_config(engine_cfg, self.connector)
         super().__init__(cfg, engine)
         self.rank = 0  # the tensor-parallel rank whose KV shard this process holds (the others: workers)
         self.receiver = make_receiver(
@@ -173,8 +173,6 @@ class DecodeService(Service):
                     ev = Interrupt(rid, "deadline exceeded on the decode service", 504)
                 if isinstance(ev, Interrupt):
                     job.error = ev.error
-                    if ev.code == HANDED_BACK:  # no error frame: the router migrates the request
-                        return
                     yield frame(ErrorFrame(rid, ev.error, ev.code))
                     return
                 if isinstance(ev, Admission):

@@ -26,9 +26,8 @@ from common.cluster.record_writer import RecordWriter
 from common.cluster.records import RequestState
 from common.cluster.registry import Heartbeat
 from common.cluster.state import ClusterState
-from common.config import EngineConfig, ServiceConfig
+from common.config import ServiceConfig
 from common.engine.async_engine import AsyncEngine
-from common.engine.kv_connector import KVConnector
 from common.engine.llm_engine import LLMEngine
 from common.protocol import MAX_FRAME_BYTES, AbortRequest, Message, ProtocolError, decode, encode
 from common.runtime.access import AccessLog
@@ -43,9 +42,6 @@ log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 ABORT_WAIT_S = 30.0  # /internal/abort waits this long for the request to be gone
 ENGINE_FAILED_EXIT = 70  # the exit status of a service whose engine failed (EX_SOFTWARE)
-# An Interrupt with this code hands the request back (a role switch ran out of time): a decode stream
-# closes without an error frame, so the router migrates it; a prefill call answers a retryable 503.
-HANDED_BACK = 503
 M = TypeVar("M", bound=Message)
 
 
@@ -225,29 +221,6 @@ class Service:
         connector.leases = self.leases
         await self.leases.start()
 
-    async def retire(self) -> dict[str, int]:
-        """Role switching (splitserve/roles.py): drain (deregister, 503 to new work), let what runs
-        finish for up to drain_timeout_s, end the rest as a drain does (routers migrate those), stop,
-        and count what came back: the pool's free and total blocks, and the transfers (leases) left."""
-        await self.drain()
-        deadline = time.monotonic() + self.cfg.drain_timeout_s
-        while self.jobs and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        ended = list(self.jobs)
-        for rid in ended:
-            self.interrupt(rid, f"{self.cfg.worker_name} is switching roles", HANDED_BACK)
-        for rid in ended:
-            await self.abort(rid)
-        await self.stop()
-        load = self.aengine.load  # published after the engine thread's last command, before it stopped
-        connector: Any = self.engine.connector
-        return {
-            "free_blocks": load.free_blocks,
-            "total_blocks": load.total_blocks,
-            "leases_left": len(getattr(connector, "requests", {})),
-            "ended_requests": len(ended),
-        }
-
     async def stop(self) -> None:
         if self.kv_events is not None:
             await self.kv_events.stop()
@@ -374,16 +347,6 @@ class Service:
             )
 
         return app
-
-
-def engine_for(cfg: EngineConfig, connector: KVConnector, reuse: LLMEngine | None = None) -> LLMEngine:
-    """The engine of a service with `connector`: loaded from cfg, or (a role switch) on the weights and
-    tokenizer of `reuse`, an engine whose service stopped: a fresh KV pool, no reload of the weights."""
-    if reuse is None or cfg.engine == "sim":  # the sim engine has no weights to keep
-        return LLMEngine.from_config(cfg, connector)
-    if cfg.tensor_parallel_size > 1:  # the worker ranks hold the shards: they would have to switch too
-        raise ValueError("role switching with tensor_parallel_size > 1 is not supported")
-    return LLMEngine(reuse.model, reuse.tokenizer, cfg, reuse.placement, connector)
 
 
 async def read_message(request: Request, expect: type[M]) -> M:
