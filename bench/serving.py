@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,6 +35,23 @@ from common.text.tokenizer import Tokenizer
 
 PLOT = os.path.join("docs", "img", "serving_latency.png")
 SPLIT_THRESHOLD, LOCAL_THRESHOLD = 1, 100_000  # every prompt split / none
+
+
+_SAMPLE = re.compile(r"^(splitserve_\w+)(?:\{([^}]*)\})? (\S+)$", re.MULTILINE)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A process's splitserve_* samples from its /metrics: {name or name{labels}: value}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {
+        f"{m.group(1)}{{{m.group(2)}}}" if m.group(2) else m.group(1): float(m.group(3))
+        for m in _SAMPLE.finditer(text)
+    }
+
+
+def metric_sum(samples: dict[str, float], name: str, labels: str = "") -> float:
+    """The sum of one metric's samples (those whose labels contain `labels`, e.g. 'tier="disk"')."""
+    return sum(v for k, v in samples.items() if k.split("{", 1)[0] == name and labels in k)
 
 
 class Stack:

@@ -43,7 +43,7 @@ import psutil
 from tqdm import tqdm
 
 from bench.loadgen import make_specs, sse_chunks
-from bench.serving import Stack
+from bench.serving import Stack, metric_sum, scrape
 from common.cluster.redis_server import RedisServer
 from common.cluster.state import ClusterState
 from common.text.model_info import load_model_info
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         quiet = _quiesce(urls, redis.url)
         rss_end = _rss_mb(stack, urls)
         tiers = {"start": tiers_start, **_tier_end(urls, tier_dir)} if args.tiers else None
-        migrations = _metric(router, "splitserve_router_migrations_total")
+        migrations = metric_sum(scrape(router), "splitserve_router_migrations_total")
         records = asyncio.run(_records(redis.url, [o.request_id for o in outcomes if o.accepted]))
     finally:
         stack.stop()
@@ -318,18 +318,16 @@ async def _records(redis_url: str, ids: list[str]) -> dict[str, str]:
         await state.close()
 
 
-def _metric(url: str, name: str, labels: str = "") -> float:
-    """The sum of a metric's samples (those whose labels contain `labels`, e.g. 'tier="disk"'); 0 from a
-    service that does not answer (killed and restarting)."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return 0.0
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and labels in line.split(" ", 1)[0]
-    )
+def _scrape_all(urls: dict[str, str]) -> list[dict[str, float]]:
+    """Every service's samples (bench.serving.scrape); none from one that does not answer (killed and
+    restarting)."""
+    out = []
+    for u in urls.values():
+        try:
+            out.append(scrape(u))
+        except httpx.HTTPError:
+            continue
+    return out
 
 
 def _disk_bytes(folder: Path) -> int:
@@ -338,9 +336,10 @@ def _disk_bytes(folder: Path) -> int:
 
 def _tier_sizes(urls: dict[str, str], tier_dir: Path) -> dict[str, Any]:
     """Bytes each tier holds, summed over the services (their metrics), and the disk folder's size."""
+    samples = _scrape_all(urls)
     return {
-        "ram_bytes": int(sum(_metric(u, "splitserve_kv_tier_bytes", 'tier="ram"') for u in urls.values())),
-        "disk_bytes": int(sum(_metric(u, "splitserve_kv_tier_bytes", 'tier="disk"') for u in urls.values())),
+        "ram_bytes": int(sum(metric_sum(s, "splitserve_kv_tier_bytes", 'tier="ram"') for s in samples)),
+        "disk_bytes": int(sum(metric_sum(s, "splitserve_kv_tier_bytes", 'tier="disk"') for s in samples)),
         "disk_folder_bytes": _disk_bytes(tier_dir),
     }
 
@@ -348,8 +347,9 @@ def _tier_sizes(urls: dict[str, str], tier_dir: Path) -> dict[str, Any]:
 def _tier_end(urls: dict[str, str], tier_dir: Path) -> dict[str, Any]:
     """Sizes at the end, the limits, and what the tiers did (services' counters: a restarted service's
     count from its restart)."""
+    samples = _scrape_all(urls)
     counts = {
-        key: int(sum(_metric(u, f"splitserve_kv_tier_{key}_total") for u in urls.values()))
+        key: int(sum(metric_sum(s, f"splitserve_kv_tier_{key}_total") for s in samples))
         for key in ("writes", "hits", "verify_failures", "write_failures")
     }
     return {

@@ -58,7 +58,7 @@ from tqdm import tqdm
 
 from bench.prefix import Session, Turn, chat_turn, make_sessions
 from bench.rounds import alternate, load_avg, ratio_keys, ratio_stats, spread
-from bench.serving import Stack
+from bench.serving import Stack, scrape
 from common.cluster.redis_server import RedisServer
 from common.config import EngineConfig
 from common.security.secret import ensure_for_children
@@ -67,7 +67,6 @@ CONFIGS = ("pool", "ram", "disk")
 PLOT_NAME = "tiers_ttft.png"
 TIERS = ("ram", "disk")
 THINK_S = 0.3  # between turns (module doc): KV events are flushed every 0.1 s and read at once
-_SAMPLE = re.compile(r"^(splitserve_(?:prefix_cache_hits|kv_tier_\w+?))(?:\{([^}]*)\})? (\S+)$", re.MULTILINE)
 
 
 @dataclass
@@ -76,16 +75,6 @@ class Answered:
 
     turn: Turn
     text: str
-
-
-def service_counters(decode_url: str) -> dict[str, float]:
-    """The decode service's prefix-cache and tier counters from /metrics: {name or name{labels}: value}."""
-    text = httpx.get(f"{decode_url}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for m in _SAMPLE.finditer(text):
-        name, labels, value = m.group(1), m.group(2), float(m.group(3))
-        out[f"{name}{{{labels}}}" if labels else name] = value
-    return out
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -243,9 +232,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         def side(c: str) -> dict[str, Any]:
             salt = len(by_round[c]) + 1  # round k: the same sessions on every configuration
             sessions = make_sessions(n_sessions, n_turns, salt, args.seed, args.system_notes)
-            before = service_counters(decode[c])
+            before = scrape(decode[c])
             answered = run_trace(urls[c], sessions, max_tokens, f"{c} round {salt}")
-            delta = counter_delta(before, service_counters(decode[c]))
+            delta = counter_delta(before, scrape(decode[c]))
             every[c] += answered
             by_round[c].append(answered)
             return summarize(answered, delta, block_size, max_tokens)

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.serving import Stack
+from bench.serving import Stack, metric_sum, scrape
 from bench.workload import QUESTIONS
 from common.cluster.redis_server import RedisServer
 from common.kv.kv_cache import KVCacheSpec
@@ -37,12 +37,7 @@ ELEM = 4  # the services run fp32: a K or V value is 4 bytes
 
 
 def _moved(prefill: str) -> float:
-    text = httpx.get(prefill + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("splitserve_kv_transfer_bytes_total")
-    )
+    return metric_sum(scrape(prefill), "splitserve_kv_transfer_bytes_total")
 
 
 def _complete(router: str, ids: list[int], tokens: int) -> tuple[str, str, float]:

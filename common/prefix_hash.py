@@ -14,6 +14,12 @@ from collections.abc import Sequence
 
 ROOT = -1  # the parent of a prompt's first block in the shared namespace (cache salt "")
 
+# Where a hashed block's KV is held, as the engines record it and the router reads it (KV events):
+# the device pool's prefix cache, or an offload tier (common/kv/tiers.py)
+DEVICE, RAM, DISK = "device", "ram", "disk"
+KVEvent = tuple[bool, int, str]  # (stored, hash, tier): True when the tier took the hash, False: let go
+KVHeld = tuple[int, str]  # (hash, tier): a hash a tier holds now, for a snapshot
+
 
 def cache_root(salt: str) -> int:
     """The parent of a prompt's first block under a cache salt: prompts with different salts share no

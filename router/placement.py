@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from common.cluster.kv_events import TierMatch
+from common.cluster.kv_events import DISK, RAM, TierMatch
 from common.prefix_hash import ROOT, cache_root, prefix_chain
 from common.runtime.telemetry import span_scope, tracer
 from router.config import RouterConfig
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 
 
-DEFAULT_TIER_WORTH = {"ram": 0.8, "disk": 0.5}  # a tier block's worth while its costs are not measured
+DEFAULT_TIER_WORTH = {RAM: 0.8, DISK: 0.5}  # a tier block's worth while its costs are not measured
 
 
 class PrefixIndex(Protocol):
@@ -130,7 +130,7 @@ def rank(
             match = index.matched(w.id, chain) if chain else match
         hit = match.total
         discount = sum(
-            n * (1 - tier_worth(w.load, t, bs)) for t, n in (("ram", match.ram), ("disk", match.disk)) if n
+            n * (1 - tier_worth(w.load, t, bs)) for t, n in ((RAM, match.ram), (DISK, match.disk)) if n
         )
         unit = bs or 16  # a worker that published no block size: count in 16-token blocks
         uncached = -(-(len(prompt_ids) - hit * bs) // unit) + discount

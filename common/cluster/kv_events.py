@@ -52,19 +52,18 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
+from common.prefix_hash import DEVICE, DISK, RAM, KVEvent, KVHeld
+
 log = logging.getLogger(__name__)
 SNAPSHOT_TTL_PERIODS = 3  # a snapshot (and the stream) outlives this many missed snapshot periods
 EMPTY_STREAM_ID = "0-0"  # XREAD from here returns a stream's every entry
 
 FORMAT = 2  # the stream's and snapshot's format (module doc); readers refuse later ones
-DEVICE, RAM, DISK = "device", "ram", "disk"
 TIERS = (DEVICE, RAM, DISK)  # best first: a hash's best tier is the first that holds it
 _BIT = {t: 1 << i for i, t in enumerate(TIERS)}
 _FIELDS = {DEVICE: ("s", "r"), RAM: ("s.ram", "r.ram"), DISK: ("s.disk", "r.disk")}  # (stored, removed)
 _KNOWN_FIELDS = frozenset({"inc", "seq", "v", *(f for pair in _FIELDS.values() for f in pair)})
 
-KVEvent = tuple[bool, int, str]  # (stored, hash, tier), as BlockManager.drain_kv_events returns them
-KVHeld = tuple[int, str]  # (hash, tier), as BlockManager.cached_hashes returns them
 StreamEntry = tuple[str, dict[str, str]]  # (stream id, fields), as XREAD returns them
 
 

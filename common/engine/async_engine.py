@@ -24,7 +24,7 @@ from typing import Any
 
 from common.engine.api import Admission, Command, EngineLoad, TokenOutput
 from common.engine.llm_engine import LLMEngine
-from common.kv.block_manager import KVEvent, KVHeld
+from common.prefix_hash import KVEvent, KVHeld
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.prefix_hash import ROOT, block_hash
+from common.prefix_hash import DEVICE, ROOT, KVEvent, KVHeld, block_hash
 
-# (stored, hash, tier): True when the hash entered the tier ("device": the pool's prefix cache; "ram",
-# "disk": the offload tiers), False when it left it
-KVEvent = tuple[bool, int, str]
-KVHeld = tuple[int, str]  # (hash, tier): one hash a tier holds now, for a snapshot
-DEVICE = "device"
 SNAPSHOT_TRIES = 8  # cached_hashes(): copies attempted while the engine thread changes the index
 
 

@@ -64,6 +64,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.prefix_hash import DISK, RAM, KVEvent
+
 log = logging.getLogger("splitserve.kv_tiers")
 
 MAGIC, VERSION = b"SSKV", 1
@@ -202,7 +204,7 @@ class _Chunk:
     record: bytearray | None = None  # RAM: the record itself; disk: in the chunk's file
 
 
-TierEvent = tuple[bool, int, str]  # (held, block hash, tier name): the block manager's KVEvent
+TierEvent = KVEvent  # (held, block hash, tier name): a tier's KV events are the block manager's kind
 
 
 class _Tier:
@@ -281,8 +283,8 @@ class TierStore:
         assert ram_bytes > 0 or disk_dir is not None, "a store needs a tier"
         self.digest, self.block_size, self.block_bytes = digest, block_size, block_bytes
         self._lock = threading.Lock()
-        self.ram = _Tier("ram", ram_bytes) if ram_bytes > 0 else None
-        self.disk = _Tier("disk", disk_bytes) if disk_dir is not None else None
+        self.ram = _Tier(RAM, ram_bytes) if ram_bytes > 0 else None
+        self.disk = _Tier(DISK, disk_bytes) if disk_dir is not None else None
         self.slot: Path | None = None
         self._slot_fd: int | None = None
         if disk_dir is not None:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from bench.serving import metric_sum, scrape
 from common.cluster.redis_server import RedisServer
 from common.kv.kv_cache import KVCacheSpec
 from common.model.loader import load_model
@@ -65,12 +66,7 @@ def _complete(router: Proc, ids: list[int]) -> tuple[str, str]:
 
 
 def _moved_bytes(prefill: Proc) -> float:
-    text = httpx.get(prefill.url + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("splitserve_kv_transfer_bytes_total")
-    )
+    return metric_sum(scrape(prefill.url), "splitserve_kv_transfer_bytes_total")
 
 
 def test_only_the_window_moves_and_the_tokens_equal_the_local_path(stack: dict) -> None:
