@@ -30,7 +30,7 @@ import numpy as np
 import psutil
 
 from bench.rounds import load_avg
-from bench.serving import Stack
+from bench.serving import Stack, scrape
 from common.cluster.redis_server import RedisServer
 from common.config import EngineConfig
 from common.engine.sim import SimEngine, SimRunner
@@ -218,11 +218,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fleet0 = sum(sum(p.cpu_times()[:2]) for p in fprocs)
         cpu0 = [sum(p.cpu_times()[:2]) for p in rprocs]
         me0 = sum(me.cpu_times()[:2])
+        placed0 = [_placement_buckets(url) for url in routers]
         load = asyncio.run(
             _load(routers, args.rate, args.fleet_duration_s, args.fleet_output_tokens, args.seed)
         )
         router_cpu = sum(sum(p.cpu_times()[:2]) - c for p, c in zip(rprocs, cpu0, strict=True))
         me_cpu = sum(me.cpu_times()[:2]) - me0
+        placed: Counter[float] = Counter()
+        for url, before in zip(routers, placed0, strict=True):
+            placed.update({le: n - before.get(le, 0) for le, n in _placement_buckets(url).items()})
         fleet_cpu = sum(sum(p.cpu_times()[:2]) for p in fprocs) - fleet0
         rss = sum(psutil.Process(pid).memory_info().rss for pid in fleet_pids)
     finally:
@@ -246,6 +250,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "errors": load["errors"],
         "e2e_p50_ms": _ms(load["latencies"], 50),
         "e2e_p99_ms": _ms(load["latencies"], 99),
+        # the router's own placement time (its histogram): the bucket edge under which the quantile falls
+        "placement_p50_ms_at_most": _bucket_quantile(placed, 0.50),
+        "placement_p99_ms_at_most": _bucket_quantile(placed, 0.99),
+        "placement_over_2ms_share": _over(placed, 0.002),
         "queued_to_reserved_p50_ms": _ms(load["placements"], 50),
         "queued_to_reserved_p99_ms": _ms(load["placements"], 99),
         "router_cpu_ms_per_request": round(router_cpu / max(1, done) * 1e3, 3),
@@ -262,6 +270,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_before": load_before,
         "load_after": load_avg(),
     }
+
+
+def _placement_buckets(url: str) -> dict[float, float]:
+    """The router's placement histogram: cumulative count per bucket edge (seconds; inf last)."""
+    out = {}
+    for key, value in scrape(url).items():
+        if key.startswith("splitserve_router_placement_seconds_bucket{"):
+            le = key.split('le="', 1)[1].split('"', 1)[0]
+            out[float("inf") if le == "+Inf" else float(le)] = value
+    return out
+
+
+def _bucket_quantile(cumulative: Counter[float], q: float) -> float | None:
+    """The smallest bucket edge (ms) with at least q of the placements at or under it (an upper bound
+    of the quantile; None without placements, inf past the last edge)."""
+    total = cumulative.get(float("inf"), 0)
+    if not total:
+        return None
+    edge = next(le for le in sorted(cumulative) if cumulative[le] >= q * total)
+    return edge * 1e3
+
+
+def _over(cumulative: Counter[float], seconds: float) -> float | None:
+    """Share of placements over `seconds` (a bucket edge)."""
+    total = cumulative.get(float("inf"), 0)
+    return round(1 - cumulative.get(seconds, 0) / total, 4) if total else None
 
 
 def _healthy(port: int) -> bool:

@@ -18,6 +18,7 @@ router/many.py through `prepare`, `start` and `finish` here.
 from __future__ import annotations
 
 import functools
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -122,8 +123,10 @@ async def start(server: Server, request: Request, job: Job) -> Response | None:
 async def _first_token(server: Server, job: Job) -> None:
     """Where the request runs, whether it may, its record, and the trip up to its first token."""
     trip, targets = job.trip, job.parsed.targets
+    t0 = time.perf_counter()
     placement = await place(trip.placer)  # 3 placement: the candidates, best first, and the route
     placement = shed(placement, trip.placer, targets, server.config, server.metrics)  # 2 overload, SLO
+    server.metrics.placement.observe(time.perf_counter() - t0)
     server.metrics.routes.labels(placement.route.path, placement.route.reason).inc()
     await job.record.create(placement.route)  # 4 the record: QUEUED
     await trip.start(placement)  # 5 the trip, to its first token

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from router.workers import WorkerPool
 from tests.support.router_fakes import FakeCluster, FakeState, make_router, model_info, sse_events
 
 pytestmark = pytest.mark.anyio
@@ -248,7 +249,7 @@ async def test_overloaded_decode_services_shed_load_with_retry_after(out_ids: li
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
         assert "4+ requests waiting" in resp.json()["error"]["message"]
         state.registry.workers["decode"][1] = ("d2", {"waiting": 3})
-        await asyncio.sleep(0.3)  # the router's registry cache
+        await asyncio.sleep(WorkerPool.REFRESH_AHEAD_S + 0.1)  # the router's list: up to that old
         resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
         assert resp.status_code == 200
         assert 'splitserve_router_shed_total{reason="queue_depth"} 1.0' in (await client.get("/metrics")).text
@@ -264,7 +265,7 @@ async def test_a_request_that_cannot_start_in_time_is_refused_up_front(out_ids: 
         assert "could not start in time" in resp.json()["error"]["message"]
         assert not cluster.generate_calls  # refused before any work
         state.registry.workers["decode"][1] = ("d2", {"queue_wait_s": 0.4})
-        await asyncio.sleep(0.3)  # the router's registry cache
+        await asyncio.sleep(WorkerPool.REFRESH_AHEAD_S + 0.1)  # the router's list: up to that old
         resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
         assert resp.status_code == 200 and [n for n, _ in cluster.generate_calls] == ["d2"]
         assert 'splitserve_router_shed_total{reason="queue_wait"} 1.0' in (await client.get("/metrics")).text
