@@ -188,8 +188,9 @@ class LLMEngine:
         def kv_spec(blocks: int, kv_heads: int) -> KVCacheSpec:
             windows = tuple(mc.window(i) for i in range(mc.num_layers))
             windows = windows if any(w is not None for w in windows) else ()  # the layer groups
+            mla = mc.mla_latent  # MLA: the cached latent's (kv_lora_rank, qk_rope_head_dim)
             return KVCacheSpec(
-                mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype, windows
+                mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype, windows, mla
             )
 
         # rank 0 holds the most KV heads (the partition gives the first ranks the larger share), so the

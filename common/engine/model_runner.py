@@ -20,6 +20,7 @@ makes a (chunk x vocab) logits tensor (and its float32 log-softmax), only (slice
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ from common.engine.scheduler import SchedulerOutput
 from common.kv.kv_cache import PagedKVCache
 from common.model.attention import AttentionMetadata, KernelMetadata
 from common.model.llama import LlamaForCausalLM
+
+log = logging.getLogger("splitserve.engine")
 
 # Rows of prompt logprobs scored at once: each slice makes (rows x vocab) logits and a float32 copy of
 # them (~128 MiB each for a 128k vocabulary) however long the prompt chunk is.
@@ -72,11 +75,18 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler(eos_token_ids)
         self.device = kv_cache.k.device
+        if attention_backend == "triton" and model.config.is_mla:
+            # no Triton kernel over the latent cache yet (common/model/mla.py): its torch path, on the device
+            log.warning("%s (MLA): attention runs on the torch path, not Triton", model.config.architecture)
+            attention_backend = "torch"
         self.use_kernels = attention_backend == "triton"
         self.graphs: DecodeGraphs | None = None
 
     def enable_graphs(self, batch_sizes: list[int], max_model_len: int, capture: bool = True) -> None:
         """Serve decode-only steps of up to max(batch_sizes) sequences from captured CUDA graphs."""
+        if self.model.config.is_mla:
+            log.warning("%s (MLA): no CUDA graphs (they need Triton)", self.model.config.architecture)
+            return
         assert self.use_kernels, "CUDA graphs need the Triton attention backend"
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_cache, batch_sizes, max_blocks, capture=capture)

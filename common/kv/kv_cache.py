@@ -18,6 +18,10 @@ the query and its output instead (common/model/attention.py, both paths). Reads 
 rotated back. A value past the format's range saturates at its largest, and is counted
 (`PagedKVCache.clamped`).
 
+An MLA model (deepseek) caches its latent instead of K and V (`KVCacheSpec.mla`, common/model/mla.py):
+one head per token whose first half is stored in K and second in V, so every consumer of this layout
+moves it unchanged. fp8 is refused for it.
+
 Every layer keeps every block of a sequence, sliding-window layers included (their attention masks the
 keys out of the window: correct, but the memory and the split's transfer are a full prompt's).
 TODO(issue 28): one spec per layer group (full, sliding window N), the block manager freeing the
@@ -42,6 +46,20 @@ class KVCacheSpec:
     dtype: torch.dtype = torch.float32  # what the cache stores (see the module doc)
     # Layer groups: each layer's sliding window (None: full attention); () when no layer slides
     layer_windows: tuple[int | None, ...] = ()
+    # MLA (deepseek; common/model/mla.py): (kv_lora_rank, qk_rope_head_dim) of the latent every layer
+    # caches instead of K and V: one "head" per token, its first half in K and its second in V
+    # (num_kv_heads 1, head_dim = half the latent); None for K/V caches
+    mla: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mla is not None:
+            r, rope = self.mla
+            if (self.num_kv_heads, 2 * self.head_dim) != (1, r + rope) or self.layer_windows:
+                raise ValueError(
+                    f"an MLA latent of {r} + {rope} is cached as 1 head of {(r + rope) // 2} in K and in V, "
+                    f"every layer full: not {self.num_kv_heads} heads of {self.head_dim}, windows "
+                    f"{self.layer_windows}"
+                )
 
     def first_needed_block(self, layer: int, num_tokens: int) -> int:
         """The first block of a `num_tokens`-token prompt that decoding it still reads in `layer`: 0 for
@@ -53,7 +71,10 @@ class KVCacheSpec:
         return max(0, num_tokens - window + 1) // self.block_size
 
     def layer_groups(self) -> str:
-        """The layer groups as the KV preflight compares them, e.g. "full:3,window512:15"."""
+        """The layer groups as the KV preflight compares them, e.g. "full:3,window512:15"; an MLA
+        model's: "mla512+64:61" (the latent's kv_lora_rank + qk_rope_head_dim, every layer)."""
+        if self.mla is not None:
+            return f"mla{self.mla[0]}+{self.mla[1]}:{self.num_layers}"
         counts: dict[str, int] = {}
         for w in self.layer_windows or (None,) * self.num_layers:
             key = "full" if w is None else f"window{w}"
@@ -62,7 +83,7 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across all layers, K and V (MLA: the latent, once)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
@@ -134,6 +155,11 @@ class PagedKVCache:
         self.spec = spec
         self.compute_dtype = compute_dtype or spec.dtype
         self.quantized = spec.dtype in FP8
+        if self.quantized and spec.mla is not None:
+            raise ValueError(
+                f"a {spec.dtype} KV cache with MLA (a cached latent) is not implemented: its scales and "
+                "rotation are per K/V head; use --kv-cache-dtype auto, bfloat16 or float16"
+            )
         if self.quantized and scales is None:
             raise ValueError(f"a {spec.dtype} KV cache needs scales (common/kv/quant.py calibrates them)")
         shape = (spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)

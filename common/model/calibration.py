@@ -37,6 +37,11 @@ def kv_amax(model: LlamaForCausalLM, sequences: list[list[int]]) -> tuple[torch.
     (layers, kv_heads, head_dim), fp32 on the CPU. `model` is the whole model, not a tensor-parallel
     shard."""
     cfg = model.config
+    if cfg.is_mla:
+        raise ValueError(
+            f"fp8 KV for {cfg.architecture} (MLA: the cache holds a latent, not per-head K and V) is not "
+            "implemented; use --kv-cache-dtype auto, bfloat16 or float16"
+        )
     k_amax = torch.zeros(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     v_amax = torch.zeros(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     device = model.embed_tokens.weight.device

@@ -26,6 +26,8 @@ import torch
 ROPE_SCALING_TYPES = ("linear", "llama3", "yarn", "freq_factors")
 # The gated MLP's activations (HF's hidden_act / hidden_activation names)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# How a mixture of experts picks each token's experts (ModelConfig.router)
+ROUTERS = ("softmax", "group_limited_greedy", "noaux_tc")
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,39 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # DeepSeek's MoE (deepseek_v2/v3): n_shared_experts gated MLPs of n_shared_experts *
+    # moe_intermediate_size that every token goes through, the routed experts' weights times
+    # routed_scaling_factor, and the router (`ROUTERS`): "softmax" (mixtral, qwen3_moe, deepseek_v2's
+    # greedy), "group_limited_greedy" (deepseek_v2: the experts in n_group groups, only the topk_group
+    # groups of the best expert considered) or "noaux_tc" (deepseek_v3: sigmoid scores, plus the
+    # e_score_correction_bias for the choice only, groups ranked by their two best).
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    # Multi-head latent attention (deepseek_v2/v3), on when kv_lora_rank > 0: each token's K and V are
+    # decompressed from a latent of kv_lora_rank (normalised) + qk_rope_head_dim (the one rotated key
+    # all heads share); the latent is what the KV cache holds: one "KV head" whose kv_lora_rank +
+    # qk_rope_head_dim values are split over K (the first half) and V (the second), so num_kv_heads is
+    # 1 and head_dim is half the latent (`mla_split`). Queries: q_proj, or q_a_proj -> RMSNorm -> q_b_proj
+    # with q_lora_rank (None: no query compression, DeepSeek-V2-Lite). rope_interleave: RoPE over
+    # adjacent pairs (DeepSeek's layout; V2 always, V3 by default) instead of the two halves.
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.head_dim % 2:
+        if self.is_mla:
+            self._check_mla()
+        elif self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         # Normalise HF's "default" / missing type to None so code only checks one thing.
         scaling = normalize_rope_scaling(self.rope_scaling)
@@ -104,6 +132,68 @@ class ModelConfig:
                 f"token, moe_intermediate_size={self.moe_intermediate_size}"
             )
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if self.router not in ROUTERS:
+            raise ValueError(f"router={self.router!r}: supported {', '.join(ROUTERS)}")
+        if self.router != "softmax" and (
+            self.n_group < 1 or self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group
+        ):
+            raise ValueError(
+                f"router {self.router}: {self.num_experts} experts in n_group={self.n_group} groups, "
+                f"topk_group={self.topk_group}"
+            )
+        if self.router != "softmax" and self.num_experts_per_tok > self.topk_group * (
+            self.num_experts // self.n_group
+        ):
+            raise ValueError(
+                f"router {self.router}: {self.num_experts_per_tok} experts per token, more than the "
+                f"{self.topk_group} groups kept hold"
+            )
+        if self.router == "noaux_tc" and self.num_experts // self.n_group < 2:
+            raise ValueError("router noaux_tc ranks each group by its two best experts: groups of 2 or more")
+
+    def _check_mla(self) -> None:
+        dims = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if min(dims) < 1 or self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"MLA: kv_lora_rank={self.kv_lora_rank}, qk_nope_head_dim={self.qk_nope_head_dim}, "
+                f"qk_rope_head_dim={self.qk_rope_head_dim} (even), v_head_dim={self.v_head_dim}: "
+                "each must be at least 1"
+            )
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"MLA: q_lora_rank={self.q_lora_rank} must be at least 1 (or None)")
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        if latent % 2:
+            raise ValueError(
+                f"MLA: the latent (kv_lora_rank + qk_rope_head_dim = {latent}) must be even: the KV cache "
+                "holds its two halves in K and V"
+            )
+        if (self.num_kv_heads, self.head_dim) != self.mla_split:
+            raise ValueError(
+                f"MLA: num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}; the cache layout of a "
+                f"{latent}-wide latent is {self.mla_split}"
+            )
+        if self.sliding_window is not None or self.qk_norm or self.sandwich_norm or self.norm_offset:
+            raise ValueError("MLA with sliding windows, q/k norms or gemma's norms is not implemented")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_split(self) -> tuple[int, int]:
+        """(num_kv_heads, head_dim) of an MLA model's KV cache: one head, half the latent in K and
+        half in V."""
+        return 1, (self.kv_lora_rank + self.qk_rope_head_dim) // 2
+
+    @property
+    def mla_latent(self) -> tuple[int, int] | None:
+        """(kv_lora_rank, qk_rope_head_dim): what an MLA model's cache holds per token; None otherwise."""
+        return (self.kv_lora_rank, self.qk_rope_head_dim) if self.is_mla else None
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dims of each query and key head RoPE rotates (MLA: qk_rope_head_dim)."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def q_size(self) -> int:
@@ -115,7 +205,15 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        """What q.k is multiplied by before the softmax."""
+        """What q.k is multiplied by before the softmax. MLA: over the query head's nope + rope dims,
+        and with YaRN's mscale_all_dim squared on top, as transformers' DeepSeek (yarn_apply_mscale)."""
+        if self.is_mla:
+            scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+            s = self.rope_scaling
+            if s is not None and s.get("mscale_all_dim") and float(s["factor"]) > 1:
+                m = 0.1 * float(s["mscale_all_dim"]) * math.log(float(s["factor"])) + 1.0
+                scale *= m * m
+            return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def is_sliding(self, layer: int) -> bool:
@@ -161,12 +259,12 @@ def normalize_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | N
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) float32 on the CPU, with rope_scaling applied (HF semantics);
+    """Inverse frequencies (rope_dim/2,) float32 on the CPU, with rope_scaling applied (HF semantics);
     `local`: those of the sliding layers (rope_local_theta / rope_local_scaling, gemma3).
 
     Always computed on the CPU, also inside a `torch.device("meta")` block (`LlamaForCausalLM.empty`):
     an op on the meta device runs torch's Python references, which import torch._dynamo (~3 s)."""
-    hd = config.head_dim
+    hd = config.rope_dim
     theta, s = config.rope_theta, config.rope_scaling
     if local:
         assert config.rope_local_theta is not None, "the model has no local RoPE"

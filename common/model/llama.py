@@ -10,7 +10,12 @@ quirks switched on by ModelConfig's options (common/model/config.py; docs/models
   query_pre_attn_scalar, GELU (tanh) gating, sliding and full layers interleaved (`layer_types`, each
   kind with its own RoPE base in gemma3), soft-capped attention scores (gemma2) and logits;
 * mixtral, qwen3_moe: a mixture of experts in place of the MLP (router softmax -> top-k, tokens sorted by
-  expert so each expert runs one matmul over all its tokens of the step).
+  expert so each expert runs one matmul over all its tokens of the step);
+* deepseek_v2, deepseek_v3: multi-head latent attention (common/model/mla.py: the compressed latent is
+  what the paged cache holds) in place of q/k/v, and DeepSeek's MoE (the same experts, plus shared
+  experts every token goes through, routed weights scaled; V2's softmax routing, greedy or limited to
+  the best groups, V3's sigmoid routing with its correction bias and groups) after the first dense
+  layers.
 
 Selective batching: `forward` takes the flattened tokens of every sequence in the step, (T,), and runs
 every op except attention on the (T, hidden) matrix; attention alone reads each sequence's own paged KV
@@ -30,7 +35,10 @@ embedding masks ids outside it and all-reduces, the logits are gathered to rank 
 elementwise options (q/k norms, windows, soft-caps, sandwich norms, embedding scale) need nothing more.
 A mixture of experts shards each expert as the dense MLP: every rank holds every expert's slice of
 moe_intermediate_size (column-parallel gate/up, row-parallel down) and the full router, so each rank
-routes the same tokens to the same experts and one all-reduce sums the experts' partial outputs.
+routes the same tokens to the same experts and one all-reduce sums the experts' partial outputs
+(DeepSeek's shared experts are split as the dense MLP). MLA splits the query heads (their rows of the
+query and kv_b projections, their columns of o_proj) and keeps the whole latent projection on every
+rank: every rank caches the same latent.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from torch import nn
 from common.kv.kv_cache import PagedKVCache
 from common.model.attention import AttentionMetadata, attend, paged_attention
 from common.model.config import ModelConfig, rope_attention_scaling, rope_inv_freq
+from common.model.mla import MLAttention, mla_paged_attention
 from common.parallel.collective import TPRank
 from common.parallel.partition import even_split
 
@@ -149,8 +158,15 @@ class MoE(nn.Module):
     matmul over all of its tokens (a loop over experts, never over tokens), and the weighted results are
     summed back into their tokens with one index_add.
 
-    With tensor parallelism, `inter` is this rank's slice of every expert (`tp_slice`): the output is the
-    rank's partial sum, which the layer all-reduces as after the dense MLP."""
+    DeepSeek (`ModelConfig.router`, `select`): the routers of transformers' DeepseekV2/V3 (V2: softmax,
+    top-k over all experts or over the topk_group groups holding the best; V3: sigmoid, the choice made
+    on scores + e_score_correction_bias within the topk_group groups whose two best sum highest, the
+    weights the plain scores, renormalised), the weights times routed_scaling_factor; and shared
+    experts, one gated MLP every token goes through, added to the routed experts' sum.
+
+    With tensor parallelism, `inter` is this rank's slice of every expert (`tp_slice`; the shared
+    experts' `shared_tp_slice`): the output is the rank's partial sum, which the layer all-reduces as
+    after the dense MLP."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPRank | None = None) -> None:
         super().__init__()
@@ -162,6 +178,21 @@ class MoE(nn.Module):
         self.router = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(e, 2 * inter, h, dtype=dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(e, h, inter, dtype=dtype), requires_grad=False)
+        # DeepSeek: the router kind, its groups, the routed weights' scale, the shared experts
+        self.kind, self.scale = cfg.router, cfg.routed_scaling_factor
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        # noaux_tc's e_score_correction_bias: added to the scores for the choice only (fp32, as HF's)
+        self.bias: nn.Parameter | None = None
+        if cfg.router == "noaux_tc":
+            self.bias = nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
+        self.shared_slice = MoE.shared_tp_slice(cfg, tp)
+        self.shared_gate_up: nn.Parameter | None = None
+        self.shared_down: nn.Parameter | None = None
+        if cfg.n_shared_experts:
+            si = cfg.n_shared_experts * cfg.moe_intermediate_size
+            si = si if self.shared_slice is None else len(self.shared_slice)
+            self.shared_gate_up = nn.Parameter(torch.empty(2 * si, h, dtype=dtype), requires_grad=False)
+            self.shared_down = nn.Parameter(torch.empty(h, si, dtype=dtype), requires_grad=False)
 
     @staticmethod
     def tp_slice(cfg: ModelConfig, tp: TPRank | None) -> range | None:
@@ -170,11 +201,46 @@ class MoE(nn.Module):
             return None
         return even_split(cfg.moe_intermediate_size, tp.layout.size, "moe_intermediate_size")[tp.layout.rank]
 
+    @staticmethod
+    def shared_tp_slice(cfg: ModelConfig, tp: TPRank | None) -> range | None:
+        """This rank's slice of the shared experts' intermediate dim (None: all of it, no TP)."""
+        if tp is None or not cfg.n_shared_experts:
+            return None
+        si = cfg.n_shared_experts * cfg.moe_intermediate_size
+        return even_split(si, tp.layout.size, "n_shared_experts * moe_intermediate_size")[tp.layout.rank]
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and their weights, (T, k) each, as transformers' routers pick them."""
+        if self.kind == "softmax":
+            probs = torch.softmax(linear(x, self.router), dim=-1, dtype=torch.float32)  # (T, E)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k) each
+            if self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights * self.scale if self.scale != 1.0 else weights, experts
+        logits = linear(x.float(), self.router.float())  # (T, E): DeepSeek routes in fp32
+        groups = (logits.shape[0], self.n_group, logits.shape[1] // self.n_group)
+        if self.kind == "group_limited_greedy":  # deepseek_v2: softmax; the groups of the best experts
+            scores = logits.softmax(dim=-1)
+            group_scores = scores.view(groups).amax(dim=-1)  # (T, n_group)
+            masked = 0.0
+            choice = scores
+        else:  # noaux_tc (deepseek_v3): sigmoid; the bias steers the choice, not the weights
+            assert self.bias is not None
+            scores = logits.sigmoid()
+            choice = scores + self.bias
+            group_scores = choice.view(groups).topk(2, dim=-1)[0].sum(dim=-1)
+            masked = float("-inf")
+        top_groups = torch.topk(group_scores, self.topk_group, dim=-1)[1]  # (T, topk_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+        keep = keep.unsqueeze(-1).expand(groups).reshape(choice.shape)
+        experts = torch.topk(choice.masked_fill(~keep, masked), self.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if self.normalize and self.kind == "noaux_tc":
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden)
-        probs = torch.softmax(linear(x, self.router), dim=-1, dtype=torch.float32)  # (T, E)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k) each
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self.select(x)
         flat = experts.flatten()  # (T * k,): pair j is token j // k's choice j % k
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k  # the pairs' tokens, grouped by expert
@@ -188,7 +254,11 @@ class MoE(nn.Module):
                 ys[start : start + n] = linear(self.act(gate) * up, self.down[e])
                 start += n
         ys *= weights.flatten()[order].to(ys.dtype).unsqueeze(1)
-        return torch.zeros_like(x).index_add_(0, token, ys)
+        out = torch.zeros_like(x).index_add_(0, token, ys)
+        if self.shared_gate_up is not None and self.shared_down is not None:
+            gate, up = linear(x, self.shared_gate_up).chunk(2, dim=-1)
+            out += linear(self.act(gate) * up, self.shared_down)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -205,10 +275,16 @@ class DecoderLayer(nn.Module):
         inter = len(tp.layout.intermediate) if tp else cfg.intermediate_size
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
         self.input_norm = RMSNorm(h, eps, dtype, off)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dtype)
+        # the attention: latent (MLA, deepseek) or multi-head/grouped-query
+        self.mla: MLAttention | None = None
+        if cfg.is_mla:
+            self.mla = MLAttention(cfg, dtype, tp)
+        else:
+            bias = cfg.attention_bias
+            self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
+            self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(hd, eps, dtype, off) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, eps, dtype, off) if cfg.qk_norm else None
-        self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
         # HF's post_attention_layernorm: the MLP's input norm, or (sandwich) the attention output's norm
         self.post_attn_norm = RMSNorm(h, eps, dtype, off)
         self.pre_ffn_norm = RMSNorm(h, eps, dtype, off) if cfg.sandwich_norm else None
@@ -222,21 +298,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn_fn: AttnFn
     ) -> torch.Tensor:  # x: (T, hidden)
-        hd = self.cfg.head_dim
-        T = x.shape[0]
-        qkv = linear(self.input_norm(x), self.qkv_proj.weight, self.qkv_proj.bias)  # (T, q_size + 2 kv_size)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(T, self.num_heads + self.num_kv_heads, hd)
-        if self.q_norm is not None and self.k_norm is not None:  # per head, before RoPE
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # q and k rotated in one call: the same position per row for every head of both
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh, hd), (T, nkv, hd)
-        v = v.view(T, self.num_kv_heads, hd)  # (T, nkv, hd)
-        attn = attn_fn(q, k, v, layer)  # (T, nh, hd)
-        # with TP: this rank's heads' share of the sum
-        out = self._reduce(linear(attn.reshape(T, self.q_size), self.o_proj.weight))
+        if self.mla is not None:
+            out = self._reduce(self.mla(self.input_norm(x), cos, sin, layer, attn_fn))
+        else:
+            out = self._attention(x, cos, sin, layer, attn_fn)
         if self.pre_ffn_norm is not None:  # gemma's sandwich: normed attention output, normed MLP input
             x = x + self.post_attn_norm(out)
             h = self.pre_ffn_norm(x)
@@ -252,6 +317,25 @@ class DecoderLayer(nn.Module):
             out = self.post_ffn_norm(out)
         return x + out
 
+    def _attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int, attn_fn: AttnFn
+    ) -> torch.Tensor:  # x: (T, hidden) -> (T, hidden), the attention's output (summed over ranks)
+        hd = self.cfg.head_dim
+        T = x.shape[0]
+        qkv = linear(self.input_norm(x), self.qkv_proj.weight, self.qkv_proj.bias)  # (T, q_size + 2 kv_size)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(T, self.num_heads + self.num_kv_heads, hd)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before RoPE
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # q and k rotated in one call: the same position per row for every head of both
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (T, nh, hd), (T, nkv, hd)
+        v = v.view(T, self.num_kv_heads, hd)  # (T, nkv, hd)
+        attn = attn_fn(q, k, v, layer)  # (T, nh, hd)
+        # with TP: this rank's heads' share of the sum
+        return self._reduce(linear(attn.reshape(T, self.q_size), self.o_proj.weight))
+
     def norms(self) -> dict[RMSNorm, str]:
         """This layer's norms and their HF names (within the layer)."""
         names: dict[RMSNorm, str] = {
@@ -260,6 +344,10 @@ class DecoderLayer(nn.Module):
         }
         if self.q_norm is not None and self.k_norm is not None:
             names[self.q_norm], names[self.k_norm] = "self_attn.q_norm.weight", "self_attn.k_norm.weight"
+        if self.mla is not None:
+            names[self.mla.kv_a_norm] = "self_attn.kv_a_layernorm.weight"
+            if self.mla.q_a_norm is not None:
+                names[self.mla.q_a_norm] = "self_attn.q_a_layernorm.weight"
         if self.pre_ffn_norm is not None and self.post_ffn_norm is not None:
             names[self.pre_ffn_norm] = "pre_feedforward_layernorm.weight"
             names[self.post_ffn_norm] = "post_feedforward_layernorm.weight"
@@ -345,7 +433,10 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.attn_logit_softcapping
 
         def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-            out = paged_attention(q, k, v, layer, kv_cache, meta, self.scale, self.windows[layer], cap)
+            if self.config.is_mla:  # k: the latents (T, 1, rank + rope), v: a view of their first `rank`
+                out = mla_paged_attention(q, k[:, 0], v.shape[-1], layer, kv_cache, meta, self.scale)
+            else:
+                out = paged_attention(q, k, v, layer, kv_cache, meta, self.scale, self.windows[layer], cap)
             if on_layer_done is not None:
                 if q.is_cuda:
                     # the layer's K/V writes are queued on the stream; the callback hands their memory
@@ -483,15 +574,38 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             for norm, name in layer.norms().items():
                 copy(norm.weight, take(p + name), p + name)
-            heads = {"q": q_heads, "k": kv_heads, "v": kv_heads}
-            qkv = [rows(take(p + f"self_attn.{n}_proj.weight"), heads[n], hd) for n in "qkv"]
-            copy(layer.qkv_proj.weight, torch.cat(qkv, dim=0), p + "self_attn.qkv_proj.weight")
-            if layer.qkv_proj.bias is not None:
-                bias = [rows(take(p + f"self_attn.{n}_proj.bias"), heads[n], hd) for n in "qkv"]
-                layer.qkv_proj.bias.copy_(torch.cat(bias))
-            layer.o_proj.weight.copy_(cols(take(p + "self_attn.o_proj.weight"), q_heads, hd))
+            if layer.mla is not None:  # this rank's query heads' rows and columns, the whole latent's
+                a, qk, kv = layer.mla, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, p + "self_attn."
+                for dst, name, unit in ((a.q_proj, "q_proj", qk), (a.q_b_proj, "q_b_proj", qk)):
+                    if dst is not None:
+                        copy(dst, rows(take(kv + name + ".weight"), q_heads, unit), kv + name + ".weight")
+                if a.q_a_proj is not None:
+                    copy(a.q_a_proj, take(kv + "q_a_proj.weight"), kv + "q_a_proj.weight")
+                name = kv + "kv_a_proj_with_mqa.weight"
+                copy(a.kv_a_proj, take(name), name)
+                unit = cfg.qk_nope_head_dim + cfg.v_head_dim
+                for dst, name, r in ((a.kv_b_proj, "kv_b_proj", rows), (a.o_proj, "o_proj", cols)):
+                    size = unit if name == "kv_b_proj" else cfg.v_head_dim  # kv_b: rows; o: columns
+                    copy(dst, r(take(kv + name + ".weight"), q_heads, size), kv + name + ".weight")
+            else:
+                heads = {"q": q_heads, "k": kv_heads, "v": kv_heads}
+                qkv = [rows(take(p + f"self_attn.{n}_proj.weight"), heads[n], hd) for n in "qkv"]
+                copy(layer.qkv_proj.weight, torch.cat(qkv, dim=0), p + "self_attn.qkv_proj.weight")
+                if layer.qkv_proj.bias is not None:
+                    bias = [rows(take(p + f"self_attn.{n}_proj.bias"), heads[n], hd) for n in "qkv"]
+                    layer.qkv_proj.bias.copy_(torch.cat(bias))
+                layer.o_proj.weight.copy_(cols(take(p + "self_attn.o_proj.weight"), q_heads, hd))
             if layer.moe is not None:
                 copy(layer.moe.router, take(p + "mlp.gate.weight"), p + "mlp.gate.weight")
+                if layer.moe.bias is not None:
+                    name = p + "mlp.gate.e_score_correction_bias"
+                    copy(layer.moe.bias, take(name), name)
+                shared_gate_up, shared_down = layer.moe.shared_gate_up, layer.moe.shared_down
+                if shared_gate_up is not None and shared_down is not None:
+                    sh, ss = p + "mlp.shared_experts.", layer.moe.shared_slice
+                    halves = [rows(take(sh + f"{n}_proj.weight"), ss) for n in ("gate", "up")]
+                    copy(shared_gate_up, torch.cat(halves), sh + "gate_up_proj.weight")
+                    copy(shared_down, cols(take(sh + "down_proj.weight"), ss), sh + "down_proj.weight")
                 gu, s = take(p + "mlp.experts.gate_up_proj"), layer.moe.inter_slice  # (E, 2 * inter, h)
                 if s is not None:  # this rank's rows of the gate half and of the up half
                     half = gu.shape[1] // 2
@@ -529,15 +643,30 @@ class LlamaForCausalLM(nn.Module):
             p = f"model.layers.{i}."
             for norm, name in layer.norms().items():
                 out[p + name] = norm.weight
-            split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
-            for n, w in zip("qkv", layer.qkv_proj.weight.split(split), strict=True):
-                out[p + f"self_attn.{n}_proj.weight"] = w
-            if layer.qkv_proj.bias is not None:
-                for n, b in zip("qkv", layer.qkv_proj.bias.split(split), strict=True):
-                    out[p + f"self_attn.{n}_proj.bias"] = b
-            out[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
+            if layer.mla is not None:
+                a, kv = layer.mla, p + "self_attn."
+                for name, w in (("q_proj", a.q_proj), ("q_a_proj", a.q_a_proj), ("q_b_proj", a.q_b_proj)):
+                    if w is not None:
+                        out[kv + name + ".weight"] = w
+                out[kv + "kv_a_proj_with_mqa.weight"] = a.kv_a_proj
+                out[kv + "kv_b_proj.weight"] = a.kv_b_proj
+                out[kv + "o_proj.weight"] = a.o_proj
+            else:
+                split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+                for n, w in zip("qkv", layer.qkv_proj.weight.split(split), strict=True):
+                    out[p + f"self_attn.{n}_proj.weight"] = w
+                if layer.qkv_proj.bias is not None:
+                    for n, b in zip("qkv", layer.qkv_proj.bias.split(split), strict=True):
+                        out[p + f"self_attn.{n}_proj.bias"] = b
+                out[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
             if layer.moe is not None:
                 out[p + "mlp.gate.weight"] = layer.moe.router
+                if layer.moe.bias is not None:
+                    out[p + "mlp.gate.e_score_correction_bias"] = layer.moe.bias
+                if layer.moe.shared_gate_up is not None and layer.moe.shared_down is not None:
+                    sh, shared = p + "mlp.shared_experts.", layer.moe.shared_gate_up
+                    out[sh + "gate_proj.weight"], out[sh + "up_proj.weight"] = shared.chunk(2)
+                    out[sh + "down_proj.weight"] = layer.moe.shared_down
                 out[p + "mlp.experts.gate_up_proj"] = layer.moe.gate_up
                 out[p + "mlp.experts.down_proj"] = layer.moe.down
                 continue
@@ -557,6 +686,10 @@ def canonical_hf_names(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> di
       as transformers 5 holds them (which is also accepted as it is), with the router as `mlp.gate`.
     """
     out = dict(tensors)
+    if cfg.architecture == "deepseek_v3":  # the multi-token-prediction layers after the last (unused)
+        extra = tuple(f"model.layers.{i}." for i in range(cfg.num_layers, cfg.num_layers + 8))
+        for name in [n for n in out if n.startswith(extra)]:
+            del out[name]
     for name in [n for n in out if n.endswith("self_attn.qkv_proj.weight")]:
         p = name.removesuffix("qkv_proj.weight")
         q, k, v = out.pop(name).split([cfg.q_size, cfg.kv_size, cfg.kv_size])

@@ -21,6 +21,7 @@ from common.text.tokenizer import Tokenizer
 log = logging.getLogger("splitserve.model")
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "mixtral", "qwen3_moe",
+    "deepseek_v2", "deepseek_v3",
 )  # fmt: skip
 
 # config.json is read as transformers 5 reads it (parity with transformers is the referee), and a field
@@ -69,6 +70,26 @@ SUPPORTED_MODEL_TYPES = (
 #   pretraining_tp (5.x ignores it), original_max_position_embeddings (phi3: longrope's, refused there)
 #   _FOREIGN_FIELDS (logit_scale, ...)    yes, in other families     refused when set
 #   quantization_config                   the weights' format        refused (plain float weights only)
+#
+# deepseek_v2 / deepseek_v3 (`_deepseek`): MLA and DeepSeek's MoE
+#   kv_lora_rank, q_lora_rank (None: V2-    the attention            read (common/model/mla.py)
+#   Lite), qk_nope/rope_head_dim, v_head_dim
+#   head_dim (transformers: = qk_rope_head_dim)  derived           ignored (ours: the cache layout)
+#   num_key_value_heads                     no (MLA has none)        ignored
+#   rope_interleave (V3; V2 always)         the RoPE pair layout     read
+#   rope yarn mscale / mscale_all_dim       cos/sin, softmax scale   read (as transformers' DeepSeek)
+#   n_routed_experts, num_experts_per_tok,  the MoE                  read
+#   moe_intermediate_size, n_shared_experts,
+#   first_k_dense_replace, routed_scaling_factor
+#   moe_layer_freq                          which layers are MoE     != 1 refused (transformers ignores it)
+#   topk_method, scoring_func, n_group,     the router               V2: greedy / group_limited_greedy
+#   topk_group, norm_topk_prob                                       with softmax, norm_topk_prob=true
+#                                                                    refused (transformers' V2 ignores
+#                                                                    it); V3: noaux_tc with sigmoid;
+#                                                                    other methods refused
+#   attention_bias                          yes                      true refused
+#   num_nextn_predict_layers / num_mtp_     no (drafting only)       their weights dropped at load
+#   layers, ep_size, aux_loss_alpha, seq_aux
 
 # What transformers assumes for a field config.json leaves out: a missing field must mean here what it
 # means there (a Mistral config without sliding_window has a 4096-token window).
@@ -121,6 +142,21 @@ _TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
         "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
     },
     "gemma3_text": {**_GEMMA, "max_position_embeddings": 131072, "num_key_value_heads": 4},
+    # transformers 5's DeepseekV2Config / DeepseekV3Config defaults
+    "deepseek_v2": {
+        "max_position_embeddings": 2048, "first_k_dense_replace": 0, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "n_routed_experts": 64, "n_shared_experts": 2, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "routed_scaling_factor": 1.0, "topk_method": "greedy",
+        "norm_topk_prob": False, "v_head_dim": 128, "moe_intermediate_size": 1407,
+        "intermediate_size": 11008,
+    },
+    "deepseek_v3": {
+        "max_position_embeddings": 4096, "first_k_dense_replace": 3, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "n_routed_experts": 256, "n_shared_experts": 1, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "v_head_dim": 128,
+        "moe_intermediate_size": 2048, "intermediate_size": 18432, "rope_interleave": True,
+    },
 }  # fmt: skip
 # transformers' default rope_theta where a family's differs from 10000 (gemma3: the full layers')
 _THETA_DEFAULTS = {"mixtral": 1e6, "gemma3_text": 1e6}
@@ -416,15 +452,20 @@ def config_from_hf(folder: str, files: list[str]) -> ModelConfig:
         moe.update(norm_topk_prob=bool(cfg["norm_topk_prob"]))
         if experts == 0:
             moe = {}
+    deepseek = _deepseek(cfg, model_type, folder) if model_type.startswith("deepseek") else {}
     act = cfg.get("hidden_activation") or cfg["hidden_act"]
-    return ModelConfig(
+    shape = dict(
+        num_kv_heads=int(cfg.get("num_key_value_heads") or n_head),
+        head_dim=int(cfg.get("head_dim") or hidden // n_head),
+    )
+    shape.update({k: deepseek.pop(k) for k in ("num_kv_heads", "head_dim") if k in deepseek})
+    fields: dict[str, Any] = dict(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
         num_layers=n_layers,
         num_heads=n_head,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or n_head),
-        head_dim=int(cfg.get("head_dim") or hidden // n_head),
+        **shape,
         rms_norm_eps=float(cfg["rms_norm_eps"]),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -448,7 +489,84 @@ def config_from_hf(folder: str, files: list[str]) -> ModelConfig:
         attn_logit_softcapping=_float(cfg.get("attn_logit_softcapping")),
         final_logit_softcapping=_float(cfg.get("final_logit_softcapping")),
         **moe,
+        **deepseek,
     )
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:  # ModelConfig's own checks: name the folder, as the checks above do
+        raise ValueError(f"{folder}: config.json: {e}") from None
+
+
+def _deepseek(cfg: dict[str, Any], model_type: str, folder: str) -> dict[str, Any]:
+    """ModelConfig's MLA and MoE fields of a deepseek_v2/v3 config.json, as transformers 5 reads it;
+    what changes the math and is not implemented is refused."""
+
+    def refuse(field: str, why: str) -> ValueError:
+        return ValueError(f"{folder}: config.json {field}: {why}")
+
+    v3 = model_type == "deepseek_v3"
+    if cfg.get("attention_bias"):
+        raise refuse("attention_bias=true", "MLA projection biases are not implemented")
+    if int(cfg.get("moe_layer_freq") or 1) != 1:
+        raise refuse(
+            f"moe_layer_freq={cfg['moe_layer_freq']}",
+            "transformers' DeepSeek makes every layer from first_k_dense_replace on MoE; refused rather "
+            "than guessing",
+        )
+    q_lora = cfg.get("q_lora_rank")
+    r, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+    out: dict[str, Any] = dict(
+        kv_lora_rank=r,
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=rope,
+        v_head_dim=int(cfg["v_head_dim"]),
+        # V2's RoPE multiplies complex pairs (always interleaved); V3 has the switch
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        num_kv_heads=1,
+        head_dim=(r + rope) // 2,  # the cache's layout (ModelConfig.mla_split)
+    )
+    if (r + rope) % 2:
+        raise refuse(
+            f"kv_lora_rank + qk_rope_head_dim = {r + rope}",
+            "must be even: the KV cache holds the latent's two halves in K and V",
+        )
+    names = [n for n in ("n_routed_experts", "num_experts", "num_local_experts") if cfg.get(n) is not None]
+    if len({cfg[n] for n in names}) > 1:
+        raise refuse(", ".join(names), "disagree")
+    experts = int(cfg[names[0]]) if names else 0
+    if not experts:
+        return out
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    want = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    if method not in want:
+        raise refuse(f"topk_method={method!r}", f"{model_type} implements {', '.join(want)}")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise refuse(f"scoring_func={scoring!r}", f"{model_type} with {method} is not implemented with it")
+    norm = bool(cfg.get("norm_topk_prob"))
+    if norm and not v3:
+        raise refuse("norm_topk_prob=true", "transformers' DeepseekV2 never renormalises; ambiguous, refused")
+    top_k = cfg.get("num_experts_per_tok")
+    if top_k is None:
+        raise refuse("num_experts_per_tok", f"missing, with {experts} routed experts")
+    n_layers, first = int(cfg["num_hidden_layers"]), int(cfg.get("first_k_dense_replace") or 0)
+    out.update(
+        num_experts=experts,
+        num_experts_per_tok=int(top_k),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=norm,
+        dense_layers=tuple(range(min(first, n_layers))),
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        router={"greedy": "softmax"}.get(method, method),
+    )
+    if method != "greedy":
+        for field in ("n_group", "topk_group"):
+            if cfg.get(field) is None:
+                raise refuse(field, f"missing, needed by topk_method={method}")
+        out.update(n_group=int(cfg["n_group"]), topk_group=int(cfg["topk_group"]))
+    return out
 
 
 def _float(v: Any) -> float | None:

@@ -72,6 +72,11 @@ LLAMA3 = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64, "rope_theta": 500000.0,
 }  # fmt: skip
+DEEPSEEK = {
+    "num_key_value_heads": 4, "num_hidden_layers": 3, "kv_lora_rank": 32, "q_lora_rank": 48,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 12, "n_routed_experts": 4,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+}  # fmt: skip
 ARCHS = {
     "llama-llama3": Arch(
         "llama", {"rope_parameters": LLAMA3}, {"rope": {"rope_parameters": {"rope_theta": 500000.0}}}
@@ -168,6 +173,31 @@ ARCHS = {
         },
         {"norm_topk_prob": {"norm_topk_prob": True}},
     ),
+    # DeepSeek MLA (the latent cached; common/model/mla.py) and DeepSeek's MoE (shared experts, routed
+    # weights scaled): V2-Lite's layout (no query compression, greedy softmax routing) with YaRN whose
+    # mscale_all_dim also scales the softmax; V2 with query compression and group-limited routing; V3
+    # (sigmoid routing with the correction bias, groups, renormalised, interleaved RoPE)
+    "deepseek_v2": Arch(
+        "deepseek_v2",
+        {**DEEPSEEK, "q_lora_rank": None, "routed_scaling_factor": 2.0,
+         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                             "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0}},
+        {"top_k": {"num_experts_per_tok": 1}, "scaling": {"routed_scaling_factor": 1.0},
+         "rope": {"rope_parameters": {"rope_theta": 10000.0}},
+         "mscale": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                        "original_max_position_embeddings": 128}}},
+    ),
+    "deepseek_v2-groups": Arch(
+        "deepseek_v2",
+        {**DEEPSEEK, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1},
+        {"groups": {"topk_method": "greedy"}},
+    ),
+    "deepseek_v3": Arch(
+        "deepseek_v3",
+        {**DEEPSEEK, "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5},
+        {"interleave": {"rope_interleave": False}, "norm_topk_prob": {"norm_topk_prob": False},
+         "groups": {"topk_group": 2}},
+    ),
 }  # fmt: skip
 
 
@@ -177,7 +207,10 @@ def build(folder: Path, arch: Arch) -> Path:
     from tokenizers import models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(arch.model_type, **{**TINY, **arch.config})
+    params = {**TINY, **arch.config}
+    if arch.model_type.startswith("deepseek"):
+        del params["head_dim"]  # derived (qk_rope_head_dim); transformers' V3 would take a given one
+    config = AutoConfig.for_model(arch.model_type, **params)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
@@ -192,6 +225,9 @@ def build(folder: Path, arch: Arch) -> Path:
                 if "lm_head" in name:
                     std *= 4  # a clear favourite per row: greedy decoding is stable against rounding
                 p.copy_(std * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # deepseek_v3's router bias (zeros at init)
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
     model.save_pretrained(folder)
     tok = HFTokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -248,6 +284,10 @@ def test_config_read(built: Built, request: pytest.FixtureRequest) -> None:
     assert (c.sliding_window is not None) == arch.window
     if arch.window:
         assert c.sliding_window == WINDOW
+    if arch.model_type.startswith("deepseek"):  # the latent cached: one 20-wide head in K, one in V
+        assert c.mla_latent == (32, 8) and (c.num_kv_heads, c.head_dim) == (1, 20)
+        assert c.q_lora_rank == arch.config["q_lora_rank"]
+        assert c.dense_layers == (0,) and c.num_experts == 4 and c.n_shared_experts == 1
 
 
 @torch.inference_mode()
@@ -274,6 +314,15 @@ def test_quirks_matter(built: Built, request: pytest.FixtureRequest) -> None:
         hf.load_state_dict(built.hf.state_dict())
         wrong = hf(IDS[None]).logits[0].float()
         assert (wrong - built.ref).abs().max().item() > 1e-2, f"{what} does not change the logits"
+    if raw["model_type"] == "deepseek_v3":  # the router's correction bias (a weight, not a config field)
+        state = {
+            k: torch.zeros_like(v) if k.endswith("e_score_correction_bias") else v
+            for k, v in built.hf.state_dict().items()
+        }
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw), dtype=torch.float32).eval()
+        hf.load_state_dict(state)
+        wrong = hf(IDS[None]).logits[0].float()
+        assert (wrong - built.ref).abs().max().item() > 1e-2, "e_score_correction_bias does not matter"
 
 
 # also through the Triton kernels (interpreted on a CPU): a window on every layer, and interleaved
@@ -299,6 +348,19 @@ def test_greedy_tokens_match_transformers(built: Built, request: pytest.FixtureR
         engine = LLMEngine(built.ours, built.tokenizer, triton_cfg)
         assert engine.runner.use_kernels
         assert engine.generate([IDS.tolist()], params)[0].token_ids == hf_out
+    if built.ours.config.is_mla:  # the preflight's record names the latent group, one 20-wide head
+        compat = engine.kv_compat()
+        assert (compat.layer_groups, compat.num_kv_heads, compat.head_dim) == ("mla32+8:3", 1, 20)
+        assert engine.kv_cache.spec.bytes_per_block == 3 * BLOCK * 40 * 4  # the latent, once, fp32
+    if request.node.callspec.id == "deepseek_v3":  # no Triton kernel over the latent: the torch path
+        pytest.importorskip("triton")
+        triton_cfg = cfg.model_copy(update={"attention_backend": "triton"})
+        engine = LLMEngine(built.ours, built.tokenizer, triton_cfg)
+        assert not engine.runner.use_kernels
+        assert engine.generate([IDS.tolist()], params)[0].token_ids == hf_out
+        fp8 = cfg.model_copy(update={"kv_cache_dtype": "fp8_e4m3"})
+        with pytest.raises(ValueError, match="fp8 KV for deepseek_v3"):
+            LLMEngine(built.ours, built.tokenizer, fp8)
 
 
 @torch.inference_mode()

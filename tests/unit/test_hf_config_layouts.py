@@ -253,3 +253,79 @@ def test_layouts_read_the_same(tmp_path: Path) -> None:
     (tmp_path / "no_orig").mkdir()
     c = config_from_hf(write_config(tmp_path / "no_orig", rope_parameters=no_orig), [])
     assert c.rope_scaling is not None and c.rope_scaling["original_max_position_embeddings"] == 512
+
+
+# The Hub's config.json of DeepSeek-V2-Lite and DeepSeek-V3 (legacy layout: top-level rope_theta, a
+# "type": "yarn" rope_scaling with DeepSeek's mscale pair; fields transformers 5 ignores included)
+V2_LITE: dict[str, Any] = {
+    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64, "ep_size": 1,
+    "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
+    "scoring_func": "softmax", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
+}  # fmt: skip
+V3: dict[str, Any] = {
+    **V2_LITE, "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "q_lora_rank": 1536, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "num_nextn_predict_layers": 1,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+}  # fmt: skip
+
+
+def test_deepseek_hub_configs_are_read(tmp_path: Path) -> None:
+    import math
+
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v3").mkdir()
+    lite = config_from_hf(write_config(tmp_path / "v2", **V2_LITE), [])
+    v3 = config_from_hf(write_config(tmp_path / "v3", **V3), [])
+    for c in (lite, v3):  # the latent is what is cached: one head of (512 + 64) / 2 in K and in V
+        assert c.is_mla and c.mla_latent == (512, 64) and (c.num_kv_heads, c.head_dim) == (1, 288)
+        assert c.rope_dim == 64 and c.rope_interleave and c.rope_scaling is not None
+        assert c.rope_scaling["rope_type"] == "yarn" and c.rope_scaling["factor"] == 40
+    assert lite.q_lora_rank is None and v3.q_lora_rank == 1536
+    assert (lite.router, lite.norm_topk_prob) == ("softmax", False)
+    assert (lite.num_experts, lite.num_experts_per_tok) == (64, 6)
+    assert (lite.n_shared_experts, lite.dense_layers, lite.routed_scaling_factor) == (2, (0,), 1.0)
+    assert (v3.router, v3.n_group, v3.topk_group, v3.norm_topk_prob) == ("noaux_tc", 8, 4, True)
+    assert (v3.n_shared_experts, v3.dense_layers, v3.routed_scaling_factor) == (1, (0, 1, 2), 2.5)
+    # the softmax scale: (nope + rope) ** -0.5 times YaRN's mscale(40, mscale_all_dim) squared
+    m = 0.1 * 0.707 * math.log(40) + 1
+    assert math.isclose(lite.attn_scale, 192**-0.5 * m * m, rel_tol=1e-12)
+    m = 0.1 * math.log(40) + 1
+    assert math.isclose(v3.attn_scale, 192**-0.5 * m * m, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({**V2_LITE, "topk_method": "noaux_tc"}, "topk_method='noaux_tc': deepseek_v2 implements greedy"),
+        ({**V2_LITE, "scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+        ({**V2_LITE, "norm_topk_prob": True}, "norm_topk_prob=true"),
+        ({**V2_LITE, "moe_layer_freq": 2}, "moe_layer_freq=2"),
+        ({**V2_LITE, "attention_bias": True}, "attention_bias=true"),
+        ({**V2_LITE, "topk_method": "group_limited_greedy", "n_group": None}, "n_group: missing"),
+        ({**V2_LITE, "n_routed_experts": 64, "num_local_experts": 32}, "disagree"),
+        ({**V2_LITE, "num_experts_per_tok": None}, "num_experts_per_tok: missing"),
+        ({**V2_LITE, "kv_lora_rank": 511}, "kv_lora_rank \\+ qk_rope_head_dim = 575.*even"),
+        ({**V2_LITE, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "unsupported rope_scaling type"),
+        ({**V3, "topk_method": "greedy"}, "topk_method='greedy': deepseek_v3 implements noaux_tc"),
+        ({**V3, "scoring_func": "softmax"}, "scoring_func='softmax'"),
+        ({**V3, "n_group": 3}, "256 experts in n_group=3 groups"),
+        ({**V3, "num_experts_per_tok": 200}, "more than the 4 groups kept hold"),
+        ({**V3, "quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ],
+)  # fmt: skip
+def test_deepseek_unimplemented_is_refused(tmp_path: Path, cfg: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        config_from_hf(write_config(tmp_path, **cfg), [])
