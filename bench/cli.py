@@ -44,7 +44,9 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "matmul": "matmul",
     "tiers": "tiers",
     "fleet": "fleet",
+    "chaos-fleet": "chaos_fleet",
     "window": "window",
+    "planner": "planner",
 }
 
 
@@ -54,8 +56,9 @@ def _scenario(name: str) -> Scenario:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # `all`: every figure; the soak (minutes of load and faults) runs only when named
-    names = [n for n in SCENARIOS if n != "soak"] if args.scenario == "all" else [args.scenario]
+    # `all`: every figure; the soak and chaos-fleet (minutes of load and faults) run only when named
+    only_named = ("soak", "chaos-fleet")
+    names = [n for n in SCENARIOS if n not in only_named] if args.scenario == "all" else [args.scenario]
     if args.scenario != "all" and args.scenario not in SCENARIOS:
         print(
             f"error: unknown scenario {args.scenario!r}; choose from: all, {', '.join(SCENARIOS)}",
@@ -90,7 +93,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | kv-dtype | tp | matmul | tiers | fleet | window | all",
+        "prefix | fairness | kv-dtype | tp | matmul | tiers | fleet | chaos-fleet | window | planner | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(
@@ -188,13 +191,44 @@ def add_bench_parser(sub: Any) -> None:
     fl.add_argument("--fleet-routers", type=int, default=1, help="fleet: routers sharing the Redis")
     fl.add_argument("--fleet-duration-s", type=float, default=20.0, help="fleet: seconds of arrivals")
     fl.add_argument("--fleet-output-tokens", type=int, default=4, help="fleet: max_tokens of each request")
+    pl = b.add_argument_group("planner")
+    pl.add_argument("--planner-minutes", type=float, default=60.0, help="planner: virtual minutes of trace")
+    pl.add_argument("--planner-peak-rps", type=float, default=100.0, help="planner: the trace's peak rate")
+    pl.add_argument(
+        "--planner-interval-s", type=float, default=15.0, help="planner: seconds between decisions"
+    )
+    pl.add_argument("--planner-startup-s", type=float, default=60.0, help="planner: a new worker's start-up")
+    pl.add_argument("--planner-outage-min", type=float, default=5.0, help="planner: minutes without signals")
+    pl.add_argument("--planner-budget", type=int, default=16, help="planner: workers in all, at most")
+    pl.add_argument("--planner-max-role", type=int, default=8, help="planner: workers of one role, at most")
+    pl.add_argument("--planner-ttft-s", type=float, default=1.0, help="planner: TTFT p90 target")
+    pl.add_argument("--planner-tpot-s", type=float, default=0.05, help="planner: TPOT p90 target")
     o = b.add_argument_group("soak")
-    o.add_argument("--concurrency", type=int, default=8, help="soak: requests in flight at once")
+    o.add_argument("--concurrency", type=int, default=8, help="soak, chaos-fleet: requests in flight at once")
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")
     o.add_argument(
         "--tiers",
         action="store_true",
         help="soak: every service with a RAM and a disk KV tier behind a small pool; half the prompts repeat",
+    )
+    c = b.add_argument_group("chaos-fleet")
+    c.add_argument("--chaos-prefill", type=int, default=8, help="chaos-fleet: simulated prefill services")
+    c.add_argument("--chaos-decode", type=int, default=24, help="chaos-fleet: simulated decode services")
+    c.add_argument(
+        "--chaos-prefill-procs", type=int, default=2, help="chaos-fleet: processes holding the prefills"
+    )
+    c.add_argument(
+        "--chaos-decode-procs", type=int, default=8, help="chaos-fleet: processes holding the decodes"
+    )
+    c.add_argument(
+        "--chaos-kill-procs",
+        type=int,
+        default=1,
+        help="chaos-fleet: decode processes SIGKILLed at 20 %% of the run",
+    )
+    c.add_argument("--chaos-duration-s", type=float, default=60.0, help="chaos-fleet: seconds of load")
+    c.add_argument(
+        "--chaos-output-tokens", type=int, default=48, help="chaos-fleet: max_tokens of each request"
     )
     k = b.add_argument_group("transfer, overlap")
     k.add_argument("--mib", type=int, default=64, help="transfer: MiB of KV moved per repetition")

@@ -11,12 +11,17 @@ Rules, each with a test (tests/unit/test_planner.py):
   taken before a scale-up is not read as if the new workers had been there.
 - Down, consolidation-aware: one worker fewer only if the load of n workers spread over n - 1 stays
   under `down_margin` of target, `down_stable_s` long. At n = 2 that is r < 0.35 with the default 0.7:
-  a load that sits near half of one worker's target cannot flip between 1 and 2.
+  a load that sits near half of one worker's target cannot flip between 1 and 2. One at a time: latency
+  is far from proportional to load (flat until a worker saturates), so a low reading does not say how
+  many fewer would still meet target (several at once was tried on `splitserve bench planner`: it
+  swung between the floor and the ceiling).
 - No change to a role within `cooldown_s` of its last one (a new worker needs time to show in the
   signals).
 - Never below `min_*`, never above `max_*`, never more than `budget` workers in all; over budget, the
   role with less pressure gives way.
-- Signals missing or stale (metrics outage): the last decision holds; the floor still applies.
+- Signals missing or stale (metrics outage): the last decision holds; the floor still applies. An
+  outage is no evidence of low load: a role that was low before it waits `down_stable_s` again after
+  it before going down.
 - Every decision is returned with its inputs (the caller logs it as one JSON line).
 """
 
@@ -168,6 +173,7 @@ class Planner:
     def _hold(self, now: float, why: str) -> Decision:
         cfg = self.config
         last = self.last
+        self._low_since = {"prefill": None, "decode": None}
         prefill = max(cfg.min_prefill, last.prefill if last else cfg.min_prefill)
         decode = max(cfg.min_decode, last.decode if last else cfg.min_decode)
         self.last = Decision(now, prefill, decode, why, {})

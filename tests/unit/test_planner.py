@@ -87,6 +87,20 @@ def test_a_metrics_outage_holds_the_last_decision_and_the_floor() -> None:
     assert Planner(cfg).step(None, 0).prefill == 2  # an outage from the start: the floor
 
 
+def test_an_outage_does_not_count_as_time_spent_low() -> None:
+    """Low for 110 s, then 4 minutes without signals: the first reading after the outage does not take
+    the role down (down_stable_s of low readings, counted again from after the outage, does)."""
+    pl = Planner(CFG)
+    pl.step(sig(0, ttft=3.0), 0)
+    assert pl.last is not None and pl.last.prefill == 2
+    for t in range(100, 210, 10):
+        assert pl.step(sig(float(t), ttft=0.1, p=2), float(t)).prefill == 2
+    for t in range(210, 450, 10):
+        assert pl.step(None, float(t)).prefill == 2
+    assert pl.step(sig(450, ttft=0.1, p=2), 450).prefill == 2  # low, but only just seen again
+    assert pl.step(sig(450 + CFG.down_stable_s, ttft=0.1, p=2), 450 + CFG.down_stable_s).prefill == 1
+
+
 def test_ceiling_and_budget() -> None:
     cfg = PlannerConfig(max_prefill=3, max_decode=8, budget=6, cooldown_s=0)
     pl = Planner(cfg)

@@ -1,0 +1,413 @@
+"""`splitserve bench planner`: the planner (planner/policy.py, the real `Planner`) against the best fixed
+split, on one bursty trace replayed in virtual time over a simulated fleet (bench/fleet_model.py: per-worker
+continuous batching timed by the llama3-8b-h100 profile's roofline).
+
+The trace (`--planner-minutes`, 60 by default, after 15 minutes of warm-up at the opening rate that no
+figure counts): a low plateau (a quarter of `--planner-peak-rps`) with a 2-minute burst at 2.5x, a cosine
+ramp up to the peak, a peak plateau, a ramp down to half the peak, and a plateau there with a 2-minute burst
+at 2x; each stretch a fixed share of the trace. Poisson arrivals; prompts lognormal around 1024 tokens
+(128..8192), outputs lognormal around 192 (16..1024); all drawn from --seed. Both sides replay the same
+requests and are judged against the same targets.
+
+- The planner run: the fleet starts at the planner's minimum at the warm-up's start; every
+  `--planner-interval-s` the planner gets the signals the live reader builds (planner/signals.py) from the
+  virtual fleet: p90 TTFT of the first tokens and p90 TPOT of the requests finished since the last read,
+  the ready workers of each role, the prompts queued on prefill workers, the sequences waiting for decode
+  admission and the decode workers' KV occupancy; its decision is applied at once (new workers ready after
+  `--planner-startup-s`, removed ones drain). For `--planner-outage-min` minutes in the peak plateau the
+  signals are missing (the planner gets None, as from a failed read).
+- The best fixed split: the fewest workers (prefill + decode, each at most the planner's per-role maximum)
+  whose run meets the SLO in at least 95% of the windows. Found by search, not by trying every split: the
+  fewest prefill workers whose TTFT meets target in 95% of windows with the most decode workers, the
+  fewest decode workers whose TPOT does with the most prefill workers, then that pair and, while it falls
+  short, pairs of one more worker (every run is in `sweep`).
+
+Figures (JSON):
+- `slo_windows_met`: the planner run's share of 1-minute windows (by arrival) whose requests' TTFT p90 and
+  TPOT p90 are within target (a request not finished when the replay ends counts as over target);
+  goal >= 0.95.
+- `worker_minutes_ratio`: the planner's worker-minutes (starting and draining workers included) over the
+  best fixed split's, over the trace; goal <= 0.8.
+- `flips_per_10min_steady`: direction changes of either role's decided count per 10 minutes of the steady
+  stretches (the plateaus, less the bursts), counting a change only when the change before it, of the same
+  role, was in the same stretch (a scale-down after a burst answers the burst, not a flip); goal <= 1.
+- `below_min_during_outage`: whether the ready workers of a role were below its minimum at any instant of
+  the outage; goal false.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bench.fleet_model import Fleet, FleetConfig
+from bench.rounds import load_avg
+from common.engine.sim_profile import SimProfile
+from planner.policy import Planner, PlannerConfig, RoleSignals, Signals
+
+PROFILE = "llama3-8b-h100"
+WARMUP_S = 900.0
+DRAIN_S = 180.0  # the replay runs this long past the trace, so late requests finish and count
+SLO_GOAL = 0.95
+
+
+@dataclass(frozen=True)
+class Stretch:
+    start: float
+    end: float
+    kind: str  # "steady", "ramp" or "burst"
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The rate over time (module doc) and the requests drawn from it."""
+
+    minutes: float
+    peak_rps: float
+    seed: int
+    stretches: tuple[Stretch, ...] = field(init=False)
+    arrivals: list[tuple[float, int, int]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.minutes >= 12:
+            raise ValueError(f"the trace needs 12 minutes or more, got {self.minutes}")
+        if not self.peak_rps > 0:
+            raise ValueError(f"the peak rate must be positive, got {self.peak_rps}")
+        T = self.minutes * 60
+        b1, b2 = T / 12, T * 5 / 6
+        burst = min(120.0, T / 20)
+        stretches = (
+            Stretch(-WARMUP_S, 0, "steady"),
+            Stretch(0, b1, "steady"),
+            Stretch(b1, b1 + burst, "burst"),
+            Stretch(b1 + burst, T / 6, "steady"),
+            Stretch(T / 6, T / 3, "ramp"),
+            Stretch(T / 3, T * 7 / 12, "steady"),
+            Stretch(T * 7 / 12, T * 3 / 4, "ramp"),
+            Stretch(T * 3 / 4, b2, "steady"),
+            Stretch(b2, b2 + burst, "burst"),
+            Stretch(b2 + burst, T, "steady"),
+        )
+        object.__setattr__(self, "stretches", stretches)
+        object.__setattr__(self, "arrivals", self._draw())
+
+    @property
+    def duration_s(self) -> float:
+        return self.minutes * 60
+
+    def rate(self, t: float) -> float:
+        T, peak = self.duration_s, self.peak_rps
+        low, high, mid = 0.25 * peak, peak, 0.5 * peak
+
+        def ramp(a: float, b: float, t0: float, t1: float) -> float:
+            x = (t - t0) / (t1 - t0)
+            return a + (b - a) * (1 - math.cos(math.pi * x)) / 2
+
+        if t < T / 6:
+            base = low
+        elif t < T / 3:
+            base = ramp(low, high, T / 6, T / 3)
+        elif t < T * 7 / 12:
+            base = high
+        elif t < T * 3 / 4:
+            base = ramp(high, mid, T * 7 / 12, T * 3 / 4)
+        else:
+            base = mid
+        for s in self.stretches:
+            if s.kind == "burst" and s.start <= t < s.end:
+                return base * (2.5 if t < T / 2 else 2.0)
+        return base
+
+    def _draw(self) -> list[tuple[float, int, int]]:
+        """Poisson arrivals by thinning at the highest rate; prompt and output lengths (module doc)."""
+        rng = np.random.default_rng(self.seed)
+        top = 2.5 * self.peak_rps
+        span = self.duration_s + WARMUP_S
+        gaps = rng.exponential(1 / top, size=int(span * top * 1.2) + 100)
+        times = np.cumsum(gaps) - WARMUP_S
+        times = times[times < self.duration_s]
+        keep = rng.random(len(times)) * top < np.array([self.rate(t) for t in times])
+        times = times[keep]
+        outputs = np.clip(rng.lognormal(math.log(192), 0.7, len(times)), 16, 1024).astype(int)
+        prompts = np.clip(rng.lognormal(math.log(1024), 0.8, len(times)), 128, 8192).astype(int)
+        prompts = np.minimum(prompts, 8192 - outputs)
+        return [(float(t), int(p), int(o)) for t, p, o in zip(times, prompts, outputs, strict=True)]
+
+    def steady(self) -> list[Stretch]:
+        return [s for s in self.stretches if s.kind == "steady" and s.start >= 0]
+
+    def in_kind(self, t: float, kind: str) -> bool:
+        return any(s.kind == kind and s.start <= t < s.end for s in self.stretches)
+
+
+def p90(xs: list[float]) -> float | None:
+    """The nearest-rank 90th percentile (an infinite value, an unfinished request, stays infinite)."""
+    if not xs:
+        return None
+    return sorted(xs)[math.ceil(0.9 * len(xs)) - 1]
+
+
+@dataclass(frozen=True)
+class Targets:
+    ttft_s: float
+    tpot_s: float
+
+
+def windows(fleet: Fleet, trace: Trace, targets: Targets) -> list[dict[str, Any]]:
+    """Per 1-minute window of arrivals in [0, trace end): TTFT and TPOT p90 and whether both are within
+    target (an unfinished request counts as infinitely late)."""
+    n = math.ceil(trace.duration_s / 60)
+    ttft: list[list[float]] = [[] for _ in range(n)]
+    tpot: list[list[float]] = [[] for _ in range(n)]
+    for r in fleet.requests:
+        if r.arrival < 0:
+            continue
+        i = int(r.arrival // 60)
+        ttft[i].append(math.inf if r.ttft is None else r.ttft)
+        tpot[i].append(math.inf if r.tpot is None else r.tpot)
+    out = []
+    for i in range(n):
+        a, b = p90(ttft[i]), p90(tpot[i])
+        ok_a = a is None or a <= targets.ttft_s
+        ok_b = b is None or b <= targets.tpot_s
+        out.append({"minute": i, "ttft_p90_s": a, "tpot_p90_s": b, "ttft_ok": ok_a, "tpot_ok": ok_b})
+    return out
+
+
+def share(ws: list[dict[str, Any]], *keys: str) -> float:
+    return sum(all(w[k] for k in keys) for w in ws) / len(ws)
+
+
+def run_fixed(cfg: FleetConfig, trace: Trace, targets: Targets, prefill: int, decode: int) -> dict[str, Any]:
+    fleet = Fleet(cfg, prefill, decode, at=-WARMUP_S)
+    fleet.run(trace.arrivals, trace.duration_s + DRAIN_S)
+    ws = windows(fleet, trace, targets)
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "workers": prefill + decode,
+        "slo_windows_met": round(share(ws, "ttft_ok", "tpot_ok"), 4),
+        "ttft_windows_met": round(share(ws, "ttft_ok"), 4),
+        "tpot_windows_met": round(share(ws, "tpot_ok"), 4),
+        "worker_minutes": round(fleet.worker_seconds(0, trace.duration_s) / 60, 1),
+        "_windows": ws,
+    }
+
+
+def best_fixed(
+    evaluate: Callable[[int, int], dict[str, Any]], max_prefill: int, max_decode: int
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """The fewest-worker split meeting the SLO goal (module doc), and every run the search made."""
+    runs: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def ev(p: int, d: int) -> dict[str, Any]:
+        if (p, d) not in runs:
+            runs[(p, d)] = evaluate(p, d)
+        return runs[(p, d)]
+
+    def fewest(hi: int, ok: Callable[[int], bool]) -> int | None:
+        lo, found = 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                found, hi = mid, mid - 1
+            else:
+                lo = mid + 1
+        return found
+
+    p_min = fewest(max_prefill, lambda p: ev(p, max_decode)["ttft_windows_met"] >= SLO_GOAL)
+    d_min = fewest(max_decode, lambda d: ev(max_prefill, d)["tpot_windows_met"] >= SLO_GOAL)
+    best = None
+    if p_min is not None and d_min is not None:
+        for extra in range(max_prefill + max_decode - p_min - d_min + 1):
+            pairs = [(p_min + k, d_min + extra - k) for k in range(extra + 1)]
+            pairs = [(p, d) for p, d in pairs if p <= max_prefill and d <= max_decode]
+            met = [ev(p, d) for p, d in pairs if ev(p, d)["slo_windows_met"] >= SLO_GOAL]
+            if met:
+                best = max(met, key=lambda r: r["slo_windows_met"])
+                break
+    table = sorted(runs.values(), key=lambda r: (r["workers"], r["prefill"]))
+    return best, table
+
+
+class PlannerRun:
+    """The real Planner deciding every interval from the virtual fleet's signals (module doc)."""
+
+    def __init__(self, config: PlannerConfig, outage: tuple[float, float]) -> None:
+        self.planner = Planner(config)
+        self.config = config
+        self.outage = outage
+        self.decisions: list[tuple[float, int, int, bool]] = []  # when, prefill, decode, during the outage
+
+    def tick(self, now: float, fleet: Fleet) -> None:
+        in_outage = self.outage[0] <= now < self.outage[1]
+        signals = None
+        if not in_outage:  # a failed read leaves the router's histograms to the next read: keep them
+            ttfts, tpots = fleet.take_signals()
+            signals = Signals(
+                now,
+                RoleSignals(len(fleet.ready("prefill")), p90(ttfts), fleet.waiting("prefill")),
+                RoleSignals(len(fleet.ready("decode")), p90(tpots), fleet.waiting("decode"), fleet.kv_used()),
+            )
+        d = self.planner.step(signals, now)
+        fleet.scale("prefill", d.prefill)
+        fleet.scale("decode", d.decode)
+        self.decisions.append((now, d.prefill, d.decode, in_outage))
+
+
+def below_min(fleet: Fleet, config: PlannerConfig, start: float, end: float) -> bool:
+    """Whether the ready workers of a role were below its minimum at any instant of [start, end)."""
+    before = [c for c in fleet.count_changes if c[0] <= start]
+    during = [c for c in fleet.count_changes if start < c[0] < end]
+    states = before[-1:] + during
+    return any(p < config.min_prefill or d < config.min_decode for _, p, d in states)
+
+
+def flips(decisions: list[tuple[float, int, int, bool]], trace: Trace) -> tuple[int, float]:
+    """Direction changes within a steady stretch (module doc) and the steady minutes."""
+    steady = trace.steady()
+
+    def stretch(t: float) -> int | None:
+        return next((i for i, s in enumerate(steady) if s.start <= t < s.end), None)
+
+    count = 0
+    for role in (1, 2):
+        changes: list[tuple[float, int]] = []  # when, direction
+        for prev, cur in zip(decisions, decisions[1:], strict=False):
+            if cur[role] != prev[role]:
+                changes.append((cur[0], 1 if cur[role] > prev[role] else -1))
+        for (t0, d0), (t1, d1) in zip(changes, changes[1:], strict=False):
+            if d0 != d1 and stretch(t1) is not None and stretch(t0) == stretch(t1):
+                count += 1
+    return count, sum(s.end - s.start for s in steady) / 60
+
+
+def plot(trace: Trace, planner_fleet: Fleet, fixed: dict[str, Any], planned: list[dict[str, Any]],
+         targets: Targets, outage: tuple[float, float], path: str) -> None:  # fmt: skip
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    T = trace.duration_s
+    ts = [c[0] / 60 for c in planner_fleet.count_changes if c[0] <= T] + [T / 60]
+    ps = [c[1] for c in planner_fleet.count_changes if c[0] <= T]
+    ds = [c[2] for c in planner_fleet.count_changes if c[0] <= T]
+    ax1.step(ts, ps + ps[-1:], where="post", label="planner: prefill ready", color="tab:blue")
+    ax1.step(ts, ds + ds[-1:], where="post", label="planner: decode ready", color="tab:orange")
+    ax1.axhline(
+        fixed["prefill"], ls="--", color="tab:blue", alpha=0.6, label=f"fixed: {fixed['prefill']} prefill"
+    )
+    ax1.axhline(
+        fixed["decode"], ls="--", color="tab:orange", alpha=0.6, label=f"fixed: {fixed['decode']} decode"
+    )
+    ax1.set(ylabel="workers", title="Workers over time (left) and arrival rate (right)")
+    grid = np.linspace(-WARMUP_S, T, 800)
+    rate = ax1.twinx()
+    rate.plot(grid / 60, [trace.rate(t) for t in grid], color="grey", alpha=0.5, label="arrival rate")
+    rate.set_ylabel("requests/s")
+    ax1.legend(loc="upper left", fontsize=8)
+    panels = ((ax2, "ttft_p90_s", targets.ttft_s, "TTFT"), (ax3, "tpot_p90_s", targets.tpot_s, "TPOT"))
+    for ax, key, target, name in panels:
+        for ws, label, style in ((planned, "planner", "-"), (fixed["_windows"], "best fixed split", "--")):
+            xs = [w["minute"] + 0.5 for w in ws]
+            ys = [min(w[key], 10 * target) / target if w[key] is not None else np.nan for w in ws]
+            ax.plot(xs, ys, style, marker=".", label=label)
+        ax.axhline(1.0, color="red", lw=1, label="target")
+        ax.set(ylabel=f"{name} p90 / target (at most 10)", yscale="log")
+        ax.legend(loc="upper left", fontsize=8)
+    for ax in (ax1, ax2, ax3):
+        ax.axvspan(outage[0] / 60, outage[1] / 60, color="red", alpha=0.08)
+        for s in trace.stretches:
+            if s.kind == "burst":
+                ax.axvspan(s.start / 60, s.end / 60, color="purple", alpha=0.08)
+        ax.grid(alpha=0.3)
+    ax3.set_xlabel("minutes (shaded: bursts purple, metrics outage red)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    load_before, wall0 = load_avg(), time.perf_counter()
+    profile = SimProfile.load(PROFILE)
+    cfg = FleetConfig(profile, startup_s=args.planner_startup_s)
+    targets = Targets(args.planner_ttft_s, args.planner_tpot_s)
+    pcfg = PlannerConfig(
+        ttft_target_s=targets.ttft_s, tpot_target_s=targets.tpot_s, budget=args.planner_budget,
+        max_prefill=args.planner_max_role, max_decode=args.planner_max_role,
+    )  # fmt: skip
+    if not args.planner_interval_s > 0:
+        raise ValueError("--planner-interval-s must be positive")
+    if not args.planner_outage_min >= 0:
+        raise ValueError("--planner-outage-min must not be negative")
+    trace = Trace(args.planner_minutes, args.planner_peak_rps, args.seed)
+    steady_peak = next(s for s in trace.stretches if s.kind == "steady" and s.start >= trace.duration_s / 3)
+    outage = (steady_peak.start + (steady_peak.end - steady_peak.start) / 3, 0.0)
+    outage = (outage[0], outage[0] + args.planner_outage_min * 60)
+    if not outage[1] <= steady_peak.end:
+        raise ValueError("--planner-outage-min: the outage must fit in the peak plateau's last two thirds")
+
+    pr = PlannerRun(pcfg, outage)
+    fleet = Fleet(cfg, pcfg.min_prefill, pcfg.min_decode, at=-WARMUP_S)
+    fleet.run(trace.arrivals, trace.duration_s + DRAIN_S, pr.tick, args.planner_interval_s)
+    planned = windows(fleet, trace, targets)
+    planner_wm = fleet.worker_seconds(0, trace.duration_s) / 60
+    n_flips, steady_min = flips([d for d in pr.decisions if d[0] >= 0], trace)
+
+    best, sweep = best_fixed(
+        lambda p, d: run_fixed(cfg, trace, targets, p, d), pcfg.max_prefill, pcfg.max_decode
+    )
+    path = os.path.join(args.out, "planner.png")
+    if best is not None:
+        plot(trace, fleet, best, planned, targets, outage, path)
+    counted = [d for d in pr.decisions if 0 <= d[0] < trace.duration_s]
+    return {
+        "slo_windows_met": round(share(planned, "ttft_ok", "tpot_ok"), 4),
+        "worker_minutes_ratio": round(planner_wm / best["worker_minutes"], 3) if best else None,
+        "flips_per_10min_steady": round(n_flips / steady_min * 10, 3),
+        "below_min_during_outage": below_min(fleet, pcfg, *outage),
+        "goals": {
+            "slo_windows_met": ">= 0.95",
+            "worker_minutes_ratio": "<= 0.8",
+            "flips_per_10min_steady": "<= 1",
+            "below_min_during_outage": False,
+        },  # fmt: skip
+        "planner": {
+            "worker_minutes": round(planner_wm, 1),
+            "ttft_windows_met": round(share(planned, "ttft_ok"), 4),
+            "tpot_windows_met": round(share(planned, "tpot_ok"), 4),
+            "decisions": len(counted),
+            "count_changes": sum(
+                (a[1], a[2]) != (b[1], b[2]) for a, b in zip(counted, counted[1:], strict=False)
+            ),
+            "flips_steady": n_flips,
+            "steady_minutes": round(steady_min, 1),
+            "max_prefill_ready": max(c[1] for c in fleet.count_changes),
+            "max_decode_ready": max(c[2] for c in fleet.count_changes),
+            "outage_min": [round(outage[0] / 60, 2), round(outage[1] / 60, 2)],
+            "failed_windows": [w["minute"] for w in planned if not (w["ttft_ok"] and w["tpot_ok"])],
+        },
+        "best_fixed": None if best is None else {k: v for k, v in best.items() if not k.startswith("_")},
+        "sweep": [{k: v for k, v in r.items() if not k.startswith("_")} for r in sweep],
+        "requests": len(trace.arrivals),
+        "profile": PROFILE,
+        "targets": {"ttft_s": targets.ttft_s, "tpot_s": targets.tpot_s},
+        "virtual_minutes": trace.minutes,
+        "peak_rps": trace.peak_rps,
+        "interval_s": args.planner_interval_s,
+        "startup_s": args.planner_startup_s,
+        "plot": path if best is not None else None,
+        "wall_s": round(time.perf_counter() - wall0, 1),
+        "load_before": load_before,
+        "load_after": load_avg(),
+    }

@@ -1,0 +1,203 @@
+"""`splitserve bench planner`'s virtual-time fleet (bench/fleet_model.py) and its figures (bench/planner.py):
+the decode runs timed in closed form against the profile's per-step roofline added up step by step, one
+request's TTFT and TPOT by hand, a fixed split that meets the SLO under light load and one that cannot,
+the real Planner deciding every interval (decision count, the outage rule, draining), the flip count and
+the fixed-split search."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.fleet_model import DecodeCost, Fleet, FleetConfig, Request
+from bench.planner import (
+    DRAIN_S,
+    WARMUP_S,
+    PlannerRun,
+    Targets,
+    Trace,
+    below_min,
+    best_fixed,
+    flips,
+    p90,
+    run_fixed,
+    share,
+    windows,
+)
+from common.engine.sim_profile import SimProfile, step_seconds
+from planner.policy import PlannerConfig
+
+PROFILE = SimProfile.load("llama3-8b-h100")
+CFG = FleetConfig(PROFILE)
+TARGETS = Targets(1.0, 0.05)
+
+
+@pytest.mark.parametrize("batch,context", [(1, 100), (200, 50), (256, 300_000), (3, 0)])
+def test_decode_runs_add_up_the_per_step_roofline(batch: int, context: int) -> None:
+    cost = DecodeCost(PROFILE)
+    lines = cost.lines(batch, context)
+    total, per_token = 0.0, context // batch
+    rows = [(1, per_token)] * (batch - 1) + [(1, context - per_token * (batch - 1))]
+    for j in range(1, 400):
+        total += step_seconds(PROFILE, rows)
+        rows = [(1, c + 1) for _, c in rows]
+        if j in (1, 7, 399):
+            assert cost.run_seconds(lines, j) == pytest.approx(total, rel=1e-9)
+    assert cost.step(batch, context) == pytest.approx(cost.run_seconds(lines, 1), rel=1e-12)
+    assert cost.run_seconds(lines, 0) == 0.0
+
+
+def test_the_compute_and_memory_terms_cross_inside_a_run() -> None:
+    """A large batch with little context starts compute-bound and becomes memory-bound as its KV grows:
+    the closed form switches lines once, where the steps do."""
+    cost = DecodeCost(PROFILE)
+    a1, b1, a2, b2 = cost.lines(256, 0)
+    assert a1 > a2 and b2 > b1  # starts on compute, memory overtakes
+    crossing = (a1 - a2) / (b2 - b1)
+    j = int(crossing) + 50
+    by_step = sum(cost.step(256, 256 * k) for k in range(j))
+    assert cost.run_seconds((a1, b1, a2, b2), j) == pytest.approx(by_step, rel=1e-9)
+
+
+def reference(arrivals: list[tuple[float, int, int]]) -> tuple[dict[int, tuple[float, float]], int]:
+    """One prefill and one decode worker stepped one step at a time with step_seconds over the rows:
+    each request's (first token, last token), and the decode steps taken."""
+    t, firsts = 0.0, {}
+    for i, (at, prompt, _) in enumerate(arrivals):  # arrivals far enough apart: one prompt per step
+        t = max(t, at) + step_seconds(PROFILE, [(prompt, 0)])
+        firsts[i] = t
+    kv_in = {i: firsts[i] + CFG.transfer_s(arrivals[i][1]) for i in firsts}
+    out: dict[int, tuple[float, float]] = {}
+    running: dict[int, list[int]] = {}  # i -> [cached tokens, tokens still to make]
+    t, steps = min(kv_in.values()), 0
+    while len(out) < len(arrivals):
+        for i in sorted(kv_in):
+            if kv_in[i] <= t and i not in running and i not in out:
+                running[i] = [arrivals[i][1], arrivals[i][2] - 1]
+        if not running:
+            t = min(v for i, v in kv_in.items() if i not in out)
+            continue
+        t += step_seconds(PROFILE, [(1, c) for c, _ in running.values()])
+        steps += 1
+        for i in list(running):
+            running[i][0] += 1
+            running[i][1] -= 1
+            if running[i][1] == 0:
+                out[i] = (firsts[i], t)
+                del running[i]
+    return out, steps
+
+
+def test_one_worker_each_times_requests_as_the_steps_add_up() -> None:
+    """Three requests, the later ones joining the first's decode run part way (their KV arriving mid-run
+    ends the run early at a step boundary): TTFT and TPOT as a step-by-step replay gives them."""
+    arrivals = [(0.0, 1000, 50), (0.3, 2000, 30), (0.55, 500, 80)]
+    fleet = Fleet(CFG, 1, 1)
+    fleet.run(arrivals, until=60.0)
+    want, steps = reference(arrivals)
+    for i, r in enumerate(fleet.requests):
+        first, last = want[i]
+        assert r.ttft == pytest.approx(first - arrivals[i][0], rel=1e-9)
+        assert r.tpot == pytest.approx((last - first) / (arrivals[i][2] - 1), rel=1e-9)
+    assert fleet.decode_steps == steps < 50 + 30 + 80 - 3  # the runs overlapped: shared steps
+
+
+def test_a_fixed_split_meets_the_slo_under_light_load_and_not_when_overloaded() -> None:
+    light = Trace(12, 2.0, seed=1)
+    r = run_fixed(CFG, light, TARGETS, 1, 1)
+    assert r["slo_windows_met"] == 1.0 and r["worker_minutes"] == pytest.approx(2 * 12)
+    heavy = Trace(12, 60.0, seed=1)  # bursts at 2.5x of 15/s and a peak of 60/s on one worker each
+    r = run_fixed(CFG, heavy, TARGETS, 1, 1)
+    assert r["slo_windows_met"] < 0.5, r
+
+
+def test_the_planner_decides_every_interval_holds_through_the_outage_and_drains() -> None:
+    trace = Trace(12, 20.0, seed=2)
+    cfg = PlannerConfig(budget=6, max_prefill=4, max_decode=4)
+    outage = (300.0, 420.0)
+    pr = PlannerRun(cfg, outage)
+    fleet = Fleet(CFG, 1, 1, at=-WARMUP_S)
+    fleet.run(trace.arrivals, trace.duration_s + DRAIN_S, pr.tick, 15.0)
+    assert len(pr.decisions) == int((WARMUP_S + trace.duration_s + DRAIN_S) / 15)
+    during = [d for d in pr.decisions if d[3]]
+    assert len(during) == 8 and {(p, d) for _, p, d, _ in during} == {during[0][1:3]}
+    before = [d for d in pr.decisions if d[0] < outage[0]][-1]
+    assert during[0][1:3] == before[1:3]  # held what it had decided last
+    assert not below_min(fleet, cfg, *outage)
+    assert max(p for _, p, _, _ in pr.decisions) > 1  # the load made it scale
+    for w in fleet.workers:  # every worker scaled away finished its work and went
+        if w.draining:
+            assert w.gone_at is not None and w.empty()
+    assert all(r.done_at is not None for r in fleet.requests)
+    assert share(windows(fleet, trace, TARGETS), "ttft_ok", "tpot_ok") > 0.5
+
+
+def test_below_min_sees_a_fleet_under_its_floor() -> None:
+    fleet = Fleet(CFG, 2, 1)
+    fleet.run([], until=10.0)
+    cfg = PlannerConfig(min_prefill=2)
+    assert not below_min(fleet, cfg, 5.0, 10.0)
+    fleet.now = 6.0
+    fleet.scale("prefill", 1)  # an idle worker goes at once
+    assert below_min(fleet, cfg, 5.0, 10.0) and not below_min(fleet, cfg, 0.0, 5.0)
+
+
+def test_a_draining_decode_worker_finishes_its_sequences_and_takes_no_new_ones() -> None:
+    fleet = Fleet(CFG, 1, 2)
+    fleet.run([(0.0, 1000, 400), (0.0, 1000, 400)], until=1.0)
+    busy = [w for w in fleet.workers if w.role == "decode" and w.held]
+    assert len(busy) == 2  # one each: the most free blocks
+    fleet.scale("decode", 1)
+    gone = next(w for w in fleet.workers if w.draining)
+    assert gone.gone_at is None and gone not in fleet.ready("decode")
+    fleet.run([(2.0, 500, 20)], until=60.0)
+    assert gone.gone_at is not None and all(r.done_at is not None for r in fleet.requests)
+    assert fleet.worker_seconds(0, 60) == pytest.approx(60 + 60 + gone.gone_at)
+
+
+def test_flips_count_direction_changes_within_a_steady_stretch() -> None:
+    trace = Trace(12, 1.0, seed=0)
+    steady = trace.steady()[-1]  # the last plateau, after the second burst
+    t0 = steady.start
+    decisions = [(t0 - 100, 2, 1, False), (t0 - 50, 3, 1, False)]  # up before the stretch
+    decisions += [(t0 + 10, 2, 1, False), (t0 + 20, 3, 1, False), (t0 + 30, 2, 1, False)]
+    n, minutes = flips(decisions, trace)
+    # down answering the earlier up is no flip; then up, then down again within the stretch: two
+    assert n == 2 and minutes == pytest.approx(sum(s.end - s.start for s in trace.steady()) / 60)
+
+
+def test_best_fixed_search_finds_the_fewest_workers_meeting_the_goal() -> None:
+    """A made-up fleet: TTFT needs 3 prefill, TPOT 2 decode, and 3 + 2 together misses by a little, so
+    one more worker of either role is needed: the search returns a 6-worker split."""
+
+    def evaluate(p: int, d: int) -> dict[str, object]:
+        ttft, tpot = (1.0 if p >= 3 else 0.5), (1.0 if d >= 2 else 0.4)
+        both = 0.9 if (p, d) == (3, 2) else min(ttft, tpot)
+        return {"prefill": p, "decode": d, "workers": p + d, "slo_windows_met": both,
+                "ttft_windows_met": ttft, "tpot_windows_met": tpot}  # fmt: skip
+
+    best, table = best_fixed(evaluate, 8, 8)
+    assert best is not None and best["workers"] == 6
+    assert len(table) < 16 and all(r["workers"] >= 3 for r in table)
+    none, _ = best_fixed(lambda p, d: {**evaluate(p, d), "ttft_windows_met": 0.0}, 8, 8)
+    assert none is None
+
+
+def test_invalid_inputs_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="at least one worker"):
+        Fleet(CFG, 0, 1)
+    with pytest.raises(ValueError, match="12 minutes"):
+        Trace(5, 10.0, seed=0)
+    with pytest.raises(ValueError, match="output tokens"):
+        Request(0.0, 100, 1)
+    with pytest.raises(ValueError, match="decode_max_seqs"):
+        FleetConfig(PROFILE, decode_max_seqs=0)
+    with pytest.raises(ValueError, match="time order"):
+        Fleet(CFG, 1, 1).run([(1.0, 100, 10), (0.5, 100, 10)], until=5.0)
+
+
+def test_p90_is_nearest_rank_and_keeps_an_unfinished_request_infinite() -> None:
+    assert p90([]) is None
+    assert p90([float(x) for x in range(1, 11)]) == 9.0
+    assert p90([0.1] * 9 + [math.inf]) == 0.1 and p90([0.1] * 8 + [math.inf] * 2) == math.inf
