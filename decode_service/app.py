@@ -18,13 +18,15 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 
 from common.config import EngineConfig, ServiceConfig
+from common.engine.llm_engine import LLMEngine
 from common.protocol import GenerateRequest
 from common.service.base import read_message
 from decode_service.service import DecodeService
 
 
-def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig) -> FastAPI:
-    svc = DecodeService(cfg, engine_cfg)
+def create_app(cfg: ServiceConfig, engine_cfg: EngineConfig, reuse: LLMEngine | None = None) -> FastAPI:
+    """reuse: a role switch's engine whose weights the new one serves (splitserve/roles.py)."""
+    svc = DecodeService(cfg, engine_cfg, reuse)
     app = svc.make_app()
 
     @app.post("/internal/generate")

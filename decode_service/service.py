@@ -30,7 +30,7 @@ from common.engine.api import AddRequest, Admission, Finish, KVArrived, RemoteKV
 from common.engine.llm_engine import LLMEngine, fault
 from common.protocol import ErrorFrame, GenerateRequest, KVDone, Reserved, TokenFrame, frame
 from common.runtime.telemetry import context_from, span_scope, tracer
-from common.service.base import Interrupt, Job, Service
+from common.service.base import HANDED_BACK, Interrupt, Job, Service, engine_for
 from common.service.metrics import TransportCount
 from decode_service.timeline import Timeline
 from kv_transfer import ReceiverStats, make_receiver, resolve_backend
@@ -52,14 +52,14 @@ class Stream(Job):
 
 
 class DecodeService(Service):
-    def __init__(self, cfg: ServiceConfig, engine_cfg: EngineConfig) -> None:
+    def __init__(self, cfg: ServiceConfig, engine_cfg: EngineConfig, reuse: LLMEngine | None = None) -> None:
         self.connector = DecodeConnector(on_arrived=self._on_arrived, on_failed=self._on_failed)
         self.kv_backend, why = resolve_backend(cfg.kv_backend)
         log.warning("decode %s: KV transfer backend %s (%s)", cfg.worker_name, self.kv_backend, why)
         # tensor parallelism: rank r (a worker process) receives its own KV heads on kv_port + r
         options = {"host": cfg.host, "port": cfg.kv_port, "advertise_host": cfg.advertise_host}
         self.connector.rank_transfer = RankTransfer("decode", self.kv_backend, options)
-        engine = LLMEngine.from_config(engine_cfg, self.connector)
+        engine = engine_for(engine_cfg, self.connector, reuse)  # reuse: a role switch keeps the weights
         super().__init__(cfg, engine)
         self.rank = 0  # the tensor-parallel rank whose KV shard this process holds (the others: workers)
         self.receiver = make_receiver(
@@ -85,8 +85,15 @@ class DecodeService(Service):
         await super().start(self.kv_endpoint)
 
     async def stop(self) -> None:
+        """The base's stop, then the KV receiver (bounded: its listener and connections close, its
+        memory registration goes; if that did not finish, `kv_released` says so) and the connector's
+        leftover tasks (a kv_done's lease release and record: moot now)."""
+        if self._stopped:
+            return
         await super().stop()
-        await self.receiver.close()
+        self.kv_released = await self.stop_part("KV receiver", self.receiver.close())
+        for task in list(self._tasks):
+            task.cancel()
 
     def receiver_stats(self) -> dict[int, ReceiverStats]:
         """Every rank's receiver counters: this process's (rank 0), then the worker ranks' last report."""
@@ -173,6 +180,8 @@ class DecodeService(Service):
                     ev = Interrupt(rid, "deadline exceeded on the decode service", 504)
                 if isinstance(ev, Interrupt):
                     job.error = ev.error
+                    if ev.code == HANDED_BACK:  # no error frame: the router migrates the request
+                        return
                     yield frame(ErrorFrame(rid, ev.error, ev.code))
                     return
                 if isinstance(ev, Admission):

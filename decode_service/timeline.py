@@ -47,9 +47,7 @@ class Timeline:
         self.output_tokens = index + n
         self.finish_reason = finish_reason
 
-    def close(
-        self, metrics: ServiceMetrics, req: GenerateRequest, worker: str, error: str | None
-    ) -> None:
+    def close(self, metrics: ServiceMetrics, req: GenerateRequest, worker: str, error: str | None) -> None:
         """Histograms of the whole stream, and its spans, once it ended."""
         end = time.time_ns()
         remote = req.mode == "remote"

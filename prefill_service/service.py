@@ -28,7 +28,15 @@ from common.engine.llm_engine import LLMEngine, fault
 from common.parallel.plan import split_endpoints
 from common.protocol import PrefillRequest, PrefillResult
 from common.runtime.telemetry import context_from, span_ctx, tracer
-from common.service.base import Interrupt, Job, Service, error_response, msgpack_response
+from common.service.base import (
+    HANDED_BACK,
+    Interrupt,
+    Job,
+    Service,
+    engine_for,
+    error_response,
+    msgpack_response,
+)
 from common.service.metrics import TransportCount
 from kv_transfer import KVSender, SenderStats, TransferError, make_sender, resolve_backend
 from kv_transfer.ranks import RankTransfer
@@ -49,11 +57,11 @@ class EngineFault(Exception):
 
 
 class PrefillService(Service):
-    def __init__(self, cfg: ServiceConfig, engine_cfg: EngineConfig) -> None:
+    def __init__(self, cfg: ServiceConfig, engine_cfg: EngineConfig, reuse: LLMEngine | None = None) -> None:
         self.connector = PrefillConnector(self.sender_for, self._on_failed)
         # tensor parallelism: rank r (a worker process) sends its own KV heads (kv_transfer/ranks.py)
         self.connector.rank_transfer = RankTransfer("prefill", "", {"sender_id": cfg.worker_name})
-        engine = LLMEngine.from_config(engine_cfg, self.connector)
+        engine = engine_for(engine_cfg, self.connector, reuse)  # reuse: a role switch keeps the weights
         super().__init__(cfg, engine)
         self._compat = engine.kv_compat()
         self.senders: dict[str, KVSender] = {}  # by backend: a decode service's endpoint names its own
@@ -67,11 +75,16 @@ class PrefillService(Service):
         self._tasks: set[asyncio.Task[None]] = set()  # clean-ups and record writes after an answer
 
     async def stop(self) -> None:
+        """The clean-ups still running (bounded), the base's stop, then the KV senders (bounded: their
+        connections close, their memory registrations go; if that did not finish, `kv_released` says
+        so)."""
+        if self._stopped:
+            return
         if self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await self.stop_part("clean-ups", asyncio.gather(*list(self._tasks), return_exceptions=True))
         await super().stop()
-        for sender in self.senders.values():
-            await sender.close()
+        for backend, sender in self.senders.items():
+            self.kv_released &= await self.stop_part(f"{backend} KV sender", sender.close())
 
     def transfer_counters(self) -> list[TransportCount]:
         out: list[TransportCount] = []
@@ -185,9 +198,9 @@ class PrefillService(Service):
             fail(span, str(e))
             return error_response(500, str(e))
         except Interrupted as e:
-            outcome = "aborted" if e.code == 499 else "decode_lease_expired"
+            outcome = {499: "aborted", HANDED_BACK: "handed_back"}.get(e.code, "decode_lease_expired")
             self.metrics.requests.labels(role="prefill", outcome=outcome).inc()
-            if e.code != 499:
+            if outcome == "decode_lease_expired":
                 self.metrics.transfer_failures.labels(reason=outcome).inc()
             fail(rkv.span, str(e))
             fail(span, str(e))

@@ -283,22 +283,18 @@ def run_service(args: argparse.Namespace) -> int:
     import uvicorn
 
     from common.runtime.http_server import server_config
+    from splitserve.roles import RoleHost  # every service can switch role (POST /internal/role)
 
-    if args.command == "decode":
-        from decode_service.app import create_app
-    else:
-        from prefill_service.app import create_app
     try:
-        app = create_app(cfg, engine_cfg)
+        app = RoleHost(cfg, engine_cfg)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:  # the model cannot be served
         print(f"error: {cfg.worker_name}: {e}", file=sys.stderr)
         return 2
-    service = app.state.service
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             if not self.should_exit:
-                asyncio.get_running_loop().create_task(service.drain())
+                asyncio.get_running_loop().create_task(app.drain())
             super().handle_exit(sig, frame)
 
     grace = max(1, math.ceil(cfg.drain_timeout_s))

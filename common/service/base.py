@@ -11,7 +11,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -26,8 +26,9 @@ from common.cluster.record_writer import RecordWriter
 from common.cluster.records import RequestState
 from common.cluster.registry import Heartbeat
 from common.cluster.state import ClusterState
-from common.config import ServiceConfig
+from common.config import EngineConfig, ServiceConfig
 from common.engine.async_engine import AsyncEngine
+from common.engine.kv_connector import KVConnector
 from common.engine.llm_engine import LLMEngine
 from common.protocol import MAX_FRAME_BYTES, AbortRequest, Message, ProtocolError, decode, encode
 from common.runtime.access import AccessLog
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 MSGPACK = "application/msgpack"
 ABORT_WAIT_S = 30.0  # /internal/abort waits this long for the request to be gone
 ENGINE_FAILED_EXIT = 70  # the exit status of a service whose engine failed (EX_SOFTWARE)
+# An Interrupt with this code hands the request back (a role switch ran out of time): a decode stream
+# closes without an error frame, so the router migrates it; a prefill call answers a retryable 503.
+HANDED_BACK = 503
+HANDBACK_WAIT_S = 10.0  # a role switch gives what it handed back this long to let go of its blocks
+STOP_PART_S = 5.0  # each part of a service's stop (heartbeat, leases, KV events, Redis ...) gets this long
 M = TypeVar("M", bound=Message)
 
 
@@ -82,6 +88,9 @@ class Service:
         # the name the router serves this model under (registered, and in /health)
         self.served_model = cfg.served_model_name or engine.model.config.model_id
         self.draining = False  # SIGTERM came: no new work, what runs finishes (drain_timeout_s)
+        self._stopped = False  # stop() ran
+        self.unstopped: list[str] = []  # the parts of stop() that did not stop in time (logged)
+        self.kv_released = True  # False: a KV transport may still have the pool's memory registered
         self.identity: WorkerIdentity | None = None  # signed at /health and in the registry, from start()
         self.state: ClusterState | None = None
         self.records: RecordWriter | None = None
@@ -143,10 +152,8 @@ class Service:
             self.cfg.drain_timeout_s,
         )  # fmt: skip
         if self.heartbeat is not None:
-            try:
-                await self.heartbeat.stop(deregister=True)
-            except Exception:
-                log.exception("could not deregister; the registration expires by itself")
+            what = f"{self.cfg.worker_name} heartbeat (deregistering)"
+            await stop_bounded(what, self.heartbeat.stop(deregister=True), self.heartbeat)
 
     def _engine_failed(self, why: str) -> None:
         """The engine cannot step any more (a step raised, a tensor-parallel rank exited): exit now, as
@@ -221,19 +228,70 @@ class Service:
         connector.leases = self.leases
         await self.leases.start()
 
+    async def retire(self) -> dict[str, int]:
+        """Role switching (splitserve/roles.py): drain (deregister, 503 to new work), let what runs
+        finish for up to drain_timeout_s, hand the rest back (an Interrupt with HANDED_BACK: a decode
+        stream closes without an error frame and the router migrates it, a prefill call answers 503),
+        give those HANDBACK_WAIT_S to let go of their blocks and leases, stop, and count what came
+        back: the pool's free and total blocks, the transfers (leases) left, the requests handed back,
+        those that did not end in time, the parts of the stop that did not stop in time, and whether
+        the KV transport let go of the pool's memory (only then may it be freed). Every wait is
+        bounded: a switch takes at most about drain_timeout_s + HANDBACK_WAIT_S + the stop's bounds."""
+        await self.drain()
+        await _wait_ended(list(self.jobs.values()), self.cfg.drain_timeout_s)
+        ended = list(self.jobs.values())
+        for job in ended:
+            job.events.put_nowait(
+                Interrupt(job.request_id, f"{self.cfg.worker_name} is switching roles", HANDED_BACK)
+            )
+        stuck = await _wait_ended(ended, HANDBACK_WAIT_S)
+        if stuck:
+            log.error(
+                "%s: %d request(s) did not let go within %.0f s of being handed back: %s",
+                self.cfg.worker_name, len(stuck), HANDBACK_WAIT_S, [j.request_id for j in stuck],
+            )  # fmt: skip
+        await self.stop()
+        load = self.aengine.load  # published after the engine thread's last command, before it stopped
+        connector: Any = self.engine.connector
+        return {
+            "free_blocks": load.free_blocks,
+            "total_blocks": load.total_blocks,
+            "leases_left": len(getattr(connector, "requests", {})),
+            "ended_requests": len(ended),
+            "stuck_requests": len(stuck),
+            "unstopped_parts": len(self.unstopped),
+            # 1: no KV transport holds the pool's memory any more (the receiver or senders closed)
+            "kv_released": int(self.kv_released),
+        }
+
     async def stop(self) -> None:
-        if self.kv_events is not None:
-            await self.kv_events.stop()
-        if self.leases is not None:
-            await self.leases.stop()
-        if self.heartbeat is not None:
-            await self.heartbeat.stop()
+        """Stop the heartbeat, leases, KV events, records, Redis and the engine thread (idempotent).
+        Each part gets STOP_PART_S: one that does not stop in time is logged, cancelled again and
+        named in `unstopped` (a Redis client can swallow the cancellation of a task caught
+        mid-command, and that task's loop would go on forever: see `stop_bounded`)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for what, part in (
+            ("KV events", self.kv_events), ("leases", self.leases), ("heartbeat", self.heartbeat),
+        ):  # fmt: skip
+            if part is not None:
+                await self.stop_part(what, part.stop(), part)
         if self.records is not None:
-            await self.records.close()
+            await self.stop_part("records", self.records.close())
         if self.state is not None:
-            await self.state.close()
-        self.aengine.stop()
+            await self.stop_part("Redis", self.state.close())
+        # joins the engine thread (up to 10 s): off the event loop, which keeps serving meanwhile
+        await asyncio.to_thread(self.aengine.stop)
         self.engine.close()  # the tensor-parallel worker ranks, if any
+
+    async def stop_part(self, what: str, stopping: Awaitable[Any], part: Any = None) -> bool:
+        """`stop_bounded` for one part of this service's stop; a part that did not stop in time (or
+        failed to) is named in `unstopped`."""
+        if await stop_bounded(f"{self.cfg.worker_name} {what}", stopping, part):
+            return True
+        self.unstopped.append(what)
+        return False
 
     # --- requests in progress ---------------------------------------------------------------------
     def open_job(self, job: Job) -> None:
@@ -347,6 +405,51 @@ class Service:
             )
 
         return app
+
+
+async def stop_bounded(
+    what: str, stopping: Awaitable[Any], part: Any = None, timeout_s: float = STOP_PART_S
+) -> bool:
+    """Await `stopping` (a part's stop) for at most timeout_s; False (logged) if it failed or did not
+    end. Not asyncio.wait_for, which waits for the cancelled awaitable to end as well. A part whose
+    loop task (`part._task`) is still running then is cancelled again until it ends (bounded too): a
+    Redis client that swallowed the first cancellation mid-command must not leave a heartbeat or an
+    event publisher running for a role this process no longer has."""
+    task = asyncio.ensure_future(stopping)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if done:
+        if task.cancelled() or task.exception() is None:
+            return True
+        log.error("%s: stopping failed: %r", what, task.exception())
+        return False
+    task.cancel()
+    log.error("%s did not stop within %.0f s; left behind", what, timeout_s)
+    loop_task = getattr(part, "_task", None)
+    deadline = time.monotonic() + timeout_s
+    while isinstance(loop_task, asyncio.Task) and not loop_task.done() and time.monotonic() < deadline:
+        loop_task.cancel()
+        await asyncio.wait({loop_task}, timeout=0.1)
+    return False
+
+
+async def _wait_ended(jobs: list[Job], timeout_s: float) -> list[Job]:
+    """Wait until every job ended, for at most timeout_s; the jobs that did not."""
+    waits = [asyncio.ensure_future(j.ended.wait()) for j in jobs if not j.ended.is_set()]
+    if waits:
+        _, pending = await asyncio.wait(waits, timeout=timeout_s)
+        for w in pending:
+            w.cancel()
+    return [j for j in jobs if not j.ended.is_set()]
+
+
+def engine_for(cfg: EngineConfig, connector: KVConnector, reuse: LLMEngine | None = None) -> LLMEngine:
+    """The engine of a service with `connector`: loaded from cfg, or (a role switch) on the weights and
+    tokenizer of `reuse`, an engine whose service stopped: a fresh KV pool, no reload of the weights."""
+    if reuse is None or cfg.engine == "sim":  # the sim engine has no weights to keep
+        return LLMEngine.from_config(cfg, connector)
+    if cfg.tensor_parallel_size > 1:  # the worker ranks hold the shards: they would have to switch too
+        raise ValueError("role switching with tensor_parallel_size > 1 is not supported")
+    return LLMEngine(reuse.model, reuse.tokenizer, cfg, reuse.placement, connector)
 
 
 async def read_message(request: Request, expect: type[M]) -> M:
