@@ -528,6 +528,8 @@ def up(args: argparse.Namespace) -> int:
             router_cmd += ["--max-model-len", str(args.engine_max_model_len)]
         if args.chat_template:
             router_cmd += ["--chat-template", args.chat_template]
+        for parser in args.tool_call_parser or []:
+            router_cmd += ["--tool-call-parser", parser]
         # secrets through the environment: a flag would show in the process list
         router_env = {**os.environ, "SPLITSERVE_ROUTER_REDIS_URL": redis_url}
         if args.api_key is not None:
@@ -731,6 +733,8 @@ def add_up_parser(sub: Any) -> None:
     _add_config_flag(
         u, "--chat-template", RouterConfig, "chat_template", "SPLITSERVE_ROUTER_", "chat_template"
     )
+    _add_config_flag(u, "--tool-call-parser", RouterConfig, "tool_call_parser", "SPLITSERVE_ROUTER_",
+                     "tool_call_parser", repeat=True)  # fmt: skip
     _add_config_flag(u, "--api-key", RouterConfig, "api_key", "SPLITSERVE_ROUTER_", "api_key")
     for name, field in ENGINE_FLAGS.items():
         if name != "--threads":
@@ -788,6 +792,16 @@ def _up_defaults(args: argparse.Namespace) -> int:
         return 2
     if len(args.engine_model or ()) > 1 and (args.autoscale or args.chat_template is not None):
         print("error: --autoscale and --chat-template serve one model: give one --model", file=sys.stderr)
+        return 2
+    parsers, served = args.tool_call_parser or [], max(1, len(args.engine_model or ()))
+    if len(parsers) not in (0, 1, served):
+        print(f"error: {len(parsers)} --tool-call-parser for {served} model(s): give one for all, or one per "
+              "--model in the same order", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        RouterConfig._known_parsers(parsers)  # the router's own check, before anything starts
+    except ValueError as e:
+        print(f"error: --tool-call-parser: {e}", file=sys.stderr)
         return 2
     if args.autoscale:
         from planner.main import config_from_args

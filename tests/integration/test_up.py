@@ -54,6 +54,8 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
             "1",
             "--kv-cache-mb",
             "64",
+            "--tool-call-parser",  # passed on to the router (its model card says it)
+            "mistral",
             # GPU placement, checked in the environment each child gets (no GPU here: they run on CPU)
             *([] if real else ["--devices", "0,1", "--redis-data", str(tmp_path / "redis")]),
         ],
@@ -105,7 +107,8 @@ def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignor
         if real:
             assert "Paris" in r.json()["choices"][0]["message"]["content"], r.text
         served = os.path.basename(env["SPLITSERVE_MODEL"])
-        assert [m["id"] for m in httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]] == [served]
+        cards = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
+        assert [m["id"] for m in cards] == [served] and cards[0]["tool_call_parser"] == "mistral"
         if sig == signal.SIGTERM:  # once: a service that dies is started again
             (decode,) = [c for c in children if "decode" in c.cmdline()]
             decode.kill()

@@ -99,6 +99,11 @@ def test_a_bad_flag_is_one_line_naming_it_and_what_it_accepts() -> None:
         (["decode", "--kv-cache-dtype", "int4"], "choose from 'auto', 'float32'"),
         (["router", "--routing", "random"], "choose from 'prefix_aware', 'least_loaded'"),
         (["up", "--api-key", "short"], "--api-key must be 20 to 512 printable ASCII characters"),
+        (["up", "--tool-call-parser", "nope"], "--tool-call-parser: unknown tool call parser 'nope'"),
+        (
+            ["up", "--tool-call-parser", "auto", "--tool-call-parser", "mistral"],
+            "2 --tool-call-parser for 1 model",
+        ),
     ]:
         r = _run(*argv)
         assert r.returncode == 2, (argv, r.stdout, r.stderr)
