@@ -30,6 +30,12 @@ Batch limits are an H100 deployment's, not the engine's CPU defaults (512 tokens
 `prefill_tokens_per_step` 8192, `decode_max_seqs` 256; the KV block count is the profile's
 (`SimProfile.kv_blocks`, 28019 blocks of 16 tokens for llama3-8b-h100).
 
+The planner's signals (bench/planner.py) come from the same figures the live services publish: each prefill
+worker's `prefill_tps` (an EWMA, weight 0.2, of its steps' prompt tokens per second, as
+common/engine/speed.py keeps it) and queued prompt tokens, the prompt tokens of the requests whose
+first token came (the router's counter), each decode worker's admitted sequences (its `running`) and
+those waiting for admission.
+
 Everything is deterministic: the event queue breaks ties by insertion order and the workload is drawn
 from a seed (bench/planner.py).
 """
@@ -155,6 +161,8 @@ class Worker:
     draining: bool = False
     gone_at: float | None = None
     busy: bool = False  # a step is in flight
+    step_t0: float = 0.0  # when the step in flight started (prefill)
+    prefill_tps: float = 0.0  # prompt tokens per second of its recent steps (the engine's StepSpeed EWMA)
     # prefill
     queue: deque[Request] = field(default_factory=deque)
     queued_tokens: int = 0
@@ -206,6 +214,9 @@ class Fleet:
         # since the last take_signals(): first tokens' TTFTs and finished requests' TPOTs
         self._ttfts: list[float] = []
         self._tpots: list[float] = []
+        # of the requests whose first token came: the router's splitserve_router_prompt_tokens, which it
+        # counts at the first token
+        self.prompt_tokens = 0
         self.count_changes: list[tuple[float, int, int]] = []  # (when, ready prefill, ready decode)
         for _ in range(prefill):
             self._add("prefill", ready_now=True)
@@ -350,12 +361,15 @@ class Fleet:
             budget -= n
             if budget == 0:
                 break
-        w.busy = True
+        w.busy, w.step_t0 = True, self.now
         self._push(self.now + step_seconds(self.profile, rows), PSTEP, (w, rows))
 
     def _prefill_step_end(self, obj: tuple[Worker, list[tuple[int, int]]]) -> None:
         w, rows = obj
         w.busy = False
+        if self.now > w.step_t0:  # common/engine/speed.py: an EWMA of tokens/s over the steps, weight 0.2
+            tps = sum(n for n, _ in rows) / (self.now - w.step_t0)
+            w.prefill_tps = tps if w.prefill_tps == 0.0 else w.prefill_tps + 0.2 * (tps - w.prefill_tps)
         for n, _ in rows:
             r = w.queue[0]
             r.prefilled += n
@@ -364,6 +378,7 @@ class Fleet:
                 break  # the chunked head: more next step
             w.queue.popleft()
             r.first_at = self.now
+            self.prompt_tokens += r.prompt
             self._ttfts.append(self.now - r.arrival)
             self._to_decode(r)
         if w.queue and w.ready_at <= self.now:
@@ -475,6 +490,20 @@ class Fleet:
         if role == "prefill":
             return sum(len(w.queue) for w in self.workers if w.role == role and w.gone_at is None)
         return sum(len(w.admit) for w in self.workers if w.role == role and w.gone_at is None)
+
+    def queued_tokens(self) -> int:
+        """Prompt tokens not yet computed on the prefill workers (the services' `queued_tokens`)."""
+        return sum(w.queued_tokens for w in self.workers if w.role == "prefill" and w.gone_at is None)
+
+    def prefill_tps(self) -> float | None:
+        """The ready prefill workers' mean measured speed (their `prefill_tps`); None before any step."""
+        speeds = [w.prefill_tps for w in self.ready("prefill") if w.prefill_tps > 0]
+        return sum(speeds) / len(speeds) if speeds else None
+
+    def running(self) -> int:
+        """Sequences admitted on the ready decode workers: reserved, transferring or running, counted
+        against `decode_max_seqs` as the engine's `running` is."""
+        return sum(w.held for w in self.ready("decode"))
 
     def kv_used(self) -> float:
         ready = self.ready("decode")

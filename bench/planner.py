@@ -13,7 +13,11 @@ requests and are judged against the same targets.
   `--planner-interval-s` the planner gets the signals the live reader builds (planner/signals.py) from the
   virtual fleet: p90 TTFT of the first tokens and p90 TPOT of the requests finished since the last read,
   the ready workers of each role, the prompts queued on prefill workers, the sequences waiting for decode
-  admission and the decode workers' KV occupancy; its decision is applied at once (new workers ready after
+  admission and the decode workers' KV occupancy; and the utilization signals: the prompt tokens per
+  second since the last read (counted at the first token, as the router's counter is), the prefill
+  workers' measured speed (the engine's EWMA of its steps' tokens per second) and queued prompt tokens,
+  the decode sequences admitted against `decode_max_seqs`, and the requests finished per second (the
+  TPOT histogram's count). Its decision is applied at once (new workers ready after
   `--planner-startup-s`, removed ones drain). For `--planner-outage-min` minutes in the peak plateau the
   signals are missing (the planner gets None, as from a failed read).
 - The best fixed split: the fewest workers (prefill + decode, each at most the planner's per-role maximum)
@@ -245,17 +249,28 @@ class PlannerRun:
         self.config = config
         self.outage = outage
         self.decisions: list[tuple[float, int, int, bool]] = []  # when, prefill, decode, during the outage
+        self._tokens: tuple[float, int] | None = None  # the prompt-token counter at the previous read
 
     def tick(self, now: float, fleet: Fleet) -> None:
         in_outage = self.outage[0] <= now < self.outage[1]
         signals = None
         if not in_outage:  # a failed read leaves the router's histograms to the next read: keep them
             ttfts, tpots = fleet.take_signals()
-            signals = Signals(
-                now,
-                RoleSignals(len(fleet.ready("prefill")), p90(ttfts), fleet.waiting("prefill")),
-                RoleSignals(len(fleet.ready("decode")), p90(tpots), fleet.waiting("decode"), fleet.kv_used()),
-            )
+            # the prompt tokens' rate between two reads, as planner/signals.py takes it from the counter
+            before, self._tokens = self._tokens, (now, fleet.prompt_tokens)
+            span = None if before is None else now - before[0]
+            rate = None if before is None or not span else (fleet.prompt_tokens - before[1]) / span
+            done = None if not span else len(tpots) / span  # the TPOT histogram's count, per second
+            prefill = RoleSignals(
+                len(fleet.ready("prefill")), p90(ttfts), fleet.waiting("prefill"),
+                demand=rate, per_worker=fleet.prefill_tps(), queued_tokens=fleet.queued_tokens(),
+            )  # fmt: skip
+            decode = RoleSignals(
+                len(fleet.ready("decode")), p90(tpots), fleet.waiting("decode"), fleet.kv_used(),
+                demand=float(fleet.running()), per_worker=float(fleet.cfg.decode_max_seqs),
+                finished_per_s=done,
+            )  # fmt: skip
+            signals = Signals(now, prefill, decode)
         d = self.planner.step(signals, now)
         fleet.scale("prefill", d.prefill)
         fleet.scale("decode", d.decode)

@@ -1,18 +1,31 @@
 """What the planner reads: each role's workers and their load from the worker registry (Redis: what the
 services heartbeat every second), and the router's TTFT and TPOT histograms from its /metrics, as the
 p90 of what was observed since the previous read (bucket deltas, interpolated as Prometheus'
-histogram_quantile does). A read that fails is None: the planner then holds its last decision."""
+histogram_quantile does). A read that fails is None: the planner then holds its last decision.
+
+The utilization signals (planner/policy.py), from figures the services and the router already export:
+- prefill: demand, the router's prompt-token counter (`splitserve_router_prompt_tokens_total`) per second
+  since the previous read; per worker, the mean of the prefill workers' measured `prefill_tps` (their
+  recent prefill steps' tokens per second, in the registry load; workers not yet measured, 0, left out);
+  the backlog, their `queued_tokens`.
+- decode: demand, the decode workers' `running` (sequences counted against max_num_seqs); per worker,
+  the `max_num_seqs` of their registry capacity (the smallest, if they differ); finished per second, the
+  TPOT histogram's count since the previous read (one per finished request).
+Unknown until two reads, or without a router URL (no counter): the planner then decides on latency,
+queues and KV alone, as before."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.cluster.registry import WorkerInfo
 from common.cluster.state import ClusterState
 from planner.policy import RoleSignals, Signals
 
@@ -53,14 +66,56 @@ def parse_histograms(text: str, names: tuple[str, ...]) -> dict[str, Buckets]:
     return out
 
 
+def parse_counter(text: str, name: str) -> float | None:
+    """A counter's total over its labels (`name` without `_total`); None when the text has no such family."""
+    found = None
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            found = sum(s.value for s in family.samples if s.name == name + "_total")
+    return found
+
+
+@dataclass(frozen=True)
+class RoleLoad:
+    """One role's figures summed over its alive workers' registry entries."""
+
+    workers: int
+    waiting: int
+    kv_used: float
+    running: int
+    queued_tokens: int
+    per_worker: float | None  # prefill: mean measured prefill_tps; decode: max_num_seqs; None: unknown
+
+
+def role_load(role: str, workers: list[WorkerInfo]) -> RoleLoad:
+    def total(key: str) -> int:
+        return sum(int(w.load.get(key, 0)) for w in workers)
+
+    blocks, free = total("total_blocks"), total("free_blocks")
+    per_worker: float | None = None
+    if role == "prefill":
+        speeds = [float(w.load.get("prefill_tps", 0.0)) for w in workers]
+        speeds = [v for v in speeds if v > 0]
+        per_worker = sum(speeds) / len(speeds) if speeds else None
+    else:
+        seqs = [int(w.capacity.get("max_num_seqs", 0)) for w in workers]
+        per_worker = float(min(seqs)) if seqs and min(seqs) > 0 else None
+    return RoleLoad(
+        len(workers), total("waiting"), (blocks - free) / blocks if blocks else 0.0, total("running"),
+        total("queued_tokens"), per_worker,
+    )  # fmt: skip
+
+
 class SignalReader:
     TTFT, TPOT = "splitserve_router_ttft_seconds", "splitserve_router_tpot_seconds"
+    PROMPT_TOKENS = "splitserve_router_prompt_tokens"
 
     def __init__(self, redis_url: str, router_url: str | None, api_key: str | None = None) -> None:
         self.state = ClusterState.from_url(redis_url)
         self.router_url = router_url.rstrip("/") if router_url else None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._previous: dict[str, Buckets] | None = None
+        # the previous read of the router's /metrics: when, the histograms, the prompt-token counter
+        self._previous: tuple[float, dict[str, Buckets], float | None] | None = None
 
     async def read(self) -> Signals | None:
         try:
@@ -69,36 +124,49 @@ class SignalReader:
         except Exception as e:  # noqa: BLE001 - any failure to read is an outage: hold, say why
             log.warning("signals unavailable (%s): holding", type(e).__name__)
             return None
+        p, d = roles["prefill"], roles["decode"]
+        prompt_tps, finished_per_s = latency.get(self.PROMPT_TOKENS), latency.get("finished_per_s")
         return Signals(
             time.monotonic(),
-            RoleSignals(roles["prefill"][0], latency.get(self.TTFT), roles["prefill"][1]),
-            RoleSignals(roles["decode"][0], latency.get(self.TPOT), roles["decode"][1], roles["decode"][2]),
-        )
+            RoleSignals(
+                p.workers, latency.get(self.TTFT), p.waiting,
+                demand=prompt_tps, per_worker=p.per_worker, queued_tokens=p.queued_tokens,
+            ),
+            RoleSignals(
+                d.workers, latency.get(self.TPOT), d.waiting, d.kv_used,
+                demand=float(d.running) if d.per_worker else None, per_worker=d.per_worker,
+                finished_per_s=finished_per_s,
+            ),
+        )  # fmt: skip
 
-    async def _role(self, role: str) -> tuple[int, int, float]:
-        workers = await self.state.registry.alive(role)
-        waiting = sum(int(w.load.get("waiting", 0)) for w in workers)
-        total = sum(int(w.load.get("total_blocks", 0)) for w in workers)
-        free = sum(int(w.load.get("free_blocks", 0)) for w in workers)
-        return len(workers), waiting, (total - free) / total if total else 0.0
+    async def _role(self, role: str) -> RoleLoad:
+        return role_load(role, await self.state.registry.alive(role))
 
     async def _latency(self) -> dict[str, float]:
-        """p90 TTFT and TPOT since the previous read; empty without a router or before two reads."""
+        """p90 TTFT and TPOT since the previous read, the prompt tokens and finished requests per second;
+        empty without a router or before two reads."""
         if self.router_url is None:
             return {}
         async with httpx.AsyncClient(timeout=5.0) as client:
             r = await client.get(self.router_url + "/metrics", headers=self.headers)
             r.raise_for_status()
+        at = time.monotonic()
         now = parse_histograms(r.text, (self.TTFT, self.TPOT))
-        before, self._previous = self._previous, now
+        tokens = parse_counter(r.text, self.PROMPT_TOKENS)
+        before, self._previous = self._previous, (at, now, tokens)
         if before is None:
             return {}
+        then, hists, tokens_before = before
         out = {}
         for name, buckets in now.items():
-            delta = {le: c - before.get(name, {}).get(le, 0.0) for le, c in buckets.items()}
+            delta = {le: c - hists.get(name, {}).get(le, 0.0) for le, c in buckets.items()}
             p90 = histogram_quantile(0.9, delta)
             if p90 is not None:
                 out[name] = p90
+            if name == self.TPOT and at > then and delta:
+                out["finished_per_s"] = max(0.0, delta[max(delta)]) / (at - then)
+        if tokens is not None and tokens_before is not None and at > then:
+            out[self.PROMPT_TOKENS] = max(0.0, tokens - tokens_before) / (at - then)  # a reset: 0, not < 0
         return out
 
     async def close(self) -> None:

@@ -1,5 +1,6 @@
 """The planner against real processes: a real Redis, a decode service and a router on the tiny model.
-Its signals come from the worker registry and the router's /metrics; `splitserve planner` prints one JSON
+Its signals come from the worker registry and the router's /metrics (latency, and the utilization figures:
+prompt tokens and finished requests per second, max_num_seqs); `splitserve planner` prints one JSON
 decision per round with its inputs, and holds (the floor) when Redis is gone."""
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def test_signals_and_decisions_from_a_real_stack(tmp_path) -> None:  # type: ign
         assert (s.prefill.workers, s.decode.workers) == (0, 1)
         assert s.prefill.latency_s is not None and s.prefill.latency_s > 0  # p90 TTFT of those three
         assert s.decode.latency_s is not None and 0 <= s.decode.kv_used < 1
+        # the utilization signals: the router's prompt tokens per second since the previous read, the
+        # requests finished per second (the TPOT histogram's count), max_num_seqs from the registry
+        assert s.prefill.demand is not None and s.prefill.demand > 0
+        assert s.decode.finished_per_s is not None and s.decode.finished_per_s > 0
+        assert s.decode.per_worker is not None and s.decode.per_worker >= 1
+        assert s.decode.demand == 0.0  # nothing running once the three have finished
 
         cmd = [sys.executable, "-m", "splitserve", "planner", "--redis-url", redis.url]
         cmd += ["--router-url", router.url, "--rounds", "2", "--interval-s", "0.2"]

@@ -201,3 +201,26 @@ def test_p90_is_nearest_rank_and_keeps_an_unfinished_request_infinite() -> None:
     assert p90([]) is None
     assert p90([float(x) for x in range(1, 11)]) == 9.0
     assert p90([0.1] * 9 + [math.inf]) == 0.1 and p90([0.1] * 8 + [math.inf] * 2) == math.inf
+
+
+def test_the_fleet_gives_the_utilization_signals_the_live_reader_builds() -> None:
+    """The prompt-token counter (at the first token), each prefill worker's measured speed (the engine's
+    EWMA over its steps, weight 0.2), the queued prompt tokens and the decode sequences held; and the
+    planner run hands them over as the live reader does."""
+    fleet = Fleet(CFG, 1, 1)
+    assert fleet.prefill_tps() is None and fleet.prompt_tokens == 0
+    fleet.run([(0.0, 4096, 300), (0.001, 2000, 300), (0.002, 3000, 300)], until=0.05)
+    assert fleet.queued_tokens() == 4096 + 2000 + 3000  # the first step (the first prompt) still runs
+    assert fleet.prompt_tokens == 0  # counted at the first token, as the router does
+    fleet.run([], until=2.0)
+    assert fleet.queued_tokens() == 0 and fleet.running() == 3
+    assert fleet.prompt_tokens == 4096 + 2000 + 3000
+    first = 4096 / step_seconds(PROFILE, [(4096, 0)])  # then the two that queued behind it, together
+    second = 5000 / step_seconds(PROFILE, [(2000, 0), (3000, 0)])
+    assert fleet.prefill_tps() == pytest.approx(first + 0.2 * (second - first), rel=1e-9)
+    pr = PlannerRun(PlannerConfig(), (1e9, 1e9))
+    pr.tick(15.0, fleet)
+    pr.tick(30.0, fleet)
+    inputs = pr.planner.last.inputs if pr.planner.last else {}
+    assert inputs["decode"]["demand"] == 3.0 and inputs["decode"]["per_worker"] == CFG.decode_max_seqs
+    assert inputs["prefill"]["per_worker"] == fleet.prefill_tps() and inputs["prefill"]["demand"] == 0.0
