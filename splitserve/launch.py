@@ -354,6 +354,7 @@ class Child:
     proc: subprocess.Popen
     started: float = dataclasses.field(default_factory=time.monotonic)
     wait: float = BACKOFF_S[0]
+    url: str = ""  # a service's address ("" for Redis-less children)
 
 
 def supervise(children: list[Child], tick: Callable[[], None] | None = None) -> None:
@@ -376,6 +377,51 @@ def supervise(children: list[Child], tick: Callable[[], None] | None = None) -> 
             time.sleep(c.wait)
             c.proc = subprocess.Popen(c.cmd, env=c.env)
             c.started, c.wait = time.monotonic(), min(2 * c.wait, BACKOFF_S[1])
+
+
+def role_moves(children: list[Child], wanted: dict[str, int]) -> list[tuple[Child, str]]:
+    """The services that change role in place for `wanted` (role -> count): when one role is to grow
+    and the other to shrink, min(growth, shrinkage) of the shrinking role's newest, to the other."""
+    have = {role: [c for c in children if c.role == role] for role in ("prefill", "decode")}
+    for grow, shrink in (("prefill", "decode"), ("decode", "prefill")):
+        n = min(wanted[grow] - len(have[grow]), len(have[shrink]) - wanted[shrink])
+        if n > 0:
+            return [(c, grow) for c in have[shrink][::-1][:n]]
+    return []
+
+
+def switch_role(c: Child, role: str, role_at: int, timeout_s: float = 180.0) -> None:
+    """Ask service `c` to become `role` without a restart (POST /internal/role, signed with the
+    deployment's secret); `up` counts it in its new role at once, and a restart runs it as that role.
+    The call drains what runs (up to the service's drain timeout), so it goes on a thread; if the switch
+    is refused or fails, the process is stopped and `supervise` starts it again in its new role."""
+    import threading
+
+    import httpx
+
+    from common.security.internal_auth import SignedCalls
+    from common.security.secret import InternalSecret
+
+    old = c.role
+    c.role, c.cmd = role, [*c.cmd[:role_at], role, *c.cmd[role_at + 1 :]]
+    print(f"  {c.name}: switching {old} -> {role} (autoscale)", flush=True)
+
+    def call() -> None:
+        why = ""
+        try:
+            auth = SignedCalls(InternalSecret.from_env())
+            r = httpx.post(c.url + "/internal/role", json={"role": role}, auth=auth, timeout=timeout_s)
+            if r.status_code not in (200, 202):
+                why = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as e:
+            why = f"{type(e).__name__}: {e}"
+        if why:
+            print(f"  {c.name}: the switch failed ({why}); restarting it as {role}", flush=True)
+            c.proc.terminate()
+        else:
+            print(f"  {c.name}: now {role}", flush=True)
+
+    threading.Thread(target=call, name=f"switch-{c.name}", daemon=True).start()
 
 
 def _up_plan(args: argparse.Namespace, models: int = 1) -> list[dict[str, str]]:
@@ -489,9 +535,9 @@ def up(args: argparse.Namespace) -> int:
         cmd += ["--served-model-name", names[m]] if names else []
         # the Redis URL through the environment: it carries the password, a flag would show in `ps`
         env = {**os.environ, **place, "SPLITSERVE_REDIS_URL": redis_url}
-        child = Child(f"{role}-{i}", role, cmd, env, subprocess.Popen(cmd, env=env))
-        where = f" on GPU {place['CUDA_VISIBLE_DEVICES']}" if place else ""
         url = f"http://127.0.0.1:{port}"
+        child = Child(f"{role}-{i}", role, cmd, env, subprocess.Popen(cmd, env=env), url=url)
+        where = f" on GPU {place['CUDA_VISIBLE_DEVICES']}" if place else ""
         print(f"  {child.name}: starting at {url}{where}", flush=True)
         return child, url
 
@@ -559,6 +605,11 @@ def up(args: argparse.Namespace) -> int:
                 wanted = scaler.tick()
                 if wanted is None:
                     return
+                # one role up and the other down in the same decision (the budget binds): the newest
+                # services of the role that shrinks change role in place (POST /internal/role) instead of
+                # one draining away while a new one loads the model
+                for c, new in role_moves(children, wanted):
+                    switch_role(c, new, len(me))
                 for role in ("prefill", "decode"):
                     mine = [c for c in children if c.role == role]
                     for _ in range(wanted[role] - len(mine)):

@@ -197,13 +197,69 @@ def test_up_autoscale_adds_a_decode_service_under_pressure_and_removes_it_after(
             assert proc.poll() is None and time.monotonic() < deadline, f"no second decode:\n{text()}"
             assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         decisions = [
-            json.loads(line.split("autoscale: ", 1)[1])
+            # raw_decode: another process's log line can land on the end of a long decision line
+            json.JSONDecoder().raw_decode(line.split("autoscale: ", 1)[1])[0]
             for line in text().splitlines()
             if "autoscale: {" in line
         ]
         assert any(d["decode"] == 2 and "over target" in d["reason"] for d in decisions), decisions
         wait_for("the second decode service stopped", lambda: "decode-1: stopping (autoscale)" in text())
         wait_for("one decode service left", lambda: decode_workers() == 1)
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_up_autoscale_moves_a_service_to_the_other_role_without_a_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`up --autoscale` at its budget: a TTFT target no CPU can meet puts prefill over target, and the
+    budget (3) lets it grow only if decode gives one up: the newest decode service changes role in place
+    (POST /internal/role: same process, same worker id, a new incarnation), and the router routes it as a
+    prefill service."""
+    port, base = free_port(), free_port() + 100
+    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read after the process ends
+    cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
+    cmd += ["--threads-per-service", "1", "--kv-cache-mb", "32", "--prefill", "1", "--decode", "2"]
+    cmd += ["--autoscale", "--autoscale-interval-s", "1", "--autoscale-cooldown-s", "2"]
+    cmd += ["--autoscale-window-s", "3", "--ttft-target-s", "0.000001", "--tpot-target-s", "100"]
+    cmd += ["--max-prefill", "2", "--max-decode", "2", "--budget", "3"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def text() -> str:
+        return (tmp_path / "up.log").read_text()
+
+    def workers() -> tuple[int, int]:
+        try:
+            h = httpx.get(url + "/health", timeout=5).json()
+            return int(h.get("prefill_workers", 0)), int(h.get("decode_workers", 0))
+        except (httpx.HTTPError, ValueError):
+            return -1, -1
+
+    try:
+        deadline = time.monotonic() + 180
+        while "splitserve is up" not in text():
+            assert proc.poll() is None and time.monotonic() < deadline, text()
+            time.sleep(0.3)
+        pids = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        # a prompt long enough for the split route (the router's local-prefill threshold)
+        body = {"model": "default", "prompt": "Tell me a story. " * 20, "max_tokens": 4, "temperature": 0}
+        deadline = time.monotonic() + 180
+        while workers() != (2, 1):
+            assert proc.poll() is None and time.monotonic() < deadline, f"no move:\n{text()}"
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert "decode-1: switching decode -> prefill (autoscale)" in text()
+        deadline = time.monotonic() + 60
+        while "decode-1: now prefill" not in text():
+            assert time.monotonic() < deadline, text()
+            time.sleep(0.3)
+        assert "prefill-1: starting" not in text() and "decode-1: stopping" not in text(), text()
+        assert {c.pid for c in psutil.Process(proc.pid).children(recursive=True)} == pids, (
+            "no process replaced"
+        )
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
