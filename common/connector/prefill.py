@@ -30,6 +30,7 @@ from common.connector.base import RemoteKVConnector
 from common.connector.remote_kv import OutgoingKV, TransferState
 from common.engine.scheduler import SchedulerOutput
 from common.engine.sequence import Sequence
+from common.kv.block_manager import HOLE
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
 from common.parallel.messages import Finish, Settle
 from common.parallel.plan import (
@@ -195,6 +196,14 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
                 skip = tuple(max(0, min(f - first, last - first)) for f in rkv.first_needed)
                 skip = skip if any(skip) else ()
                 src, dst = seq.block_table[first:last], rkv.block_ids[first:last]
+                # a HOLE (a block released before every layer's window, here or in the decode
+                # service's reservation) may only be where no layer sends anything
+                lo = min(skip) if skip else 0
+                if HOLE in src[lo:] or HOLE in dst[lo:]:
+                    raise ValueError(
+                        f"request {seq.seq_id}: a released block (HOLE) among the blocks a layer sends "
+                        f"(blocks {first + lo}..{last - 1}: source {src[lo:]}, destination {dst[lo:]})"
+                    )
                 writes.append(LayerWrite(rkv, src, dst, n, skip))
         return SaveMeta(writes, self.num_layers - 1) if writes else None
 

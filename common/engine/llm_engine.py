@@ -47,7 +47,7 @@ from common.engine.sequence import Sequence
 from common.engine.speed import StepSpeed
 from common.engine.static_batching import StaticBatchScheduler
 from common.kv import quant
-from common.kv.block_manager import BlockManager
+from common.kv.block_manager import BlockManager, free_window, live_blocks
 from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
 from common.kv.offload import KVOffload
 from common.model.calibration import calibration_ids, kv_amax
@@ -222,7 +222,8 @@ class LLMEngine:
             f" on each of {tp} ranks" if tp > 1 else "", str(kv_dtype).removeprefix("torch."),
             time.monotonic() - t0,
         )  # fmt: skip
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        window = free_window(spec.layer_windows)  # every layer slides: blocks that slid out are freed
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
         self.kv_offload = self._offload_tiers()
         self.block_manager.tier = self.kv_offload
         sched_cfg = SchedulerConfig(
@@ -393,7 +394,9 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
                 f"context length {self.max_model_len}"
             )
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+        # a windowed model's sequence holds a chunk and the window before it, not all its blocks
+        bm = self.block_manager
+        if bm.most_held(total, self.config.max_num_batched_tokens) > bm.num_blocks:
             raise ValueError(
                 f"{total} tokens need more KV blocks than the cache has ({self.block_manager.num_blocks})"
             )
@@ -596,7 +599,7 @@ class LLMEngine:
                 tpw.swap_out(seq.seq_id, blocks)
         for seq in out.swap_in:
             saved = self._swapped_kv.pop(seq.seq_id)
-            blocks = seq.block_table[: saved[0].shape[1]]
+            blocks = live_blocks(seq.block_table)[: saved[0].shape[1]]  # holes were not swapped out
             self.kv_cache.copy_in(blocks, saved)
             if tpw is not None:
                 tpw.swap_in(seq.seq_id, blocks)

@@ -16,6 +16,14 @@ Remote KV: a decode service's request waits in `reserving` until its prompt's bl
 then sits in `parked` (holding them, never scheduled) until `kv_arrived`. A prefill service's request
 that finished while its KV is still being sent keeps its blocks in `parked` too, until the engine
 finishes it again once the transfer let go (`holds_blocks`, asked of the KV connector).
+
+Sliding windows (a block manager with a `window`: every layer of the model slides): after each step a
+sequence's blocks that lie wholly before its next query's window are released (`release_window`; its
+table keeps HOLEs there), so a sequence holds about window / block_size + 2 blocks however long it
+grows. A reservation for a prompt whose KV arrives window-only takes only the window's blocks, and a
+swap-in only the blocks it still reads. A local admission takes the blocks of the prompt's first chunk
+only, and each later step those of its next chunk (`room`, `grow`): a long prompt, or a preempted
+sequence recomputed, holds at most a chunk and the window before it.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from dataclasses import dataclass, field
 from common.engine.policy import QueuePolicy, make_policy
 from common.engine.scheduler_config import SchedulerConfig as SchedulerConfig
 from common.engine.sequence import Sequence, SequenceStatus
-from common.kv.block_manager import BlockManager
+from common.kv.block_manager import BlockManager, live_blocks
 
 log = logging.getLogger("splitserve.scheduler")
 
@@ -158,17 +166,25 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            while len(seq.token_ids) > len(seq.block_table) * bs and not self.bm.can_append(seq):
+            # blocks for every token; with a window, for this chunk's only (the window before it is held)
+            target = seq.num_tokens if self.bm.window is None else seq.num_computed_tokens + n
+            while target > len(seq.block_table) * bs and not self.bm.can_grow(seq, target):
                 budget += self._preempt(self.policy.victim(self), out)
                 if seq.status is not SequenceStatus.RUNNING:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self.bm.append_slots(seq)
-            n = self._chunk(seq, budget)
+            self.bm.grow(seq, target)
+            n = self._room(seq, self._chunk(seq, budget))
             self._take(seq, n, out)
             budget -= n
         return budget, len(out.preempted) > preempted
+
+    def _room(self, seq: Sequence, n: int) -> int:
+        """n, or fewer: the tokens seq's blocks have room for (a windowed prefill holds one chunk's)."""
+        room = len(seq.block_table) * self.bm.block_size - seq.num_computed_tokens
+        assert room > 0 or n == 0, f"{seq.seq_id} was given no block for its next token"
+        return min(n, room)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """How many of seq's uncomputed tokens this step can take: the budget, and for a prefill the
@@ -192,9 +208,14 @@ class Scheduler:
                 seq = self.policy.claimant(self.reserving, taken, self)
                 if seq is not None and self._make_room(seq, out) is None:
                     break
-            if seq is None or not self.bm.can_allocate(seq):
+            if seq is None:
                 break
-            self.bm.allocate(seq)
+            # decoding starts at the prompt's end: the blocks before its window are holes from the start
+            # (the prefill service sends no layer of them; common/connector/prefill.py)
+            first = self.bm.first_live(seq.num_tokens)
+            if not self.bm.can_allocate(seq, first=first):
+                break
+            self.bm.allocate(seq, first=first)
             seq.status = SequenceStatus.PARKED
             self.parked[seq.seq_id] = seq
             out.admitted.append(seq)
@@ -227,16 +248,23 @@ class Scheduler:
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         while self.swapped and budget > 0 and self.num_active < self.config.max_num_seqs:
             seq = self.swapped[0]
-            if self.bm.blocks_needed(seq.num_tokens) > self.bm.num_free_blocks:
+            # windowed: the table it had (its holes then, released up to its computed tokens, and the
+            # blocks it held) and room for its next token; else blocks for every token
+            first = self.bm.first_live(seq.num_computed_tokens)
+            size = seq.num_tokens
+            if self.bm.window is not None:
+                had = (first + seq.num_swapped_blocks) * self.bm.block_size
+                size = min(size, max(had, seq.num_computed_tokens + 1))
+            if self.bm.blocks_needed(size) - first > self.bm.num_free_blocks:
                 break
             self.swapped.popleft()
-            self.bm.allocate(seq, use_prefix_cache=False)
+            self.bm.allocate(seq, size, use_prefix_cache=False, first=first)
             self.swap_blocks_used -= seq.num_swapped_blocks
             seq.num_swapped_blocks = 0
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.swap_in.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._room(seq, min(seq.num_uncomputed_tokens, budget))
             out.scheduled.append((seq, n))
             budget -= n
         return budget
@@ -265,9 +293,10 @@ class Scheduler:
                 budget += refund
             # prompt logprobs need every prompt row computed: no prefix-cache hits for such a request
             cache = seq.prompt_logprobs is None
-            if not self.bm.can_allocate(seq, use_prefix_cache=cache):
+            room = None if self.bm.window is None else chunk  # windowed: the first chunk's blocks only
+            if not self.bm.can_allocate(seq, use_prefix_cache=cache, room=room):
                 break  # head-of-line blocking on purpose: skipping ahead would starve long prompts
-            self.bm.allocate(seq, use_prefix_cache=cache)
+            self.bm.allocate(seq, use_prefix_cache=cache, room=room)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -276,10 +305,10 @@ class Scheduler:
             self._charge_admission(seq)
             if newcomers is not None:
                 newcomers.discard(seq.tenant)
-                n = min(seq.num_uncomputed_tokens, budget)
+                n = self._room(seq, min(seq.num_uncomputed_tokens, budget))
                 out.scheduled.append((seq, n))
             else:
-                n = self._chunk(seq, budget)
+                n = self._room(seq, self._chunk(seq, budget))
                 self._take(seq, n, out)
             budget -= n
         self.waiting = _without(self.waiting, taken)
@@ -318,7 +347,7 @@ class Scheduler:
         return self._preempt(victim, out, kind="recompute")
 
     def _preemption_kind(self, seq: Sequence) -> str:
-        cfg, n_blocks = self.config, len(seq.block_table)
+        cfg, n_blocks = self.config, self.bm.num_held(seq)
         fits = self.swap_blocks_used + n_blocks <= cfg.num_swap_blocks
         if cfg.preemption_mode == "recompute":
             return "recompute"
@@ -345,8 +374,9 @@ class Scheduler:
         self.stats[f"preempt_{kind}"] += 1
         out.preempted.append(seq)
         if kind == "swap":
-            out.swap_out.append((seq, list(seq.block_table)))
-            seq.num_swapped_blocks = len(seq.block_table)
+            held = live_blocks(seq.block_table)  # holes hold nothing: none is copied out, or back in
+            out.swap_out.append((seq, held))
+            seq.num_swapped_blocks = len(held)
             self.swap_blocks_used += seq.num_swapped_blocks
             self.bm.free(seq)  # its block table is empty while it is out: fresh blocks on swap-in
             seq.status = SequenceStatus.SWAPPED
@@ -368,6 +398,8 @@ class Scheduler:
             seq.num_computed_tokens += n
             if not seq.kv_partial:
                 self.bm.commit(seq, seq.num_computed_tokens)
+            # after the commit: a block released hashed stays in the prefix cache (its KV is whole)
+            self.bm.release_window(seq, seq.num_computed_tokens)
             if seq.num_computed_tokens > seq.num_charged_tokens:  # a decode step: a position new to the bill
                 self._charge(seq, seq.num_computed_tokens - seq.num_charged_tokens)
                 seq.num_charged_tokens = seq.num_computed_tokens

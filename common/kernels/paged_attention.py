@@ -36,7 +36,9 @@ the kernel never sees the rotation.
 
 Two per-layer options of some model families (see common/model/attention.py, the reference):
 WINDOW (sliding-window attention: a query at position p sees keys p - window + 1 .. p; a program skips
-the key tiles before its first query's window) and SOFTCAP (gemma2: scores -> softcap * tanh(scores /
+the key tiles before its first query's window, and loads no position before that window's first key
+either: the block-table entry there may be a HOLE, -1, for a block released once it slid out of every
+layer's window, common/kv/block_manager.py) and SOFTCAP (gemma2: scores -> softcap * tanh(scores /
 softcap), before masking). Both are compile-time switches, so a model without them runs the same code
 as before.
 """
@@ -152,15 +154,17 @@ def _paged_attention_kernel(
     # the first key tile any row of this program can see: 0, or with a window the tile holding the
     # first query's first visible key
     kv_lo = kv_len * 0
+    kv_first = kv_len * 0  # positions before it are never loaded (their block may be a HOLE)
     if WINDOW:
-        kv_lo = tl.maximum(ctx - n_new + q_tile * BLOCK_Q - window + 1, 0) // TILE * TILE
+        kv_first = tl.maximum(ctx - n_new + q_tile * BLOCK_Q - window + 1, 0)
+        kv_lo = kv_first // TILE * TILE
     # this program's share of the key tiles (all of them unless SPLIT)
     tiles_per_split = tl.cdiv(tl.cdiv(tl.maximum(kv_len - kv_lo, 0), TILE), num_splits)
     lo = kv_lo + split * tiles_per_split * TILE
     hi = tl.minimum(lo + tiles_per_split * TILE, kv_len)
     for start in range(lo, hi, TILE):
         k_pos = start + offs_n
-        k_ok = k_pos < kv_len
+        k_ok = (k_pos < kv_len) & (k_pos >= kv_first)
         page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
         page = page.to(tl.int64)
         within = k_pos % BLOCK_SIZE

@@ -23,6 +23,15 @@ Offload tiers (`tier`, an `OffloadTier`: common/kv/offload.py): an evicted hashe
 the tier before the block is reused, and `allocate` continues a prompt's pool prefix with the blocks the
 tier can return, read into the freshly taken blocks and hashed only once their KV is there (tier hits
 count as cached tokens, like pool hits).
+
+Sliding windows (`window`, set for models whose every layer slides: the largest window; None
+otherwise): a block that lies wholly before the window of every query a sequence will still make is
+released (`release_window`) and its block-table entry becomes HOLE, a placeholder no attention reads
+(the window masks it; common/model/attention.py and the Triton kernel never load it). Holes are always
+a prefix of the table: the block holding position p - window + 1 and every later one stay. A released
+block is like a freed one: cached if hashed (its KV is right for any prompt sharing that prefix), else
+free. `allocate(first=...)` reserves a table whose first blocks are holes already (a decode service's
+reservation for a prompt whose KV comes window-only, a swap-in), so only the window's blocks count.
 """
 
 from __future__ import annotations
@@ -35,6 +44,20 @@ from typing import Protocol
 from common.prefix_hash import DEVICE, ROOT, KVEvent, KVHeld, block_hash
 
 SNAPSHOT_TRIES = 8  # cached_hashes(): copies attempted while the engine thread changes the index
+HOLE = -1  # a block-table entry whose block slid out of every layer's window and was released
+
+
+def free_window(layer_windows: Seq[int | None]) -> int | None:
+    """The window outside which no layer reads a block: the largest window when every layer slides;
+    None when a layer attends to everything (or no layer slides): then no block is ever released."""
+    if not layer_windows or any(w is None for w in layer_windows):
+        return None
+    return max(w for w in layer_windows if w is not None)
+
+
+def live_blocks(block_table: Seq[int]) -> list[int]:
+    """The blocks a table holds, holes left out (in table order)."""
+    return [b for b in block_table if b != HOLE]
 
 
 class OffloadTier(Protocol):
@@ -77,8 +100,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
+    ) -> None:
         assert num_blocks > 0 and block_size > 0, "need at least one block of at least one token"
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window must be at least 1 token, got {window}")
+        self.window = window  # every layer's keys lie within this many positions (module doc); None: all
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -104,6 +132,23 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def first_live(self, num_computed: int) -> int:
+        """The first block a sequence whose KV is computed up to `num_computed` tokens still reads: the
+        one holding position num_computed - window + 1 (its next query is at num_computed, and later
+        ones see later keys only); 0 without a window."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def most_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens, computed `max_chunk` at a time at most,
+        holds at once: all of them without a window; with one, a chunk's and the window before it
+        (admission and growth take the blocks of the next chunk only: `allocate(room=...)`)."""
+        whole = self.blocks_needed(num_tokens)
+        if self.window is None:
+            return whole
+        return min(whole, (self.window + max_chunk - 1) // self.block_size + 2)
+
     def _prefix_hits(self, token_ids: Seq[int], num_tokens: int, root: int = ROOT) -> list[int]:
         """Block ids holding the longest cached prefix of token_ids (full blocks only) under the chain
         root of the sequence's cache salt."""
@@ -122,15 +167,44 @@ class BlockManager:
         return hits
 
     def can_allocate(
-        self, seq: BlockOwner, num_tokens: int | None = None, reserve: int = 0, use_prefix_cache: bool = True
+        self,
+        seq: BlockOwner,
+        num_tokens: int | None = None,
+        reserve: int = 0,
+        use_prefix_cache: bool = True,
+        first: int = 0,
+        room: int | None = None,
     ) -> bool:
-        """Room for `num_tokens` (default: all of seq's tokens) plus `reserve` spare blocks?"""
+        """Room for `num_tokens` (default: all of seq's tokens) plus `reserve` spare blocks? `first`
+        and `room` as in allocate: holes need no block, and with `room` only the blocks up to the
+        cached prefix plus `room` tokens count."""
         n = len(seq.token_ids) if num_tokens is None else num_tokens
+        first = self._check_first(first, n)
         limit = min(n, len(seq.token_ids) - 1)
         hits = self._prefix_hits(seq.token_ids, limit, _root(seq)) if use_prefix_cache else []
-        evictable_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        need = self.blocks_needed(n) - len(hits) + reserve
+        held = hits[first:]
+        evictable_hits = sum(1 for b in held if self.blocks[b].ref_count == 0)
+        need = self.blocks_needed(self._target(n, len(hits), room)) - first - len(held) + reserve
         return need <= self.num_free_blocks - evictable_hits
+
+    def _target(self, num_tokens: int, num_hits: int, room: int | None) -> int:
+        """Tokens an allocation gives blocks for: all `num_tokens`, or with `room` the prefix hits and
+        `room` tokens after them."""
+        if room is None:
+            return num_tokens
+        assert room > 0, f"room for {room} tokens"
+        return min(num_tokens, num_hits * self.block_size + room)
+
+    def _check_first(self, first: int, num_tokens: int) -> int:
+        if first == 0:
+            return 0
+        if self.window is None or not 0 < first <= self.first_live(num_tokens):
+            raise ValueError(
+                f"{first} leading holes for {num_tokens} tokens: only the blocks before the window of a "
+                f"model whose every layer slides may be left out (window {self.window}, up to "
+                f"{self.first_live(num_tokens)} blocks)"
+            )
+        return first
 
     # --- allocation -------------------------------------------------------------------------------
     def _take(self) -> int:
@@ -158,8 +232,23 @@ class BlockManager:
             self.num_used += 1
         blk.ref_count += 1
 
-    def allocate(self, seq: BlockOwner, num_tokens: int | None = None, use_prefix_cache: bool = True) -> None:
+    def allocate(
+        self,
+        seq: BlockOwner,
+        num_tokens: int | None = None,
+        use_prefix_cache: bool = True,
+        first: int = 0,
+        room: int | None = None,
+    ) -> None:
         """Give seq blocks for its first `num_tokens` tokens, reusing cached prefix blocks.
+
+        `room` (a windowed model's chunked prefill): blocks only up to the cached prefix and `room`
+        tokens after it; `grow` adds the next chunk's before it is computed, and `release_window` lets
+        go of what the window left behind, so a long prompt never holds all its blocks at once.
+
+        `first` (> 0 only with a window): the table's first `first` entries are HOLEs, blocks nobody will
+        read (before the window of the sequence's next query: at most first_live(num_tokens)); prefix
+        hits among them are not taken, and the offload tiers load nothing into them.
 
         Sets seq.num_cached_tokens: tokens whose KV is already in the reused blocks. At least one
         token is always left to compute, because the step that computes it samples the next token; so
@@ -168,16 +257,22 @@ class BlockManager:
         """
         assert not seq.block_table, "sequence already holds blocks"
         n = len(seq.token_ids) if num_tokens is None else num_tokens
+        first = self._check_first(first, n)
         limit = min(n, len(seq.token_ids) - 1)
         hits = self._prefix_hits(seq.token_ids, limit, _root(seq)) if use_prefix_cache else []
         self.prefix_queries += len(seq.token_ids) // self.block_size
         self.prefix_hits += len(hits)
-        for bid in hits:
+        held = hits[first:]
+        for bid in held:
             self._ref(bid)
-        fresh = [self._take() for _ in range(self.blocks_needed(n) - len(hits))]
-        seq.block_table = hits + fresh
-        seq.num_hashed_blocks = len(hits)
-        loaded = self._load_from_tier(seq, limit, hits, fresh) if use_prefix_cache else 0
+        target = self._target(n, len(hits), room)
+        fresh = [self._take() for _ in range(self.blocks_needed(target) - first - len(held))]
+        seq.block_table = [HOLE] * first + held + fresh
+        seq.num_hashed_blocks = len(hits) if len(hits) >= first else 0  # a hole ends the hash chain
+        loaded = 0
+        if use_prefix_cache and len(hits) >= first:  # the tiers continue the hits, never into a hole
+            # short of the prompt: the last fresh block is left for the chunk to compute into
+            loaded = self._load_from_tier(seq, limit, hits, fresh[: len(fresh) - (target < n)])
         seq.num_cached_tokens = (len(hits) + loaded) * self.block_size
 
     def _load_from_tier(self, seq: BlockOwner, limit: int, hits: list[int], fresh: list[int]) -> int:
@@ -191,7 +286,7 @@ class BlockManager:
         assert parent is not None, "a prefix hit has a hash"
         hashes: list[int] = []
         tokens: list[tuple[int, ...]] = []
-        for i in range(start, limit // bs):
+        for i in range(start, min(limit // bs, start + len(fresh))):
             toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = block_hash(parent, toks)
             if parent in self.hash_to_block:
@@ -215,26 +310,56 @@ class BlockManager:
         need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)
         return need <= self.num_free_blocks
 
+    def can_grow(self, seq: BlockOwner, num_tokens: int) -> bool:
+        """Room to give seq blocks up to its first `num_tokens` tokens?"""
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free_blocks
+
+    def grow(self, seq: BlockOwner, num_tokens: int) -> None:
+        """Give seq blocks up to its first `num_tokens` tokens (none if it has them)."""
+        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take())
+
     def append_slots(self, seq: BlockOwner, num_new_tokens: int = 1) -> None:
         """Make room for seq's tokens up to len(token_ids) + num_new_tokens - 1."""
         need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)
         for _ in range(need):
             seq.block_table.append(self._take())
 
+    def _unref(self, bid: int) -> None:
+        blk = self.blocks[bid]
+        assert blk.ref_count > 0, f"double free of block {bid}"
+        blk.ref_count -= 1
+        if blk.ref_count == 0:
+            self.num_used -= 1
+            if blk.hash is not None:
+                self.cached_ids[bid] = None
+            else:
+                self.free_ids.append(bid)
+
     def free(self, seq: BlockOwner) -> None:
         """Release seq's blocks. Hashed blocks stay reusable (cached) until evicted."""
         for bid in reversed(seq.block_table):  # tail first: evicted before the shared prefix
-            blk = self.blocks[bid]
-            assert blk.ref_count > 0, f"double free of block {bid}"
-            blk.ref_count -= 1
-            if blk.ref_count == 0:
-                self.num_used -= 1
-                if blk.hash is not None:
-                    self.cached_ids[bid] = None
-                else:
-                    self.free_ids.append(bid)
+            if bid != HOLE:
+                self._unref(bid)
         seq.block_table = []
         seq.num_hashed_blocks = 0
+
+    def release_window(self, seq: BlockOwner, num_computed: int) -> int:
+        """Release seq's blocks that lie wholly before the window of its next query (at `num_computed`,
+        the tokens whose KV is computed), leaving HOLEs in their place; returns how many. Commit first:
+        a block released unhashed stays so. A no-op without a window."""
+        table, released = seq.block_table, 0
+        i = min(self.first_live(num_computed), len(table)) - 1
+        while i >= 0 and table[i] != HOLE:  # holes are a prefix: stop at the first one met
+            self._unref(table[i])
+            table[i] = HOLE
+            released += 1
+            i -= 1
+        return released
+
+    def num_held(self, seq: BlockOwner) -> int:
+        """Blocks seq holds: its table less the holes."""
+        return sum(1 for b in seq.block_table if b != HOLE)
 
     def commit(self, seq: BlockOwner, num_computed_tokens: int) -> list[int]:
         """Hash the full blocks whose KV is now computed; returns the new hashes (for KV events)."""
@@ -242,6 +367,8 @@ class BlockManager:
             return []
         bs, new = self.block_size, []
         for i in range(seq.num_hashed_blocks, num_computed_tokens // bs):
+            if seq.block_table[i] == HOLE or (i > 0 and seq.block_table[i - 1] == HOLE):
+                break  # a released block's hash is gone from the table: the chain ends there
             parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else _root(seq)
             if parent is None:  # parent's content is owned elsewhere under that hash: stop the chain
                 break

@@ -9,9 +9,11 @@ tensors (the model runner builds them for the Triton backend).
 
 Per layer, two family options (common/model/config.py): `window` (sliding-window attention: a query at
 position p sees keys p - window + 1 .. p) and `softcap` (gemma2: scores -> softcap * tanh(scores /
-softcap), before the mask). A window only masks: every block of the sequence is still kept and read
-here. TODO(issue 28): free the blocks that have slid out of every layer's window (the block manager
-and the KV spec keep them all today), and skip reading them.
+softcap), before the mask). With a window, the blocks wholly before a query's window are not read:
+each sequence's keys are gathered from the block holding its first query's first visible key, and a
+decode batch's entries before a row's window (and its padding) point at that row's own last block,
+masked. So a block-table entry there may be a HOLE (common/kv/block_manager.py: a block released once
+it slid out of every layer's window), which is never dereferenced: index_select would refuse -1.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class DecodeBatch:
     """The decode sequences of a step, for one attention call over all of them (the torch path):
 
     rows:   (D,) their rows in the step;
-    blocks: (D, max_blocks) their block tables, padded with block 0;
+    blocks: (D, max_blocks) their block tables, padded with each row's last block, which also stands in
+            for the row's HOLEs (blocks released before its window: masked by the window, never read);
     mask:   (D, 1, 1, max_blocks * block_size) bool, True for the positions each one has in KV;
     lens:   (D,) their context lengths (a sliding window's mask starts at len - window).
     """
@@ -128,9 +131,11 @@ class DecodeBatch:
             empty = torch.empty(0, dtype=torch.long, device=device)
             return cls(empty, empty, empty.bool(), empty)
         width = max(len(meta.block_tables[i]) for i in seqs)
-        blocks = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+        blocks = torch.full((len(seqs), width), -1, dtype=torch.long, device=device)
         for j, i in enumerate(seqs):
             blocks[j, : len(meta.block_tables[i])] = meta.block_tables[i]
+        last = torch.tensor([len(meta.block_tables[i]) - 1 for i in seqs], device=device).unsqueeze(1)
+        blocks = torch.where(blocks < 0, blocks.gather(1, last), blocks)  # padding and holes
         lens = torch.tensor([meta.context_lens[i] for i in seqs], device=device)
         mask = torch.arange(width * block_size, device=device).unsqueeze(0) < lens.unsqueeze(1)
         rows = torch.tensor([qsl[i] for i in seqs], dtype=torch.long, device=device)
@@ -159,7 +164,8 @@ def paged_attention(
     n_kv = k.shape[1]
     out = torch.empty_like(q)
     qsl = meta.query_start_loc
-    batch = meta.decode_batch(kv_cache.spec.block_size)
+    bs = kv_cache.spec.block_size
+    batch = meta.decode_batch(bs)
     if batch is not None:
         # every decode sequence in one call: its one query row against its own blocks, the padding masked
         d, hd = batch.blocks.shape[0], q.shape[2]
@@ -174,17 +180,20 @@ def paged_attention(
         if batch is not None and end - start == 1:
             continue  # computed above
         n_new, ctx = end - start, meta.context_lens[i]
-        kc, vc = kv_cache.gather(layer, meta.block_tables[i], ctx, rotated=True)  # (ctx, n_kv, hd)
+        # the first key its first query sees (0 without a window): read from the block holding it on
+        first = 0 if window is None else max(0, ctx - n_new - window + 1)
+        off = first // bs * bs  # keys are gathered from position `off`: blocks before it never read
+        table = meta.block_tables[i][first // bs :]
+        kc, vc = kv_cache.gather(layer, table, ctx - off, rotated=True)  # (ctx - off, n_kv, hd)
         if n_new == 1:  # the step's one decode sequence (two or more went above)
-            first = 0 if window is None else max(0, ctx - window)  # the keys in its window
-            kd, vd = kc[first:].transpose(0, 1), vc[first:].transpose(0, 1)
+            kd, vd = kc[first - off :].transpose(0, 1), vc[first - off :].transpose(0, 1)
             out[start] = decode_attention(q[start], kd, vd, scale, softcap)
             continue
         qi = q[start:end].transpose(0, 1)  # (n_heads, n_new, hd)
-        ki, vi = kc.transpose(0, 1), vc.transpose(0, 1)  # (n_kv, ctx, hd)
-        # query j (absolute position ctx - n_new + j) sees keys 0 .. ctx - n_new + j
+        ki, vi = kc.transpose(0, 1), vc.transpose(0, 1)  # (n_kv, ctx - off, hd)
+        # query j (absolute position ctx - n_new + j) sees keys 0 .. ctx - n_new + j (those from off on)
         qpos = torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1)
-        kpos = torch.arange(ctx, device=q.device).unsqueeze(0)
+        kpos = torch.arange(off, ctx, device=q.device).unsqueeze(0)
         mask = kpos <= qpos  # (n_new, ctx)
         if window is not None:
             mask &= kpos > qpos - window

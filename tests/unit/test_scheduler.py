@@ -11,7 +11,7 @@ import pytest
 from common.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from common.engine.sequence import Sequence, SequenceStatus
 from common.engine.static_batching import StaticBatchScheduler
-from common.kv.block_manager import BlockManager
+from common.kv.block_manager import HOLE, BlockManager
 from common.sampling_params import SamplingParams
 
 EOS = 2
@@ -19,9 +19,7 @@ EOS = 2
 
 def fake_run(out: SchedulerOutput, token: int = 7) -> list[int | None]:
     """What the model runner returns: a token for each sequence whose step reaches its last token."""
-    return [
-        token if seq.num_computed_tokens + n == seq.num_tokens else None for seq, n in out.scheduled
-    ]
+    return [token if seq.num_computed_tokens + n == seq.num_tokens else None for seq, n in out.scheduled]
 
 
 def make(num_blocks=64, block_size=4, clock=None, holds_blocks=None, **cfg) -> Scheduler:
@@ -298,3 +296,83 @@ def test_queue_wait_is_the_age_of_the_longest_waiting_sequence() -> None:
     s.finish(second, "abort")
     now[0] = 15.0
     assert s.queue_wait_s() == pytest.approx(1.0)
+
+
+# --- sliding windows: a model whose every layer slides (block manager with a window) -----------------
+
+
+def windowed(num_blocks: int = 64, block_size: int = 4, window: int = 8, **cfg) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, window=window)
+    return Scheduler(SchedulerConfig(**cfg), bm, (EOS,), clock=lambda: 0.0)
+
+
+def test_a_windowed_sequence_holds_a_bounded_number_of_blocks() -> None:
+    s = windowed(window=8)
+    a = seq(20, max_tokens=40)
+    s.add(a)
+    most = 0
+    for _ in range(200):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        at_step = s.bm.num_held(a)  # what the step computes with
+        s.postprocess(out, fake_run(out))
+        s.bm.check_integrity()
+        if a.is_finished:
+            break
+        holes = a.block_table.count(HOLE)
+        assert a.block_table[:holes] == [HOLE] * holes
+        assert holes == s.bm.first_live(a.num_computed_tokens)  # released as soon as it slid out
+        if a.num_output_tokens == 1:
+            assert at_step == 5, "the prompt's 5 blocks while it is computed"
+        else:
+            most = max(most, at_step)
+        assert s.bm.num_held(a) <= 3  # between steps: the window's 8 keys span at most 3 blocks
+    assert a.is_finished and a.num_output_tokens == 40
+    # while decoding: the blocks of the query's window (positions p - 7 .. p, the new token's
+    # included): ceil(8 / 4) + 1 when it straddles a block boundary, never more
+    assert most == 3 and s.bm.num_held(a) == 0
+    assert s.bm.num_free_blocks == 64 and s.bm.num_used == 0
+
+
+def test_a_window_only_reservation_takes_only_the_windows_blocks() -> None:
+    s = windowed(num_blocks=4, window=8, max_num_seqs=2)
+    a = seq(40, max_tokens=6, remote_kv="receive")  # 10 blocks of prompt: 4 do not fit
+    s.add(a)
+    out = s.schedule()
+    assert out.admitted == [a] and a.status is SequenceStatus.PARKED
+    # decoding at position 40 reads keys 33..40: blocks 8 and 9 (and 10 once token 40 is there)
+    assert a.block_table == [HOLE] * 8 + a.block_table[8:] and s.bm.num_held(a) == 2
+    assert s.kv_arrived(a, first_token=99) is None
+    drain(s)
+    assert a.finish_reason == "length" and a.num_output_tokens == 6
+    assert s.bm.num_free_blocks == 4 and s.bm.num_used == 0
+
+
+def test_swap_moves_only_held_blocks_and_swap_in_keeps_the_holes() -> None:
+    # two sequences that each hold up to 5 blocks while decoding (window 16) in a pool of 9: swaps, of
+    # sequences past their window (holes)
+    s = windowed(num_blocks=9, window=16, preemption_mode="swap", num_swap_blocks=64)
+    seqs = [seq(20, max_tokens=40, start=10 + 30 * i) for i in range(2)]
+    for a in seqs:
+        s.add(a)
+    swapped: list[int] = []
+    with_holes = 0
+    for _ in range(1000):
+        if not s.has_work():
+            break
+        out = s.schedule()
+        for victim, blocks in out.swap_out:
+            assert HOLE not in blocks and victim.num_swapped_blocks == len(blocks)
+            swapped.append(len(blocks))
+        for back in out.swap_in:
+            holes = s.bm.first_live(back.num_computed_tokens)
+            assert back.block_table[:holes] == [HOLE] * holes and HOLE not in back.block_table[holes:]
+            with_holes += holes > 0
+        s.postprocess(out, fake_run(out))
+        s.bm.check_integrity()
+        for a in s.running:
+            assert s.bm.num_held(a) <= 5
+    assert not s.has_work() and swapped and with_holes >= 1, (swapped, with_holes)
+    assert max(swapped) <= 5 and all(a.num_output_tokens == 40 for a in seqs)
+    assert s.bm.num_free_blocks == 9 and s.swap_blocks_used == 0

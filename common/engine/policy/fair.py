@@ -38,6 +38,7 @@ from common.engine.policy.base import SchedulerView
 from common.engine.policy.priority import Priority
 from common.engine.scheduler_config import SchedulerConfig
 from common.engine.sequence import Sequence
+from common.kv.block_manager import live_blocks
 
 log = logging.getLogger("splitserve.scheduler")
 RECENT_HALF_LIFE_S = 5.0  # how fast tokens asked for stop counting as recent (_may_take)
@@ -148,7 +149,7 @@ class FairShare(Priority):
         now = self.clock()
         held: Counter[str] = Counter()
         for s in view.running:
-            held[s.tenant] += len(s.block_table)
+            held[s.tenant] += len(live_blocks(s.block_table))  # a windowed sequence's holes hold nothing
         w, served = self.config.weight, view.tenant_served
         worst = max(held, key=lambda t: (held[t] / w(t), served[t] / w(t)))
         return max((s for s in view.running if s.tenant == worst), key=lambda s: self.urgency(s, now))
