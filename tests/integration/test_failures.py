@@ -114,7 +114,10 @@ def test_hung_prefill_lease_expires_and_the_policy_applies(cluster) -> None:  # 
         assert r.headers["x-splitserve-route"] == "local; reason=prefill_failed"
         rec = record(router, r.headers["x-request-id"])
         states = [s for s, _ in rec["history"]]
-        assert rec["state"] == "finished" and states.count("reserved") == 2, rec
+        # the recompute's reservation is recorded when the record had moved on to PREFILLING (RESERVED ->
+        # RESERVED is no move); under load the hung service can stop before its PREFILLING write lands
+        assert rec["state"] == "finished", rec
+        assert states.count("reserved") == (2 if "prefilling" in states else 1), rec
         h = cluster.wait_blocks_free(decode_, timeout_s=LEASE_S * 3)
         assert h["free_blocks"] == h["total_blocks"], h
     finally:
