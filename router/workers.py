@@ -44,7 +44,7 @@ class WorkerPool:
     # The registry's figures are refreshed by heartbeats once a second, so re-reading them for every
     # request buys nothing but Redis round trips on the request path.
     CACHE_S = 0.25
-    REFRESH_AHEAD_S = 1.0  # a list up to this old serves while the next is read (_fresh)
+    REFRESH_AHEAD_S = 0.5  # a list up to this old serves while the next is read (_fresh)
     STALE_S = 10.0  # how long a last known list outlives a registry that went unreadable or empty
 
     def __init__(
@@ -106,23 +106,22 @@ class WorkerPool:
         return sorted(workers, key=self._key)
 
     async def _fresh(self, role: str) -> list[Worker]:
-        """The registry's `role` list, read at most once per CACHE_S by one read at a time (callers
-        meanwhile share it). A non-empty list younger than REFRESH_AHEAD_S serves at once while the next is
-        read in the background: a placement waits on Redis only when the router has no recent list (its
-        first request, or after a quiet spell), not once every CACHE_S — an await there lets every other
-        task of the router run first, and that was the placement time's p99 (bench fleet)."""
+        """The registry's `role` list, read by one read at a time (callers meanwhile share it), in the
+        background once the list is half of CACHE_S old, so that under traffic a new list is in before
+        the old one is CACHE_S old and a placement does not wait on Redis (an await there lets every
+        other task of the router run first: that was the placement time's p99, bench fleet). A
+        non-empty list up to REFRESH_AHEAD_S old serves while a read is under way; an older or empty one
+        (the router's first request, or after a quiet spell) waits for the read."""
         at, workers = self._cache.get(role, (0.0, []))
         age = time.monotonic() - at
-        if age <= self.CACHE_S:
-            return workers
         task = self._reading.get(role)
-        if task is None or task.done():
+        if age > self.CACHE_S / 2 and (task is None or task.done()):
             task = self._reading[role] = asyncio.ensure_future(self._read(role))
             # retrieved, so that a failed read nobody awaited is not reported as never retrieved (with
             # no list yet _read raises; the next read that is awaited raises it to its caller)
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        if workers and age <= self.REFRESH_AHEAD_S:  # an empty list is never served ahead: read now
-            return workers
+        if task is None or (workers and age <= self.REFRESH_AHEAD_S):
+            return workers  # fresh enough (no read was due), or recent and a read is under way
         return await asyncio.shield(task)
 
     def known(self, role: str) -> int:
