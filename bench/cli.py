@@ -22,8 +22,10 @@ SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
     "system_notes": {"tiers": 6},  # prefix: 10
     "kv_cache_mb": {"tiers": 32},
     "prompt_tokens": {"overlap": 2048, "window": 4096},
+    "slo_ttft_ms": {"goodput": None},  # goodput: derived from its profile and workload (bench/goodput.py)
+    "slo_tpot_ms": {"goodput": None},
 }
-FALLBACK_DEFAULTS = {"sessions": 4, "system_notes": 10}
+FALLBACK_DEFAULTS = {"sessions": 4, "system_notes": 10, "slo_ttft_ms": 2000.0, "slo_tpot_ms": 200.0}
 
 
 SCENARIOS = {  # name -> module in bench/ with run(args); imported only when chosen, so a scenario
@@ -47,6 +49,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "chaos-fleet": "chaos_fleet",
     "window": "window",
     "planner": "planner",
+    "goodput": "goodput",
 }
 
 
@@ -93,7 +96,8 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | kv-dtype | tp | matmul | tiers | fleet | chaos-fleet | window | planner | all",
+        "prefix | fairness | kv-dtype | tp | matmul | tiers | fleet | chaos-fleet | window | planner | "
+        "goodput | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(
@@ -121,8 +125,14 @@ def add_bench_parser(sub: Any) -> None:
     )
     s = b.add_argument_group("serving")
     s.add_argument("--rate", type=float, default=1.0, help="request arrivals per second (Poisson)")
-    s.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: time-to-first-token objective")
-    s.add_argument("--slo-tpot-ms", type=float, default=200.0, help="goodput: per-output-token objective")
+    s.add_argument(
+        "--slo-ttft-ms", type=float, default=None,
+        help="time-to-first-token objective (2000; bench goodput: from its profile)",
+    )  # fmt: skip
+    s.add_argument(
+        "--slo-tpot-ms", type=float, default=None,
+        help="per-output-token objective (200; bench goodput: from its profile)",
+    )  # fmt: skip
     s.add_argument("--request-timeout-s", type=float, default=60.0, help="per request")
     s.add_argument("--threads", type=int, default=1, help="torch threads per prefill/decode service")
     s.add_argument("--overhead-n", type=int, default=30, help="sequential requests for router_overhead_ms")
@@ -184,6 +194,48 @@ def add_bench_parser(sub: Any) -> None:
         action="store_true",
         help="tp: only the engines (TP=1 against TP=2), not the services split at TP 1->2 and 2->1",
     )
+    gp = b.add_argument_group("goodput")
+    gp.add_argument("--engine", default="sim", help="goodput: the engine (only sim is supported)")
+    gp.add_argument(
+        "--goodput-profile", default="llama3-70b-h200-tp2", help="goodput: the sim profile of every worker"
+    )
+    gp.add_argument(
+        "--goodput-gpus", type=int, default=8, help="goodput: simulated GPUs per configuration (TP counted)"
+    )
+    gp.add_argument(
+        "--goodput-workload", default="summarization", help="goodput: summarization | chat (DistServe-like)"
+    )
+    gp.add_argument(
+        "--goodput-splits", default="", help="goodput: xPyD to compare, e.g. 1P3D,2P2D (default: all)"
+    )
+    gp.add_argument(
+        "--goodput-time-scale", type=float, default=2.0,
+        help="goodput: the simulated GPU this many times slower (host costs shrink against its steps)",
+    )  # fmt: skip
+    gp.add_argument(
+        "--goodput-duration-s", type=float, default=15.0, help="goodput: seconds of arrivals a point"
+    )
+    gp.add_argument("--goodput-min-requests", type=int, default=24, help="goodput: requests a point at least")
+    gp.add_argument("--goodput-start-rate", type=float, default=1.0, help="goodput: the search's first rate")
+    gp.add_argument("--goodput-max-rate", type=float, default=16.0, help="goodput: the highest rate offered")
+    gp.add_argument("--goodput-target", type=float, default=0.9, help="goodput: attainment that counts")
+    gp.add_argument(
+        "--goodput-resolution",
+        type=float,
+        default=0.25,
+        help="goodput: bisect until pass/fail rates are this close",
+    )
+    gp.add_argument(
+        "--goodput-drain-s", type=float, default=2.0,
+        help="goodput: seconds past the longest answer's SLO time before a point's stragglers are cut",
+    )  # fmt: skip
+    gp.add_argument(
+        "--goodput-max-num-seqs", type=int, default=128, help="goodput: every service's max_num_seqs"
+    )
+    gp.add_argument(
+        "--goodput-max-batched-tokens", type=int, default=None,
+        help="goodput: every service's chunked-prefill budget (default: the engine's)",
+    )  # fmt: skip
     fl = b.add_argument_group("fleet")
     fl.add_argument("--fleet-prefill", type=int, default=16, help="fleet: simulated prefill services")
     fl.add_argument("--fleet-decode", type=int, default=48, help="fleet: simulated decode services")
