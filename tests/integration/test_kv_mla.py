@@ -55,9 +55,9 @@ def _transformers_greedy(hf: Any, ids: list[int]) -> list[int]:
     return out[0, len(ids) :].tolist()  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 2), (1, 2), (2, 1)])
 def test_split_greedy_equals_transformers_and_one_latent_moves(  # type: ignore[no-untyped-def]
-    model, redis_url, tmp_path, tp
+    model, redis_url, tmp_path, prefill_tp, decode_tp
 ) -> None:
     folder, hf = model
     cfg = json.loads((folder / "config.json").read_text())
@@ -65,12 +65,12 @@ def test_split_greedy_equals_transformers_and_one_latent_moves(  # type: ignore[
     layers = cfg["num_hidden_layers"]
     cluster = Cluster(redis_url, str(tmp_path), model=str(folder))
     env = {"SPLITSERVE_DTYPE": "float32"}
-    flags = ("--threads", "1", "--kv-backend", "tcp", "--tensor-parallel-size", str(tp))
+    flags = ("--threads", "1", "--kv-backend", "tcp")
     try:
-        prefill = cluster.start("prefill", *flags, env=env)
-        decode_ = cluster.start("decode", *flags, env=env)
+        prefill = cluster.start("prefill", *flags, "--tensor-parallel-size", str(prefill_tp), env=env)
+        decode_ = cluster.start("decode", *flags, "--tensor-parallel-size", str(decode_tp), env=env)
         info = httpx.get(decode_.url + "/internal/kv", auth=internal_auth).json()
-        assert len(info["kv_endpoint"].split(",")) == tp
+        assert len(info["kv_endpoint"].split(",")) == decode_tp
 
         async def run(ids: list[int], mode: str) -> list[int]:
             async with httpx.AsyncClient(timeout=120, auth=internal_auth) as c:
@@ -86,7 +86,7 @@ def test_split_greedy_equals_transformers_and_one_latent_moves(  # type: ignore[
             assert split == want[: len(split)] and (len(split) == NEW_TOKENS or split[-1] == 2), (split, want)
             assert asyncio.run(run(ids, "local")) == split
             # every decode rank got the latent once, all of it from the prefill's rank 0
-            want_bytes = n * tp * per_request
+            want_bytes = n * decode_tp * per_request
             sent = _wait_for(lambda: _sent_bytes(prefill.url), lambda r, b=want_bytes: r.get("0") == b)
             assert sent == {"0": want_bytes}, (sent, per_request)
         for proc in (prefill, decode_):
