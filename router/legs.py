@@ -80,7 +80,9 @@ class Legs:
         )  # fmt: skip
         with span_scope(_tracer, "router.decode_reserve") as span:
             try:
-                self._stream, reserved = await DecodeStream.open(self.client, decodes, body, self.deadline)
+                self._stream, reserved = await DecodeStream.open(
+                    self.client, decodes, body, self.deadline, unreachable=self.pool.suspect
+                )
                 if self.first.decode_id is None:
                     self.first.decode_id = self._stream.worker.id
                     self.first.decode_reused_tokens = reserved.num_cached_tokens

@@ -147,6 +147,8 @@ class Trip:
             try:
                 result = await self.legs.prefill(prefill, reserved)
             except PrefillFailed as e:
+                if e.unreachable:  # gone, or going: not a candidate again until it heartbeats
+                    placer.pool.suspect(prefill)
                 await self.legs.drop_reservation(prefill)
                 log.warning(
                     "request %s: prefill on %s failed (%s); policy %s", self.id, prefill.id, e, policy

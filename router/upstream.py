@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -66,7 +66,12 @@ class SettledTransport(httpx.AsyncBaseTransport):
 
 
 class PrefillFailed(Exception):
-    """The prefill call failed in a way another prefill worker may not (connection, 5xx)."""
+    """The prefill call failed in a way another prefill worker may not (connection, 5xx).
+    `unreachable`: the connection failed or broke (the worker may be gone)."""
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class DecodeLost(APIError):
@@ -131,12 +136,17 @@ class DecodeStream:
 
     @classmethod
     async def open(
-        cls, client: httpx.AsyncClient, decodes: list[Worker], body: bytes, deadline: float
+        cls,
+        client: httpx.AsyncClient,
+        decodes: list[Worker],
+        body: bytes,
+        deadline: float,
+        unreachable: Callable[[Worker], None] | None = None,
     ) -> tuple[DecodeStream, Reserved]:
         """Open on the first of `decodes` (best first) that takes the request; its Reserved frame.
 
         Raises Busy if every one answered 503 (or was unreachable), Unreachable if none could be reached.
-        """
+        `unreachable` is told each one that could not be reached."""
         busy, errors = False, []
         for w in decodes:
             headers = inject_headers(dict(MSGPACK))  # W3C trace context on every HTTP hop
@@ -145,6 +155,8 @@ class DecodeStream:
                 resp = await until_deadline(client.send(req, stream=True), deadline)
             except httpx.TransportError as e:
                 errors.append(f"{w.id}: {e!r}")
+                if unreachable is not None:
+                    unreachable(w)
                 continue
             if resp.status_code != 200:
                 text = await error_text(resp)
@@ -205,7 +217,7 @@ async def call_prefill(client: httpx.AsyncClient, w: Worker, req: PrefillRequest
             req.deadline,
         )
     except httpx.TransportError as e:
-        raise PrefillFailed(f"{w.id}: {e!r}") from e
+        raise PrefillFailed(f"{w.id}: {e!r}", unreachable=True) from e
     if resp.status_code == 504:  # past the deadline: another worker would be too
         raise upstream_error(504, "prefill", f"prefill service {w.id}: {await error_text(resp)}")
     if resp.status_code >= 500 or resp.status_code == 409:  # 409: still busy with this id (another try)

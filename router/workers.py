@@ -36,6 +36,7 @@ class Worker:
     incarnation: str = ""
     capacity: dict[str, Any] = field(default_factory=dict)  # block_size, total_blocks, max_num_seqs
     model: str = ""  # the served model's name (WorkerPool.serve); "" before any
+    last_seen: float = 0.0  # its last heartbeat, as the registry says (0: a fixed list's)
 
 
 class WorkerPool:
@@ -74,6 +75,8 @@ class WorkerPool:
         self._following: dict[str, list[tuple[str, str, int]]] = {}  # role -> what the index follows
         self._turn = 0  # candidates() calls: where ties start (round-robin)
         self._reading: dict[str, asyncio.Future[list[Worker]]] = {}  # role -> its registry read under way
+        # worker id -> (its heartbeat as last read, when) for those a call could not reach (`suspect`)
+        self._suspect: dict[str, tuple[float, float]] = {}
 
     def serve(self, models: ServedModels) -> None:
         """The router's models: each registered service is sorted to one of them (or left out)."""
@@ -98,7 +101,7 @@ class WorkerPool:
             if workers:
                 self._turn += 1
                 k = self._turn % len(workers)
-                workers = workers[k:] + workers[:k]
+                workers = self._unsuspected(workers[k:] + workers[:k])
         else:
             workers = []
         if model is not None and len(self.models) > 1:  # with one model, every worker serves it
@@ -124,6 +127,38 @@ class WorkerPool:
             return workers  # fresh enough (no read was due), or recent and a read is under way
         return await asyncio.shield(task)
 
+    SUSPECT_FOR_S = 600.0  # a suspicion nobody clears (the worker never heartbeats again) is dropped
+    # cleared once the worker's heartbeat is this far past the one read before the failure: a dead
+    # worker's last beats (up to a heartbeat after the list the router read, itself up to 0.5 s old)
+    # must not count as "back"
+    HEARTBEATS_BACK_S = 3.0
+
+    def suspect(self, w: Worker) -> None:
+        """A call to `w` could not connect, or broke off: leave it out of the candidates until its
+        heartbeat moves on (HEARTBEATS_BACK_S past the one read before). A dead worker's registry entry
+        outlives it by the entry's lifetime, and every request placed there meanwhile would pay a
+        failed call; a worker that had a blip is back within a few heartbeats. Registry workers only
+        (a fixed list has no heartbeat)."""
+        if w.last_seen:
+            self._suspect[w.id] = (w.last_seen, time.monotonic())
+
+    def _unsuspected(self, workers: list[Worker]) -> list[Worker]:
+        """`workers` without the suspected ones whose heartbeat has not moved on (all of them if that
+        would leave none: a suspicion never stops routing)."""
+        if not self._suspect:
+            return workers
+        now, out = time.monotonic(), []
+        for w in workers:
+            seen, since = self._suspect.get(w.id, (None, 0.0))
+            if seen is not None and (
+                w.last_seen > seen + self.HEARTBEATS_BACK_S or now - since > self.SUSPECT_FOR_S
+            ):
+                del self._suspect[w.id]  # it heartbeat since: reachable again (or too old to hold)
+                seen = None
+            if seen is None:
+                out.append(w)
+        return out or workers
+
     def known(self, role: str) -> int:
         """How many `role` workers the router routes on now, as of its last registry read (every routed
         request and every /health reads it, at most once per CACHE_S): the last known list while it
@@ -145,7 +180,9 @@ class WorkerPool:
                 if served is not False:
                     name = served.name if served is not None else ""
                     url = info.url.rstrip("/")
-                    workers.append(Worker(info.id, url, info.load, info.incarnation, info.capacity, name))
+                    workers.append(
+                        Worker(info.id, url, info.load, info.incarnation, info.capacity, name, info.last_seen)
+                    )
         except Exception as e:
             if role not in self._known:
                 raise

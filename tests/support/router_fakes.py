@@ -180,6 +180,7 @@ class FakeWorker:
     load: dict[str, Any]
     incarnation: str = "1"
     capacity: dict[str, Any] = field(default_factory=lambda: {"block_size": 16})
+    last_seen: float = 1.0  # the registry's heartbeat time (WorkerInfo.last_seen)
 
 
 class FakeRegistry:

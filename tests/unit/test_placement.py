@@ -251,3 +251,30 @@ def test_a_placement_does_not_wait_on_the_registry_while_it_has_a_recent_list() 
         assert len(await waiting) == 2
 
     asyncio.run(scenario())
+
+
+def test_a_worker_that_could_not_be_reached_is_left_out_until_it_heartbeats_again() -> None:
+    """A dead worker's registry entry outlives it: after a call to it fails to connect it is no
+    candidate until its heartbeat moves on (a blip) — unless that would leave no candidate at all."""
+
+    def info(wid: str, seen: float) -> WorkerInfo:
+        return WorkerInfo(wid, "prefill", f"http://{wid}", "", {"block_size": BS}, {}, seen)
+
+    state = _State([info("p0", 100.0), info("p1", 100.0)])
+    pool = WorkerPool(state, [], [])  # type: ignore[arg-type]
+    pool.CACHE_S = pool.REFRESH_AHEAD_S = 0.0  # every call reads the registry
+
+    def ids() -> list[str]:
+        return sorted(w.id for w in asyncio.run(pool.candidates("prefill")))
+
+    p0 = next(w for w in asyncio.run(pool.candidates("prefill")) if w.id == "p0")
+    pool.suspect(p0)
+    assert ids() == ["p1"] and ids() == ["p1"]  # its entry is still there, its heartbeat has not moved
+    state.registry.infos[0] = info("p0", 101.0)  # a last beat before it died: not "back"
+    assert ids() == ["p1"]
+    pool.suspect(next(w for w in asyncio.run(pool.candidates("prefill")) if w.id == "p1"))
+    assert ids() == ["p0", "p1"]  # both suspected: routing goes on with both
+    state.registry.infos[0] = info("p0", 104.0)  # p0 heartbeats on, well past its failure: reachable
+    assert ids() == ["p0"]  # p1 still silent since its failure
+    state.registry.infos[1] = info("p1", 104.0)
+    assert ids() == ["p0", "p1"]
