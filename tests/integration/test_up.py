@@ -158,33 +158,53 @@ def test_up_stops_with_one_line_when_a_service_cannot_start(tmp_path) -> None:  
     assert "Traceback" not in r.stderr and "starting it again" not in r.stderr, r.stderr
 
 
+class Up:
+    """`splitserve up` with `flags` in a process of its own, logging to tmp_path/up.log."""
+
+    def __init__(self, tmp_path, *flags: str) -> None:  # type: ignore[no-untyped-def]
+        port, base = free_port(), free_port() + 100
+        self.log_path = tmp_path / "up.log"
+        log = open(self.log_path, "w+")  # noqa: SIM115 - read after the process ends
+        cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
+        self.proc = subprocess.Popen(
+            [*cmd, "--threads-per-service", "1", *flags], stdout=log, stderr=subprocess.STDOUT
+        )
+        self.url = f"http://127.0.0.1:{port}"
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, what: str, cond, timeout_s: float = 120) -> None:  # type: ignore[no-untyped-def]
+        """Poll cond while up runs; its log in the failure."""
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert self.proc.poll() is None and time.monotonic() < deadline, f"{what}:\n{self.text()}"
+            time.sleep(0.3)
+
+    def workers(self) -> tuple[int, int]:
+        """(prefill, decode) services the router routes on; (-1, -1) while it does not answer."""
+        try:
+            h = httpx.get(self.url + "/health", timeout=5).json()
+            return int(h.get("prefill_workers", 0)), int(h.get("decode_workers", 0))
+        except (httpx.HTTPError, ValueError):
+            return -1, -1
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 def test_up_autoscale_adds_a_decode_service_under_pressure_and_removes_it_after(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`up --autoscale`: the planner acting on up's own services. A TPOT target no CPU can meet makes
     traffic put decode over target: a second decode service starts and the router routes to it; when the
     traffic stops, the role stays under target long enough and the newest decode service drains away."""
-    port, base = free_port(), free_port() + 100
-    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read after the process ends
-    cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
-    cmd += ["--threads-per-service", "1", "--kv-cache-mb", "64", "--autoscale", "--autoscale-interval-s", "1"]
-    cmd += ["--autoscale-cooldown-s", "2", "--autoscale-down-after-s", "3", "--autoscale-window-s", "3"]
-    cmd += ["--tpot-target-s", "0.000001", "--max-decode", "2", "--max-prefill", "1"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def text() -> str:
-        return (tmp_path / "up.log").read_text()
-
-    def wait_for(what: str, cond, timeout_s: float = 120) -> None:  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            assert proc.poll() is None and time.monotonic() < deadline, f"{what}:\n{text()}"
-            time.sleep(0.3)
-
-    def decode_workers() -> int:
-        try:
-            return int(httpx.get(url + "/health", timeout=5).json().get("decode_workers", 0))
-        except (httpx.HTTPError, ValueError):
-            return -1
+    up = Up(tmp_path, "--kv-cache-mb", "64", "--autoscale", "--autoscale-interval-s", "1",
+            "--autoscale-cooldown-s", "2", "--autoscale-down-after-s", "3", "--autoscale-window-s", "3",
+            "--tpot-target-s", "0.000001", "--max-decode", "2", "--max-prefill", "1")  # fmt: skip
+    url, text, wait_for = up.url, up.text, up.wait_for
 
     try:
         wait_for("up", lambda: "splitserve is up" in text())
@@ -193,8 +213,8 @@ def test_up_autoscale_adds_a_decode_service_under_pressure_and_removes_it_after(
         # start takes seconds, and a planner that sees no traffic meanwhile rightly retires it again
         # before it ever registers (a CI run under load did exactly that).
         deadline = time.monotonic() + 180
-        while decode_workers() != 2:
-            assert proc.poll() is None and time.monotonic() < deadline, f"no second decode:\n{text()}"
+        while up.workers()[1] != 2:
+            assert up.proc.poll() is None and time.monotonic() < deadline, f"no second decode:\n{text()}"
             assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         decisions = [
             # raw_decode: another process's log line can land on the end of a long decision line
@@ -204,14 +224,10 @@ def test_up_autoscale_adds_a_decode_service_under_pressure_and_removes_it_after(
         ]
         assert any(d["decode"] == 2 and "over target" in d["reason"] for d in decisions), decisions
         wait_for("the second decode service stopped", lambda: "decode-1: stopping (autoscale)" in text())
-        wait_for("one decode service left", lambda: decode_workers() == 1)
+        wait_for("one decode service left", lambda: up.workers()[1] == 1)
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        up.stop()
 
 
 def test_up_autoscale_moves_a_service_to_the_other_role_without_a_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -219,51 +235,25 @@ def test_up_autoscale_moves_a_service_to_the_other_role_without_a_restart(tmp_pa
     budget (3) lets it grow only if decode gives one up: the newest decode service changes role in place
     (POST /internal/role: same process, same worker id, a new incarnation), and the router routes it as a
     prefill service."""
-    port, base = free_port(), free_port() + 100
-    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read after the process ends
-    cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
-    cmd += ["--threads-per-service", "1", "--kv-cache-mb", "32", "--prefill", "1", "--decode", "2"]
-    cmd += ["--autoscale", "--autoscale-interval-s", "1", "--autoscale-cooldown-s", "2"]
-    cmd += ["--autoscale-window-s", "3", "--ttft-target-s", "0.000001", "--tpot-target-s", "100"]
-    cmd += ["--max-prefill", "2", "--max-decode", "2", "--budget", "3"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def text() -> str:
-        return (tmp_path / "up.log").read_text()
-
-    def workers() -> tuple[int, int]:
-        try:
-            h = httpx.get(url + "/health", timeout=5).json()
-            return int(h.get("prefill_workers", 0)), int(h.get("decode_workers", 0))
-        except (httpx.HTTPError, ValueError):
-            return -1, -1
-
+    up = Up(tmp_path, "--kv-cache-mb", "32", "--prefill", "1", "--decode", "2", "--autoscale",
+            "--autoscale-interval-s", "1", "--autoscale-cooldown-s", "2", "--autoscale-window-s", "3",
+            "--ttft-target-s", "0.000001", "--tpot-target-s", "100", "--max-prefill", "2",
+            "--max-decode", "2", "--budget", "3")  # fmt: skip
     try:
-        deadline = time.monotonic() + 180
-        while "splitserve is up" not in text():
-            assert proc.poll() is None and time.monotonic() < deadline, text()
-            time.sleep(0.3)
-        pids = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        up.wait_for("up", lambda: "splitserve is up" in up.text())
+        pids = {c.pid for c in psutil.Process(up.proc.pid).children(recursive=True)}
         # a prompt long enough for the split route (the router's local-prefill threshold)
         body = {"model": "default", "prompt": "Tell me a story. " * 20, "max_tokens": 4, "temperature": 0}
         deadline = time.monotonic() + 180
-        while workers() != (2, 1):
-            assert proc.poll() is None and time.monotonic() < deadline, f"no move:\n{text()}"
-            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
-        assert "decode-1: switching decode -> prefill (autoscale)" in text()
-        deadline = time.monotonic() + 60
-        while "decode-1: now prefill" not in text():
-            assert time.monotonic() < deadline, text()
-            time.sleep(0.3)
-        assert "prefill-1: starting" not in text() and "decode-1: stopping" not in text(), text()
-        assert {c.pid for c in psutil.Process(proc.pid).children(recursive=True)} == pids, (
+        while up.workers() != (2, 1):
+            assert up.proc.poll() is None and time.monotonic() < deadline, f"no move:\n{up.text()}"
+            assert httpx.post(up.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert "decode-1: switching decode -> prefill (autoscale)" in up.text()
+        up.wait_for("the switch to answer", lambda: "decode-1: now prefill" in up.text(), 60)
+        assert "prefill-1: starting" not in up.text() and "decode-1: stopping" not in up.text(), up.text()
+        assert {c.pid for c in psutil.Process(up.proc.pid).children(recursive=True)} == pids, (
             "no process replaced"
         )
-        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert httpx.post(up.url + "/v1/completions", json=body, timeout=60).status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        up.stop()

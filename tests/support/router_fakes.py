@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,8 +189,10 @@ class FakeRegistry:
 
     def __init__(self) -> None:
         self.workers: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        self.reads: Counter[str] = Counter()  # role -> alive() calls: a test waits on the router's next read
 
     async def alive(self, role: str) -> list[Any]:
+        self.reads[role] += 1
         return [FakeWorker(name, f"http://{name}", load) for name, load in self.workers.get(role, [])]
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.kv.block_manager import HOLE, BlockManager, block_hash, free_window, live_blocks
-from tests.support.block_owner import Owner
+from tests.support.block_owner import Owner, owner_op
 
 
 def test_allocate_free_and_prefix_reuse() -> None:
@@ -86,25 +86,15 @@ def test_invariants_hold_under_random_operations(ops, num_blocks, block_size, ca
     owners: dict[int, Owner] = {}
     for op, who, toks in ops:
         o = owners.get(who)
-        if op == "alloc" and o is None:
+        if owner_op(bm, owners, op, who, toks):
+            pass  # append, commit, free: alike in every block-manager property test
+        elif op == "alloc" and o is None:
             o = Owner(list(toks))
             if bm.can_allocate(o):
                 bm.allocate(o)
                 assert len(o.block_table) == bm.blocks_needed(len(toks))
                 assert o.num_cached_tokens < len(toks)
                 owners[who] = o
-        elif op == "append" and o is not None:
-            o.token_ids.append(toks[0])
-            if bm.can_append(o):
-                bm.append_slots(o)
-                assert len(o.block_table) * block_size >= len(o.token_ids)
-            else:
-                o.token_ids.pop()
-        elif op == "commit" and o is not None:
-            bm.commit(o, len(o.token_ids))
-        elif op == "free" and o is not None:
-            bm.free(o)
-            del owners[who]
         bm.check_integrity()
         held = [b for ow in owners.values() for b in ow.block_table]
         assert bm.num_used == len(set(held))
@@ -248,7 +238,9 @@ def test_invariants_hold_with_holes(ops, num_blocks, block_size, window, caching
     owners: dict[int, Owner] = {}
     for op, who, toks in ops:
         o = owners.get(who)
-        if op in ("alloc", "alloc_window") and o is None:
+        if owner_op(bm, owners, op, who, toks):
+            pass  # append, commit, free: alike in every block-manager property test
+        elif op in ("alloc", "alloc_window") and o is None:
             o = Owner(list(toks))
             first = bm.first_live(len(toks)) if op == "alloc_window" else 0
             if bm.can_allocate(o, first=first):
@@ -258,19 +250,8 @@ def test_invariants_hold_with_holes(ops, num_blocks, block_size, window, caching
                 assert o.block_table[:first] == [HOLE] * first
                 assert free - bm.num_free_blocks <= bm.num_held(o)
                 owners[who] = o
-        elif op == "append" and o is not None:
-            o.token_ids.append(toks[0])
-            if bm.can_append(o):
-                bm.append_slots(o)
-            else:
-                o.token_ids.pop()
-        elif op == "commit" and o is not None:
-            bm.commit(o, len(o.token_ids))
         elif op == "release" and o is not None:
             bm.release_window(o, min(len(o.token_ids), len(o.block_table) * block_size))
-        elif op == "free" and o is not None:
-            bm.free(o)
-            del owners[who]
         bm.check_integrity()
         held = [b for ow in owners.values() for b in live_blocks(ow.block_table)]
         assert bm.num_used == len(set(held))

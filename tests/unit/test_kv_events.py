@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from common.cluster.kv_events import net_changes, pack_hashes, unpack_hashes
 from common.kv.block_manager import BlockManager
 from common.prefix_hash import prefix_chain
-from tests.support.block_owner import Owner
+from tests.support.block_owner import Owner, owner_op
 
 
 def computed(bm: BlockManager, tokens: list[int]) -> Owner:
@@ -108,22 +108,13 @@ def test_replayed_events_equal_the_hash_index(ops, num_blocks, block_size) -> No
     owners: dict[int, Owner] = {}
     for op, who, toks in ops:
         o = owners.get(who)
-        if op == "alloc" and o is None:
+        if owner_op(bm, owners, op, who, toks):
+            pass  # append, commit, free: alike in every block-manager property test
+        elif op == "alloc" and o is None:
             o = Owner(list(toks))
             if bm.can_allocate(o):
                 bm.allocate(o)
                 owners[who] = o
-        elif op == "append" and o is not None:
-            o.token_ids.append(toks[0])
-            if bm.can_append(o):
-                bm.append_slots(o)
-            else:
-                o.token_ids.pop()
-        elif op == "commit" and o is not None:
-            bm.commit(o, len(o.token_ids))
-        elif op == "free" and o is not None:
-            bm.free(o)
-            del owners[who]
         elif op == "drain":
             drain()
             assert replayed == netted == set(bm.hash_to_block) == {h for h, _ in bm.cached_hashes()}

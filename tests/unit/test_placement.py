@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -213,23 +214,32 @@ def test_a_placement_does_not_wait_on_the_registry_while_it_has_a_recent_list() 
     class SlowRegistry(_Registry):
         def __init__(self, infos: list[WorkerInfo]) -> None:
             super().__init__(infos)
-            self.reads = 0
+            self.reads = self.done = 0  # reads started, reads answered
             self.gate = asyncio.Event()
 
         async def alive(self, role: str) -> list[WorkerInfo]:
             self.reads += 1
             await self.gate.wait()
+            self.done += 1
             return await super().alive(role)
 
     def info(wid: str) -> WorkerInfo:
         return WorkerInfo(wid, "decode", f"http://{wid}", "", {"block_size": BS}, {}, 0.0)
+
+    async def until(cond: Callable[[], bool]) -> None:
+        """Let the pool's tasks run until cond holds (a read started, or answered and landed)."""
+        for _ in range(1000):
+            if cond():
+                return
+            await asyncio.sleep(0)
+        raise AssertionError("never")
 
     async def scenario() -> None:
         state = _State([info("d0")])
         registry = state.registry = SlowRegistry(state.registry.infos)
         pool = WorkerPool(state, [], [])  # type: ignore[arg-type]
         first = asyncio.gather(*(pool.candidates("decode") for _ in range(3)))
-        await asyncio.sleep(0.01)
+        await until(lambda: registry.reads == 1)
         registry.gate.set()
         assert [[w.id for w in ws] for ws in await first] == [["d0"]] * 3 and registry.reads == 1
         registry.gate.clear()
@@ -240,12 +250,13 @@ def test_a_placement_does_not_wait_on_the_registry_while_it_has_a_recent_list() 
         await pool.candidates("decode")
         assert registry.reads == 2  # still one read under way
         registry.gate.set()
-        await asyncio.sleep(0.01)
+        await until(lambda: registry.done == 2)
         assert sorted(w.id for w in await pool.candidates("decode")) == ["d0", "d1"]
         pool.REFRESH_AHEAD_S = 0.0  # no recent list: the caller waits for the read
         registry.gate.clear()
+        reads = registry.reads
         waiting = asyncio.ensure_future(pool.candidates("decode"))
-        await asyncio.sleep(0.01)
+        await until(lambda: registry.reads > reads)
         assert not waiting.done()
         registry.gate.set()
         assert len(await waiting) == 2

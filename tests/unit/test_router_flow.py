@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
+import httpx
 import pytest
 
-from router.workers import WorkerPool
 from tests.support.router_fakes import FakeCluster, FakeState, make_router, model_info, sse_events
 
 pytestmark = pytest.mark.anyio
@@ -240,6 +241,17 @@ async def test_migrations_are_bounded(out_ids: list[int]) -> None:
     assert 'splitserve_router_migrations_total{reason="gave_up"} 2.0' in metrics
 
 
+async def read_again(client: httpx.AsyncClient, state: FakeState) -> None:
+    """Until the router has read the registry again (its /health asks for the worker list, which a
+    read in the background refreshes): what the test changed there is what it routes on next."""
+    reads = state.registry.reads["decode"]
+    deadline = time.monotonic() + 10
+    while state.registry.reads["decode"] == reads:
+        assert time.monotonic() < deadline, "the router never read the registry again"
+        await client.get("/health")
+        await asyncio.sleep(0.02)
+
+
 async def test_overloaded_decode_services_shed_load_with_retry_after(out_ids: list[int]) -> None:
     state = FakeState()
     state.registry.workers = {"decode": [("d1", {"waiting": 9}), ("d2", {"waiting": 4})]}
@@ -249,7 +261,7 @@ async def test_overloaded_decode_services_shed_load_with_retry_after(out_ids: li
         assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
         assert "4+ requests waiting" in resp.json()["error"]["message"]
         state.registry.workers["decode"][1] = ("d2", {"waiting": 3})
-        await asyncio.sleep(WorkerPool.REFRESH_AHEAD_S + 0.1)  # the router's list: up to that old
+        await read_again(client, state)
         resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
         assert resp.status_code == 200
         assert 'splitserve_router_shed_total{reason="queue_depth"} 1.0' in (await client.get("/metrics")).text
@@ -265,7 +277,7 @@ async def test_a_request_that_cannot_start_in_time_is_refused_up_front(out_ids: 
         assert "could not start in time" in resp.json()["error"]["message"]
         assert not cluster.generate_calls  # refused before any work
         state.registry.workers["decode"][1] = ("d2", {"queue_wait_s": 0.4})
-        await asyncio.sleep(WorkerPool.REFRESH_AHEAD_S + 0.1)  # the router's list: up to that old
+        await read_again(client, state)
         resp = await client.post("/v1/completions", json={"model": "default", "prompt": "Hi"})
         assert resp.status_code == 200 and [n for n, _ in cluster.generate_calls] == ["d2"]
         assert 'splitserve_router_shed_total{reason="queue_wait"} 1.0' in (await client.get("/metrics")).text
