@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from common.cluster.state import ClusterState
-from tests.support.cluster import Cluster, Proc, free_port, get_json, wait_until
+from tests.support.cluster import Cluster, Proc, free_port, get_json, leases_left, wait_until
 
 pytestmark = [pytest.mark.services, pytest.mark.chaos]
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "1"))
@@ -112,17 +112,6 @@ def reference(router: Proc, max_tokens: int = MAX_TOKENS) -> list[str]:
 
 def busiest_decode(c: Cluster) -> Proc:
     return max(role(c, "decode"), key=lambda p: get_json(p.url + "/health")["running"])
-
-
-def leases_left(redis_url: str) -> int:
-    async def count() -> int:
-        state = ClusterState.from_url(redis_url)
-        try:
-            return await state.leases.count()
-        finally:
-            await state.close()
-
-    return asyncio.run(count())
 
 
 def metric(router: Proc, name: str) -> float:

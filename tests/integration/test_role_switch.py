@@ -15,7 +15,7 @@ import pytest
 
 from common.cluster.state import ClusterState
 from common.service.base import stop_bounded
-from tests.support.cluster import Cluster, Proc, get_json, internal_auth, wait_until
+from tests.support.cluster import Cluster, Proc, get_json, internal_auth, leases_left, wait_until
 
 pytestmark = pytest.mark.services
 FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
@@ -36,17 +36,6 @@ def registry(redis_url: str) -> dict[str, tuple[str, str]]:
             await state.close()
 
     return asyncio.run(read())
-
-
-def leases_left(redis_url: str) -> int:
-    async def count() -> int:
-        state = ClusterState.from_url(redis_url)
-        try:
-            return await state.leases.count()
-        finally:
-            await state.close()
-
-    return asyncio.run(count())
 
 
 def switch(p: Proc, role: str, redis_url: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.cluster.state import ClusterState
 from common.security.internal_auth import SignedCalls
 from common.security.secret import InternalSecret
 
@@ -147,3 +149,16 @@ def wait_until(cond: Any, timeout_s: float, what: str) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def leases_left(redis_url: str) -> int:
+    """Transfer leases still in Redis (0 once every transfer let go of its blocks)."""
+
+    async def count() -> int:
+        state = ClusterState.from_url(redis_url)
+        try:
+            return await state.leases.count()
+        finally:
+            await state.close()
+
+    return asyncio.run(count())
