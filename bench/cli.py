@@ -243,6 +243,12 @@ def add_bench_parser(sub: Any) -> None:
     fl.add_argument("--fleet-routers", type=int, default=1, help="fleet: routers sharing the Redis")
     fl.add_argument("--fleet-duration-s", type=float, default=20.0, help="fleet: seconds of arrivals")
     fl.add_argument("--fleet-output-tokens", type=int, default=4, help="fleet: max_tokens of each request")
+    fl.add_argument(
+        "--fleet-rates",
+        default=None,
+        help="fleet: a sweep, e.g. 15,30,60,120: each rate through 1 router and through --fleet-routers, "
+        "with a plot (<--out>/fleet.png); default: one run at --rate",
+    )
     pl = b.add_argument_group("planner")
     pl.add_argument("--planner-minutes", type=float, default=60.0, help="planner: virtual minutes of trace")
     pl.add_argument("--planner-peak-rps", type=float, default=100.0, help="planner: the trace's peak rate")

@@ -11,6 +11,9 @@ Two parts:
    sample of the requests' records, the router's queued -> reserved time (placement plus the decode
    service's reservation round trip: an upper bound on placement time, which the router does not
    time on its own), the fleet's RSS and the load generator's own CPU.
+   With --fleet-rates (a sweep) one fleet serves every rate, each through one router and through all
+   --fleet-routers in turn, and the points are plotted: achieved against offered rate, and end-to-end
+   p50/p99, a line per router count (<--out>/fleet.png).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from common.engine.sim import SimEngine, SimRunner
 from common.sampling_params import SamplingParams
 
 PROFILE = "llama3-8b-h100"
+PLOT_NAME = "fleet.png"
 
 
 def step_accuracy(steps: int = 40) -> dict[str, Any]:
@@ -182,7 +186,76 @@ def _ms(xs: list[float], q: float) -> float | None:
     return round(float(np.percentile(xs, q)) * 1e3, 2) if xs else None
 
 
+def fleet_rates(spec: str | None, rate: float) -> list[float]:
+    """--fleet-rates "30,60,120" (a sweep), or the one --rate."""
+    if not spec:
+        return [rate]
+    try:
+        rates = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"error: --fleet-rates {spec!r}: comma-separated request rates, e.g. 30,60,120"
+        ) from None
+    if not rates or min(rates) <= 0:
+        raise SystemExit(f"error: --fleet-rates {spec!r}: every rate must be positive")
+    return rates
+
+
+def _cpu(pids: list[int]) -> float:
+    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
+
+
+def _point(
+    routers: list[str], router_pids: list[int], fleet_pids: list[int], rate: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One open-loop run at `rate` over `routers`: what the module doc lists."""
+    load_before = load_avg()
+    me = psutil.Process()
+    fleet0, cpu0, me0 = _cpu(fleet_pids), _cpu(router_pids), sum(me.cpu_times()[:2])
+    placed0 = [_placement_buckets(url) for url in routers]
+    load = asyncio.run(_load(routers, rate, args.fleet_duration_s, args.fleet_output_tokens, args.seed))
+    router_cpu = _cpu(router_pids) - cpu0
+    me_cpu = sum(me.cpu_times()[:2]) - me0
+    placed: Counter[float] = Counter()
+    for url, before in zip(routers, placed0, strict=True):
+        placed.update({le: n - before.get(le, 0) for le, n in _placement_buckets(url).items()})
+    fleet_cpu = _cpu(fleet_pids) - fleet0
+    done = len(load["latencies"])
+    return {
+        "routers": len(routers),
+        "offered_rps": rate,
+        "sent": load["sent"],
+        "sent_rps": round(load["sent"] / load["sent_s"], 1),
+        "completed": done,
+        "achieved_rps": round(done / load["done_s"], 1),
+        "errors": load["errors"],
+        "e2e_p50_ms": _ms(load["latencies"], 50),
+        "e2e_p99_ms": _ms(load["latencies"], 99),
+        # the router's own placement time (its histogram): the bucket edge under which the quantile falls
+        "placement_p50_ms_at_most": _bucket_quantile(placed, 0.50),
+        "placement_p99_ms_at_most": _bucket_quantile(placed, 0.99),
+        "placement_over_2ms_share": _over(placed, 0.002),
+        "queued_to_reserved_p50_ms": _ms(load["placements"], 50),
+        "queued_to_reserved_p99_ms": _ms(load["placements"], 99),
+        "router_cpu_ms_per_request": round(router_cpu / max(1, done) * 1e3, 3),
+        "router_cpu_cores": round(router_cpu / load["done_s"], 2),
+        "loadgen_cpu_cores": round(me_cpu / load["done_s"], 2),
+        "fleet_cpu_cores": round(fleet_cpu / load["done_s"], 2),
+        # how the sampled requests spread over the decode services (router placement under this load)
+        "decode_services_used": len(set(load["decodes"])),
+        "busiest_decode_share": round(max(Counter(load["decodes"]).values()) / len(load["decodes"]), 3)
+        if load["decodes"]
+        else None,
+        "load_before": load_before,
+        "load_after": load_avg(),
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    rates = fleet_rates(getattr(args, "fleet_rates", None), args.rate)
+    sweep = len(rates) > 1
+    if args.fleet_routers < 1:
+        raise SystemExit("error: --fleet-routers must be at least 1")
     load_before = load_avg()
     accuracy = step_accuracy()
     prefill, decode, procs = args.fleet_prefill, args.fleet_decode, args.fleet_procs
@@ -208,32 +281,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for port in range(base, base + p + d):
                 _wait(lambda port=port: _healthy(port), 120, f"the sim service on port {port}")
         routers = [stack.start("router", "--redis-url", redis.url) for _ in range(args.fleet_routers)]
-        router_pids = [stack.procs[-1 - i].pid for i in range(args.fleet_routers)]
+        router_pids = [stack.procs[-1 - i].pid for i in reversed(range(args.fleet_routers))]
         for url in routers:
             _wait(lambda url=url: _routed(url, decode, prefill), 60, f"{url} to see the fleet")
-        asyncio.run(_load(routers, min(args.rate, 20.0), 2.0, args.fleet_output_tokens, args.seed))  # warm-up
-        rprocs = [psutil.Process(pid) for pid in router_pids]
-        me = psutil.Process()
-        fprocs = [psutil.Process(pid) for pid in fleet_pids]
-        fleet0 = sum(sum(p.cpu_times()[:2]) for p in fprocs)
-        cpu0 = [sum(p.cpu_times()[:2]) for p in rprocs]
-        me0 = sum(me.cpu_times()[:2])
-        placed0 = [_placement_buckets(url) for url in routers]
-        load = asyncio.run(
-            _load(routers, args.rate, args.fleet_duration_s, args.fleet_output_tokens, args.seed)
-        )
-        router_cpu = sum(sum(p.cpu_times()[:2]) - c for p, c in zip(rprocs, cpu0, strict=True))
-        me_cpu = sum(me.cpu_times()[:2]) - me0
-        placed: Counter[float] = Counter()
-        for url, before in zip(routers, placed0, strict=True):
-            placed.update({le: n - before.get(le, 0) for le, n in _placement_buckets(url).items()})
-        fleet_cpu = sum(sum(p.cpu_times()[:2]) for p in fprocs) - fleet0
+        asyncio.run(_load(routers, min(rates[0], 20.0), 2.0, args.fleet_output_tokens, args.seed))  # warm-up
+        # a sweep runs each rate through one router and through all of them, alternating which goes
+        # first from one rate to the next, so drift in the box's load lands on both alike
+        counts = sorted({1, args.fleet_routers}) if sweep else [args.fleet_routers]
+        points = []
+        for i, rate in enumerate(rates):
+            for n in counts if i % 2 == 0 else counts[::-1]:
+                points.append(_point(routers[:n], router_pids[:n], fleet_pids, rate, args))
         rss = sum(psutil.Process(pid).memory_info().rss for pid in fleet_pids)
     finally:
         stack.stop()
         redis.stop()
-    done = len(load["latencies"])
-    return {
+    head = {
         "profile": PROFILE,
         "step_accuracy": accuracy,
         "workers": prefill + decode,
@@ -241,35 +304,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode": decode,
         "fleet_processes": procs,
         "fleet_rss_mb": round(rss / 2**20),
-        "routers": args.fleet_routers,
-        "offered_rps": args.rate,
-        "sent": load["sent"],
-        "sent_rps": round(load["sent"] / load["sent_s"], 1),
-        "completed": done,
-        "achieved_rps": round(done / load["done_s"], 1),
-        "errors": load["errors"],
-        "e2e_p50_ms": _ms(load["latencies"], 50),
-        "e2e_p99_ms": _ms(load["latencies"], 99),
-        # the router's own placement time (its histogram): the bucket edge under which the quantile falls
-        "placement_p50_ms_at_most": _bucket_quantile(placed, 0.50),
-        "placement_p99_ms_at_most": _bucket_quantile(placed, 0.99),
-        "placement_over_2ms_share": _over(placed, 0.002),
-        "queued_to_reserved_p50_ms": _ms(load["placements"], 50),
-        "queued_to_reserved_p99_ms": _ms(load["placements"], 99),
-        "router_cpu_ms_per_request": round(router_cpu / max(1, done) * 1e3, 3),
-        "router_cpu_cores": round(router_cpu / load["done_s"], 2),
-        "loadgen_cpu_cores": round(me_cpu / load["done_s"], 2),
-        "fleet_cpu_cores": round(fleet_cpu / load["done_s"], 2),
-        # how the sampled requests spread over the decode services (router placement under this load)
-        "decode_services_used": len(set(load["decodes"])),
-        "busiest_decode_share": round(max(Counter(load["decodes"]).values()) / len(load["decodes"]), 3)
-        if load["decodes"]
-        else None,
         "duration_s": args.fleet_duration_s,
         "cores": os.cpu_count(),
-        "load_before": load_before,
-        "load_after": load_avg(),
     }
+    if not sweep:
+        return {**head, **points[0], "load_before": load_before, "load_after": load_avg()}
+    points.sort(key=lambda p: (p["routers"], p["offered_rps"]))
+    path = os.path.join(args.out, PLOT_NAME)
+    plot(
+        points,
+        path,
+        f"{prefill} prefill + {decode} decode sim workers ({PROFILE}), {args.fleet_duration_s:g} s a point",
+    )
+    return {**head, "points": points, "plot": path, "load_before": load_before, "load_after": load_avg()}
+
+
+def plot(points: list[dict[str, Any]], path: str, title: str) -> None:
+    """Achieved against offered rate, and end-to-end p50/p99, one line per router count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
+    top = max(p["offered_rps"] for p in points)
+    ax1.plot([0, top], [0, top], color="grey", linestyle="--", linewidth=1, label="offered")
+    for n in sorted({p["routers"] for p in points}):
+        pts = [p for p in points if p["routers"] == n]
+        label = f"{n} router{'s' if n > 1 else ''}"
+        x = [p["offered_rps"] for p in pts]
+        line = ax1.plot(x, [p["achieved_rps"] for p in pts], "o-", label=label)[0]
+        ax2.plot(x, [p["e2e_p50_ms"] or 0 for p in pts], "o-", color=line.get_color(), label=f"{label} p50")
+        ax2.plot(x, [p["e2e_p99_ms"] or 0 for p in pts], "s--", color=line.get_color(), label=f"{label} p99")
+    ax1.set_xlabel("offered rate (req/s, Poisson)")
+    ax1.set_ylabel("achieved rate (req/s)")
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    ax2.set_xlabel("offered rate (req/s, Poisson)")
+    ax2.set_ylabel("end-to-end latency (ms, log)")
+    ax2.set_yscale("log")
+    ax2.grid(alpha=0.3, which="both")
+    ax2.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def _placement_buckets(url: str) -> dict[float, float]:
