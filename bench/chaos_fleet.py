@@ -41,10 +41,10 @@ import httpx
 import psutil
 from tqdm import tqdm
 
-from bench.fleet import PROFILE, _free_ports, _healthy, _routed, _split, _wait
+from bench.fleet import PROFILE, free_ports, healthy, routed, split_evenly, wait_for
 from bench.rounds import load_avg
 from bench.serving import Stack, metric_sum, scrape
-from bench.soak import TERMINAL, Outcome, _quiesce, one
+from bench.soak import TERMINAL, Outcome, one, quiesce
 from common.cluster.redis_server import RedisServer
 from common.cluster.state import ClusterState
 
@@ -56,12 +56,12 @@ BROKEN = ("RemoteProtocolError", "ReadError", "ConnectError", "WriteError", "Con
 
 def _start_fleet(stack: Stack, redis_url: str, prefill: int, decode: int) -> tuple[int, list[str]]:
     """One sim-fleet process holding `prefill` + `decode` services; its pid and its services' URLs."""
-    base = _free_ports(prefill + decode)
+    base = free_ports(prefill + decode)
     flags = ["--prefill", str(prefill), "--decode", str(decode), "--redis-url", redis_url]
     stack.start("sim-fleet", *flags, "--sim-profile", PROFILE, port=base, timeout_s=300)
     pid = stack.procs[-1].pid
     for port in range(base, base + prefill + decode):
-        _wait(lambda port=port: _healthy(port), 120, f"the sim service on port {port}")
+        wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")
     return pid, [f"http://127.0.0.1:{p}" for p in range(base, base + prefill + decode)]
 
 
@@ -171,16 +171,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         services: list[str] = []
         decode_pids: list[tuple[int, int]] = []  # (pid, decode services it holds)
-        for p in _split(prefill, args.chaos_prefill_procs):
+        for p in split_evenly(prefill, args.chaos_prefill_procs):
             services += _start_fleet(stack, redis.url, p, 0)[1]
-        for d in _split(decode, args.chaos_decode_procs):
+        for d in split_evenly(decode, args.chaos_decode_procs):
             pid, urls = _start_fleet(stack, redis.url, 0, d)
             decode_pids.append((pid, d))
             services += urls
         routers = [stack.start("router", "--redis-url", redis.url) for _ in range(2)]
         router_pids = [stack.by_url[url].pid for url in routers]
         for url in routers:
-            _wait(lambda url=url: _routed(url, decode, prefill), 60, f"{url} to see the fleet")
+            wait_for(lambda url=url: routed(url, decode, prefill), 60, f"{url} to see the fleet")
 
         def fire(what: str) -> None:
             t = time.perf_counter()
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # RECORD_MARGIN_S after it was back must have an end in its record (restored, if it was in flight)
         checked = [t for t, end in accepted if end > back_s + RECORD_MARGIN_S]
         records = asyncio.run(_record_states(redis.url, [t.request_id for t in checked], 60.0))
-        quiet = _quiesce({str(i): u for i, u in enumerate(services)}, redis.url, timeout_s=60.0)
+        quiet = quiesce({str(i): u for i, u in enumerate(services)}, redis.url, timeout_s=60.0)
         survivor = scrape(routers[0])
     finally:
         stack.stop()

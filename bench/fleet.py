@@ -88,7 +88,7 @@ def step_accuracy(steps: int = 40) -> dict[str, Any]:
     return out
 
 
-def _free_ports(n: int) -> int:
+def free_ports(n: int) -> int:
     """The first of n consecutive free ports on 127.0.0.1."""
     rng = random.Random()
     while True:
@@ -107,11 +107,11 @@ def _free_ports(n: int) -> int:
                 s.close()
 
 
-def _split(total: int, parts: int) -> list[int]:
+def split_evenly(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def _wait(cond: Any, timeout_s: float, what: str) -> None:
+def wait_for(cond: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
@@ -119,7 +119,7 @@ def _wait(cond: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _routed(url: str, decode: int, prefill: int) -> bool:
+def routed(url: str, decode: int, prefill: int) -> bool:
     try:
         h = httpx.get(url + "/health", timeout=2).json()
     except (httpx.HTTPError, ValueError):
@@ -264,8 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stack = Stack(log_dir)
     try:
         fleet_pids = []
-        for p, d in zip(_split(prefill, procs), _split(decode, procs), strict=True):
-            base = _free_ports(p + d)
+        for p, d in zip(split_evenly(prefill, procs), split_evenly(decode, procs), strict=True):
+            base = free_ports(p + d)
             flags = [
                 "--prefill",
                 str(p),
@@ -279,11 +279,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stack.start("sim-fleet", *flags, port=base, timeout_s=300)
             fleet_pids.append(stack.procs[-1].pid)
             for port in range(base, base + p + d):
-                _wait(lambda port=port: _healthy(port), 120, f"the sim service on port {port}")
+                wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")
         routers = [stack.start("router", "--redis-url", redis.url) for _ in range(args.fleet_routers)]
         router_pids = [stack.procs[-1 - i].pid for i in reversed(range(args.fleet_routers))]
         for url in routers:
-            _wait(lambda url=url: _routed(url, decode, prefill), 60, f"{url} to see the fleet")
+            wait_for(lambda url=url: routed(url, decode, prefill), 60, f"{url} to see the fleet")
         asyncio.run(_load(routers, min(rates[0], 20.0), 2.0, args.fleet_output_tokens, args.seed))  # warm-up
         # a sweep runs each rate through one router and through all of them, alternating which goes
         # first from one rate to the next, so drift in the box's load lands on both alike
@@ -378,7 +378,7 @@ def _over(cumulative: Counter[float], seconds: float) -> float | None:
     return round(1 - cumulative.get(seconds, 0) / total, 4) if total else None
 
 
-def _healthy(port: int) -> bool:
+def healthy(port: int) -> bool:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
     except httpx.HTTPError:

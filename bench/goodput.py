@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.fleet import _free_ports, _healthy, _routed, _wait
+from bench.fleet import free_ports, healthy, routed, wait_for
 from bench.loadgen import Result, arrival_offsets, make_specs, run_load, summarize
 from bench.rounds import load_avg
 from bench.serving import Stack, warm_up
@@ -277,7 +277,7 @@ class Bench:
     def start(self) -> None:
         a, lay = self.args, self.layout
         self.redis.start()
-        base = _free_ports(lay.workers)
+        base = free_ports(lay.workers)
         flags = [
             "--prefill", str(lay.prefill), "--decode", str(lay.decode), "--redis-url", self.redis.url,
             "--sim-profile", self.profile_path, "--max-num-seqs", str(a.goodput_max_num_seqs),
@@ -290,14 +290,14 @@ class Bench:
         self.fleet = psutil.Process(self.stack.procs[-1].pid)
         self.services = [f"http://127.0.0.1:{p}" for p in range(base, base + lay.workers)]
         for port in range(base, base + lay.workers):
-            _wait(lambda port=port: _healthy(port), 120, f"the sim service on port {port}")
+            wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")
         threshold = SPLIT_THRESHOLD if lay.prefill else LOCAL_THRESHOLD
         model = ["--model", a.model] if a.model else []
         self.url = self.stack.start(
             "router", "--redis-url", self.redis.url, "--local-prefill-threshold", str(threshold), *model
         )
         self.router = psutil.Process(self.stack.procs[-1].pid)
-        _wait(lambda: _routed(self.url, lay.decode, lay.prefill), 60, f"{self.url} to see the services")
+        wait_for(lambda: routed(self.url, lay.decode, lay.prefill), 60, f"{self.url} to see the services")
 
     def stop(self) -> None:
         self.stack.stop()

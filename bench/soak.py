@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             trace.append({"request": i, "rss_mb": _rss_mb(stack, urls), **tiers})
 
         outcomes = asyncio.run(_load(stack, urls, router, bodies, hang_ups, conc, args, faults, sample))
-        quiet = _quiesce(urls, redis.url)
+        quiet = quiesce(urls, redis.url)
         rss_end = _rss_mb(stack, urls)
         tiers = {"start": tiers_start, **_tier_end(urls, tier_dir)} if args.tiers else None
         migrations = metric_sum(scrape(router), "splitserve_router_migrations_total")
@@ -280,7 +280,7 @@ def _kill_and_restart(stack: Stack, url: str) -> None:
     stack.start(role, *flags, port=int(url.rsplit(":", 1)[1]))
 
 
-def _quiesce(urls: dict[str, str], redis_url: str, timeout_s: float = 30.0) -> dict[str, int]:
+def quiesce(urls: dict[str, str], redis_url: str, timeout_s: float = 30.0) -> dict[str, int]:
     """Once nothing runs any more: KV blocks still in use, leases still in Redis."""
     deadline = time.monotonic() + timeout_s
     while True:
