@@ -233,6 +233,10 @@ def add_bench_parser(sub: Any) -> None:
         "--goodput-max-num-seqs", type=int, default=128, help="goodput: every service's max_num_seqs"
     )
     gp.add_argument(
+        "--goodput-procs", choices=("config", "service"), default="config",
+        help="goodput: one sim-fleet process per configuration (its services share a GIL) or per service",
+    )  # fmt: skip
+    gp.add_argument(
         "--goodput-max-batched-tokens", type=int, default=None,
         help="goodput: every service's chunked-prefill budget (default: the engine's)",
     )  # fmt: skip

@@ -271,23 +271,34 @@ class Bench:
         self.stack = Stack(log_dir)
         self.services: list[str] = []
         self.url = ""
-        self.fleet: psutil.Process | None = None
+        self.fleet: list[psutil.Process] = []
         self.router: psutil.Process | None = None
 
     def start(self) -> None:
         a, lay = self.args, self.layout
         self.redis.start()
         base = free_ports(lay.workers)
-        flags = [
-            "--prefill", str(lay.prefill), "--decode", str(lay.decode), "--redis-url", self.redis.url,
-            "--sim-profile", self.profile_path, "--max-num-seqs", str(a.goodput_max_num_seqs),
+        common = [
+            "--redis-url", self.redis.url, "--sim-profile", self.profile_path,
+            "--max-num-seqs", str(a.goodput_max_num_seqs),
         ]  # fmt: skip
         if a.goodput_max_batched_tokens is not None:
-            flags += ["--max-num-batched-tokens", str(a.goodput_max_batched_tokens)]
+            common += ["--max-num-batched-tokens", str(a.goodput_max_batched_tokens)]
         if a.model:
-            flags += ["--model", a.model]
-        self.stack.start("sim-fleet", *flags, port=base, timeout_s=300)
-        self.fleet = psutil.Process(self.stack.procs[-1].pid)
+            common += ["--model", a.model]
+        # one sim-fleet process for the configuration's services, or one each (--goodput-procs service:
+        # no two services share a GIL, as no two GPU workers share a host process)
+        if getattr(a, "goodput_procs", "config") == "service":
+            shapes = [(1, 0)] * lay.prefill + [(0, 1)] * lay.decode
+        else:
+            shapes = [(lay.prefill, lay.decode)]
+        port = base
+        for p, d in shapes:
+            self.stack.start(
+                "sim-fleet", "--prefill", str(p), "--decode", str(d), *common, port=port, timeout_s=300
+            )
+            self.fleet.append(psutil.Process(self.stack.procs[-1].pid))
+            port += p + d
         self.services = [f"http://127.0.0.1:{p}" for p in range(base, base + lay.workers)]
         for port in range(base, base + lay.workers):
             wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")
@@ -314,9 +325,9 @@ class Bench:
             prompt_cap=workload.prompt_cap, out_median=workload.out_median, out_sigma=workload.out_sigma,
             out_cap=workload.out_cap,
         )  # fmt: skip
-        assert self.router is not None and self.fleet is not None
+        assert self.router is not None and self.fleet
         load = load_avg()
-        r0, f0, m0 = _cpu([self.router]), _cpu([self.fleet]), _cpu([psutil.Process()])
+        r0, f0, m0 = _cpu([self.router]), _cpu(self.fleet), _cpu([psutil.Process()])
         # a request still running this long after the last arrival is cancelled and misses: the longest
         # answer meeting both objectives is done by then, so only requests that miss anyway are cut short
         drain = (a.slo_ttft_ms + workload.out_cap * a.slo_tpot_ms) / 1000 + a.goodput_drain_s
@@ -327,7 +338,7 @@ class Bench:
         )  # fmt: skip
         cores = {
             "router_cpu_cores": round((_cpu([self.router]) - r0) / duration, 2),
-            "fleet_cpu_cores": round((_cpu([self.fleet]) - f0) / duration, 2),
+            "fleet_cpu_cores": round((_cpu(self.fleet) - f0) / duration, 2),
             "loadgen_cpu_cores": round((_cpu([psutil.Process()]) - m0) / duration, 2),
         }
         idle = _idle(self.services, 60)
@@ -494,6 +505,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workload": {k: v for k, v in vars(workload).items()},
         "max_num_seqs": args.goodput_max_num_seqs,
         "max_num_batched_tokens": budget,
+        "procs": getattr(args, "goodput_procs", "config"),  # sim-fleet processes: per config or service
         "seed": args.seed,
         "attainment_table": {
             name: {f"{p['rate']:g}": p["attainment"] for p in sorted(pts, key=lambda p: p["rate"])}

@@ -20,6 +20,7 @@ def test_goodput_bench_compares_colocated_and_split_on_the_same_gpus(tmp_path: P
         goodput_splits="", goodput_duration_s=2.0, goodput_min_requests=4, goodput_start_rate=1.0,
         goodput_max_rate=2.0, goodput_target=0.9, goodput_resolution=0.25, goodput_drain_s=2.0,
         goodput_max_num_seqs=32, goodput_time_scale=1.0, goodput_max_batched_tokens=None, model=None, seed=0,
+        goodput_procs="service",
         request_timeout_s=60.0, slo_ttft_ms=20_000.0, slo_tpot_ms=2_000.0, out=str(tmp_path),
     )  # fmt: skip
     out = run(args)
