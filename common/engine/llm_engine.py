@@ -50,7 +50,7 @@ from common.kv import quant
 from common.kv.block_manager import BlockManager, free_window, live_blocks
 from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
 from common.kv.offload import KVOffload
-from common.model.calibration import calibration_ids, kv_amax
+from common.model.calibration import calibration_ids, kv_stats
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -119,12 +119,8 @@ def kv_compat(
 
 
 def _heads_of(scales: KVScales | None, heads: range) -> KVScales | None:
-    """fp8 scales of some KV heads (a tensor-parallel rank's)."""
-    if scales is None:
-        return None
-    return KVScales(
-        scales.k[:, heads.start : heads.stop].clone(), scales.v[:, heads.start : heads.stop].clone()
-    )
+    """fp8 scales and offsets of some KV heads (a tensor-parallel rank's)."""
+    return None if scales is None else scales.heads(heads.start, heads.stop)
 
 
 def _cores() -> int:
@@ -181,8 +177,7 @@ class LLMEngine:
         scales: KVScales | None = None
         if kv_dtype in FP8:  # calibrated on the whole model; with tensor parallelism each rank's
             # cache keeps its heads' scales, and the preflight compares the whole model's
-            amax = kv_amax(self.model, calibration_ids(tokenizer))
-            scales = quant.scales(*amax, kv_dtype)
+            scales = quant.calibrate(kv_stats(self.model, calibration_ids(tokenizer)), kv_dtype)
         self._scales_digest = scales.digest() if scales is not None else ""
 
         def kv_spec(blocks: int, kv_heads: int) -> KVCacheSpec:

@@ -32,7 +32,12 @@ per key), V's to the output (sum_t p_t s v_t = s sum_t p_t v_t; one KV head per 
 head_dim vector). Multiplying by a power of two is exact, so this equals attention over the dequantized
 values up to the order of the sums. Such a cache holds K and V rotated (common/kv/kv_cache.py
 `kv_rotation`); the caller (common/model/attention.py) rotates q before the launch and `out` after it, so
-the kernel never sees the rotation.
+the kernel never sees the rotation. It may hold them less a per-(KV head, channel) offset too (k_off,
+v_off, the scales' shape; OFFSET, compiled in only when they are passed, which the caller does when
+some offset is not zero): for K each query row's q . k_off, one constant over the row's keys, is added
+to its scores (softmax would not miss it, a soft-cap would), and for V the offset is added to the
+output (the probabilities sum to 1: added to the unnormalized sum times its running total, so split
+decode merges it as it merges the rest).
 
 Two per-layer options of some model families (see common/model/attention.py, the reference):
 WINDOW (sliding-window attention: a query at position p sees keys p - window + 1 .. p; a program skips
@@ -78,6 +83,8 @@ def _paged_attention_kernel(
     part_ml_ptr,  # split decode: (2, N, n_heads, num_splits) fp32 running max, running sum
     k_scale_ptr,  # QUANT: (n_kv_heads, head_dim) fp32 contiguous, this layer's
     v_scale_ptr,
+    k_off_ptr,  # OFFSET: (n_kv_heads, head_dim) fp32 contiguous, this layer's
+    v_off_ptr,
     num_splits,
     n_heads,
     scale,
@@ -105,6 +112,7 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,  # compute the dots in fp32 (the interpreter's bf16 dot is wrong)
     SPLIT: tl.constexpr,  # decode with num_splits > 1: axis 2 is the split, results are partial
     QUANT: tl.constexpr,  # the cache holds fp8 values scaled per (KV head, channel)
+    OFFSET: tl.constexpr,  # ... less an offset per (KV head, channel)
     WINDOW: tl.constexpr,  # sliding-window attention
     SOFTCAP: tl.constexpr,  # soft-capped scores
 ):
@@ -139,6 +147,9 @@ def _paged_attention_kernel(
     )  # (BLOCK_M, HEAD_PAD)
     if UPCAST:
         q = q.to(tl.float32)
+    if OFFSET:  # q . k_off: what K's offset adds to each of the row's scores
+        k_off = tl.load(k_off_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
+        q_off = tl.sum(q.to(tl.float32) * k_off[None, :], axis=1)  # (BLOCK_M,)
     if QUANT:  # K's per-channel scales, folded into the query (exact: powers of two)
         k_scale = tl.load(k_scale_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)
         q = (q.to(tl.float32) * k_scale[None, :]).to(q.dtype)
@@ -197,6 +208,8 @@ def _paged_attention_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if OFFSET:
+            s = s + q_off[:, None]
         s = s * scale  # (BLOCK_M, TILE) fp32
         if SOFTCAP:
             # tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|): Triton has no tanh the interpreter runs
@@ -222,6 +235,8 @@ def _paged_attention_kernel(
 
     if QUANT:  # V's per-channel scales, on the weighted sum
         acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
+    if OFFSET:  # V's offset: sum_t p_t (v_t + m) = sum_t p_t v_t + m, with the sum unnormalized
+        acc = acc + l_i[:, None] * tl.load(v_off_ptr + kv_head * HEAD_DIM + d, mask=d_ok, other=0.0)[None, :]
     if SPLIT:
         part = (launch_idx * n_heads + head) * num_splits + split  # (BLOCK_M,)
         ml_stride = tl.num_programs(0) * n_heads * num_splits
@@ -334,10 +349,25 @@ def _quantized(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch
         return False
     if k_scale is None or v_scale is None:
         raise ValueError(f"a {cache.dtype} KV cache needs its k_scale and v_scale")
+    _check_per_channel(cache, ("k_scale", k_scale), ("v_scale", v_scale))
+    return True
+
+
+def _check_per_channel(cache: torch.Tensor, *named: tuple[str, torch.Tensor]) -> None:
     want = (cache.shape[2], cache.shape[3])  # (n_kv, head_dim)
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+    for name, s in named:
         if tuple(s.shape) != want or s.dtype != torch.float32 or not s.is_contiguous():
             raise ValueError(f"{name}: {tuple(s.shape)} {s.dtype}; want {want} float32, contiguous")
+
+
+def _offset(cache: torch.Tensor, quant: bool, k_off: torch.Tensor | None, v_off: torch.Tensor | None) -> bool:
+    """Whether the launch applies offsets: given (both, to an fp8 cache). The caller leaves out offsets
+    that are all zero (PagedKVCache.offsets; checking here would wait for the device)."""
+    if k_off is None and v_off is None:
+        return False
+    if not quant or k_off is None or v_off is None:
+        raise ValueError("k_off and v_off: both, and only with an fp8 cache's k_scale and v_scale")
+    _check_per_channel(cache, ("k_off", k_off), ("v_off", v_off))
     return True
 
 
@@ -358,6 +388,8 @@ def paged_attention_launch(
     v_scale: torch.Tensor | None = None,
     window: int | None = None,  # sliding window: each query sees its last `window` positions only
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
+    k_off: torch.Tensor | None = None,  # an fp8 cache: (n_kv, hd) fp32, what each channel had subtracted
+    v_off: torch.Tensor | None = None,
 ) -> None:
     n_seqs = seq_ids.numel()
     if n_seqs == 0:
@@ -382,6 +414,7 @@ def paged_attention_launch(
         block_q = max(1, PREFILL_ROWS // group_pad)
         axis2 = triton.cdiv(max_new_tokens, block_q)
     quant = _quantized(k_cache, k_scale, v_scale)
+    offset = _offset(k_cache, quant, k_off, v_off)
     if window is not None and window < 1:
         raise ValueError(f"paged attention: window={window} must be at least 1")
     if softcap is not None and softcap <= 0:
@@ -392,7 +425,8 @@ def paged_attention_launch(
         part_ml = torch.empty((2, n_seqs, n_heads, splits), dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(n_seqs, n_kv, axis2)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens, seq_ids,
-        part_acc, part_ml, k_scale if quant else out, v_scale if quant else out, splits, n_heads, scale,
+        part_acc, part_ml, k_scale if quant else out, v_scale if quant else out,
+        k_off if offset else out, v_off if offset else out, splits, n_heads, scale,
         window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -401,7 +435,7 @@ def paged_attention_launch(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=hd, HEAD_PAD=_pow2(hd, MIN_DOT), BLOCK_SIZE=k_cache.shape[1], TILE=TILE_N,
         IEEE=q.dtype == torch.float32 or interpreted,
-        UPCAST=interpreted and q.dtype != torch.float32, SPLIT=splits > 1, QUANT=quant,
+        UPCAST=interpreted and q.dtype != torch.float32, SPLIT=splits > 1, QUANT=quant, OFFSET=offset,
         WINDOW=window is not None, SOFTCAP=softcap is not None,
     )  # fmt: skip
     if splits > 1:

@@ -263,14 +263,19 @@ def _triton_paged_attention(
     from common.kernels.paged_attention import paged_attention_launch, store_kv
 
     kc, vc = kv_cache.k[layer], kv_cache.v[layer]
-    sc = kv_cache.scales  # an fp8 cache's scales of this layer: (n_kv, hd) each, per channel
+    sc = kv_cache.scales  # an fp8 cache's scales and offsets of this layer: (n_kv, hd) each, per channel
     ks, vs = (None, None) if sc is None else (sc.k[layer], sc.v[layer])
+    ko = vo = None
+    if sc is not None and kv_cache.offsets:  # offsets not all zero
+        assert sc.k_off is not None and sc.v_off is not None
+        ko, vo = sc.k_off[layer], sc.v_off[layer]
     store_kv(kv_cache.quantize(k, layer, "k"), kv_cache.quantize(v, layer, "v"), kc, vc, slot_mapping)
     q = kv_cache.rotate(q)  # fp8: into the cache's rotated basis, the output back out of it (as above)
     out = torch.empty_like(q)
     common = (q, kc, vc, out, km.block_tables, km.query_start_loc, km.context_lens)
     for ids, most, decode in ((km.decode_ids, 1, True), (km.prefill_ids, km.max_prefill_tokens, False)):
         paged_attention_launch(
-            *common, ids, scale, most, decode=decode, k_scale=ks, v_scale=vs, window=window, softcap=softcap
-        )
+            *common, ids, scale, most, decode=decode, k_scale=ks, v_scale=vs, window=window, softcap=softcap,
+            k_off=ko, v_off=vo,
+        )  # fmt: skip
     return kv_cache.rotate(out)

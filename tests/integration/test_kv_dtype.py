@@ -1,6 +1,6 @@
 """The real model with a narrower KV cache (`kv_cache_dtype`): bounded logprob drift against fp32 KV,
-the README question answered as with bf16 KV, the same calibrated scales every time (over the chat
-template's tokens too), the capacity, and fp8 under tensor parallelism."""
+the README question answered as with bf16 KV, the same calibrated scales and offsets every time (over
+the chat template's tokens too), the capacity, and fp8 under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ def test_the_calibration_covers_the_chat_template_s_special_tokens(smollm) -> No
 def test_fp8_scales_are_calibrated_the_same_every_time_and_named_in_the_preflight(smollm) -> None:  # type: ignore[no-untyped-def]
     a, b = _engine(smollm, "fp8_e4m3"), _engine(smollm, "fp8_e4m3")
     assert a.kv_compat() == b.kv_compat()
+    sa, sb = a.kv_cache.scales, b.kv_cache.scales  # the offsets too, bit for bit (and not all zero)
+    assert sa is not None and sb is not None and sa.k_off is not None and sb.k_off is not None
+    assert sa.k_off.equal(sb.k_off) and a.kv_cache.offsets
     assert a.kv_compat().dtype == "float8_e4m3fn" and a.kv_compat().kv_scales
     mismatch = a.kv_compat().mismatches(_engine(smollm, "fp8_e5m2").kv_compat())
     assert [m.split(" ")[0] for m in mismatch] == ["dtype", "kv_scales"]
@@ -84,6 +87,9 @@ def test_fp8_kv_with_tensor_parallelism_keeps_each_rank_s_scales(smollm) -> None
         assert one.kv_cache.scales is not None and two.kv_cache.scales is not None
         assert two.kv_cache.scales.k.shape == (model.config.num_layers, 2, model.config.head_dim)
         assert two.kv_cache.scales.k.equal(one.kv_cache.scales.k[:, :2])
+        one_off, two_off = one.kv_cache.scales.v_off, two.kv_cache.scales.v_off  # offsets sliced alike
+        assert one_off is not None and two_off is not None and two_off.equal(one_off[:, :2])
+        assert one.kv_cache.offsets and two.kv_cache.offsets
         assert two.kv_compat().kv_scales == one.kv_compat().kv_scales
         prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[0]}]))
         seq = prompt + one.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids

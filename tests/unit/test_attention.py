@@ -15,11 +15,14 @@ def _step(
     new: list[int], ctx: list[int], bs: int, seed: int, kv_dtype: torch.dtype = torch.float32
 ) -> tuple[AttentionMetadata, PagedKVCache]:
     """A step of sequences with `new` tokens each and `ctx` tokens in KV after it, on shuffled blocks of
-    a random cache (an fp8 one: stored rotated, with per-channel scales 2^-3 .. 2^0)."""
+    a random cache (an fp8 one: stored rotated, with per-channel scales 2^-3 .. 2^0 and offsets)."""
     g = torch.Generator().manual_seed(seed)
     spec = KVCacheSpec(1, 64, bs, 3, 16, kv_dtype)
     exps = -(torch.arange(3 * 16).view(1, 3, 16) % 4).float()
-    scales = KVScales(torch.exp2(exps), torch.exp2(exps.flip(-1))) if kv_dtype.itemsize == 1 else None
+    offs = exps * 0.75 + 1
+    scales = (
+        KVScales(torch.exp2(exps), torch.exp2(exps.flip(-1)), offs, -offs) if kv_dtype.itemsize == 1 else None
+    )
     cache = PagedKVCache(spec, device="cpu", compute_dtype=torch.float32, scales=scales)
     cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(kv_dtype))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(kv_dtype))
@@ -42,8 +45,9 @@ def _step(
 def test_batched_decode_attention_matches_the_per_sequence_path(
     monkeypatch: pytest.MonkeyPatch, new: list[int], ctx: list[int], kv_dtype: torch.dtype
 ) -> None:
-    """fp8: the cache holds K and V rotated and attention reads them so, rotating the query and its
-    output instead; the result is attention over K and V as read back (`gather`, rotated back)."""
+    """fp8: the cache holds K and V rotated (less per-channel offsets) and attention reads them so,
+    rotating the query and its output instead; the result is attention over K and V as read back
+    (`gather`: the offsets added, rotated back)."""
     outs = []
     for batched in (True, False):
         meta, cache = _step(new, ctx, bs=8, seed=sum(ctx), kv_dtype=kv_dtype)

@@ -192,3 +192,102 @@ def test_the_preflight_record_carries_the_dtype_and_a_short_hash_of_the_scales_e
         "dtype ('float8_e4m3fn' != 'float32')",
         f"kv_scales ({digest!r} != '')",
     ]
+
+
+def test_offsets_are_subtracted_before_scaling_and_added_back_on_reads() -> None:
+    """(x R - off) / scale is stored; reads add the offset back. For values clustered around a channel's
+    bias, the error is then relative to the distance from the offset, not to the value: an offset at
+    the bias makes the read-back error several times smaller than none does, same scales."""
+    spec = dataclasses.replace(SPEC, dtype=torch.float8_e5m2)
+    g = torch.Generator().manual_seed(3)
+    bias = torch.randn(2, 8, generator=g) * 50  # per (head, channel) of the rotated K and V
+    rk = bias + torch.randn(6, 2, 8, generator=g)
+    rv = -bias + torch.randn(6, 2, 8, generator=g)
+    r = kv_rotation(8)
+    slots, table = torch.tensor([0, 1, 2, 3, 8, 9]), torch.tensor([0, 2])
+    errors = []
+    for off in (None, bias.round()):
+        sc = torch.full((2, 2, 8), 2.0**-4)
+        k_off = None if off is None else torch.stack([torch.zeros(2, 8), off])  # layer 1's
+        v_off = None if off is None else torch.stack([torch.zeros(2, 8), -off])
+        kv = PagedKVCache(spec, compute_dtype=torch.float32, scales=KVScales(sc, sc, k_off, v_off))
+        assert kv.offsets == (off is not None)
+        kv.write(1, slots, rk @ r, rv @ r)
+        stored = kv.k[1].view(-1, 2, 8)[slots].float()
+        m = torch.zeros(2, 8) if off is None else off
+        torch.testing.assert_close(stored, ((rk - m) / 2.0**-4).to(spec.dtype).float())
+        got_k, got_v = kv.gather(1, table, 6, rotated=True)
+        assert ((got_k - rk).abs() <= 2**-3 * (rk - m).abs() + 1e-6).all()
+        assert ((got_v - rv).abs() <= 2**-3 * (rv + m).abs() + 1e-6).all()
+        back_k, _ = kv.gather(1, table, 6)  # rotated back out of the cache's basis
+        torch.testing.assert_close(back_k, got_k @ r)
+        errors.append(((got_k - rk).abs().mean() + (got_v - rv).abs().mean()).item())
+    assert errors[1] < errors[0] / 4, errors
+
+
+def test_calibrated_offsets_sit_on_a_coarse_grid_and_the_scales_cover_what_is_left() -> None:
+    g = torch.Generator().manual_seed(4)
+    lo = -torch.rand(2, 3, 8, generator=g) * 10
+    hi = torch.rand(2, 3, 8, generator=g) * 10 + 0.5
+    center = lo + (hi - lo) * torch.rand(2, 3, 8, generator=g)
+    stats = quant.KVStats(lo, hi, center, 2 * lo, 2 * hi, 2 * center)
+    for dtype in FP8:
+        sc = quant.calibrate(stats, dtype)
+        assert sc.k_off is not None and sc.v_off is not None
+        amax = torch.maximum(lo.abs(), hi.abs())
+        grid = torch.exp2(torch.ceil(torch.log2(amax)) - quant.OFFSET_BITS)
+        steps = sc.k_off / grid
+        assert torch.equal(steps, steps.round()) and (steps.abs() <= 2**quant.OFFSET_BITS).all()
+        assert ((sc.k_off - center).abs() <= grid / 2).all()  # the weighted mean, rounded
+        left = torch.maximum(hi - sc.k_off, sc.k_off - lo)  # what the scale must hold
+        need = quant.HEADROOM * left / torch.finfo(dtype).max
+        assert torch.equal(sc.k, torch.exp2(sc.k.log2().round())) and (sc.k >= need).all()
+        assert (sc.k < 2 * need).all()
+        # the same weights summed in another order round alike: a prefill and a decode service agree
+        nudged = quant.KVStats(lo, hi, center * (1 + 1e-6), 2 * lo, 2 * hi, 2 * center)
+        again = quant.calibrate(nudged, dtype)
+        assert again.digest() == sc.digest() and again.k_off is not None
+        assert torch.equal(again.k_off, sc.k_off)
+    with pytest.raises(ValueError, match="only"):
+        quant.calibrate(stats, torch.bfloat16)
+
+
+def test_offsets_are_in_the_digest_sliced_by_head_and_checked_against_the_scales() -> None:
+    k, v = channel_scales(SPEC).k, channel_scales(SPEC).v
+    plain = KVScales(k, v)
+    assert KVScales(k, v, torch.zeros_like(k), torch.zeros_like(v)).digest() == plain.digest()  # zero: none
+    off = torch.zeros_like(k)
+    off[1, 1, 3] = 0.5
+    with_k = KVScales(k, v, off, torch.zeros_like(v))
+    with_v = KVScales(k, v, torch.zeros_like(k), off)
+    assert len({plain.digest(), with_k.digest(), with_v.digest()}) == 3  # K's and V's told apart
+    tp_rank1 = with_k.heads(1, 2)  # a tensor-parallel rank's KV head
+    assert tp_rank1.k_off is not None and torch.equal(tp_rank1.k_off, off[:, 1:2])
+    assert torch.equal(tp_rank1.k, k[:, 1:2]) and plain.heads(0, 1).k_off is None
+    spec = dataclasses.replace(SPEC, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_off"):
+        PagedKVCache(spec, scales=KVScales(k, v, torch.zeros(2, 2, 4), None))
+    kv = PagedKVCache(spec, scales=KVScales(k, v))  # absent offsets: zeros, and the kernel skips them
+    assert kv.scales is not None and kv.scales.k_off is not None and not kv.scales.k_off.any()
+    assert not kv.offsets
+
+
+def test_the_calibration_centers_each_channel_on_the_keys_attention_reads() -> None:
+    """kv_stats: lo <= center <= hi per channel; a one-token sequence draws all of its own attention, so
+    run alone (or twice, back to back: each sequence sees only itself) its center is its rotated K and
+    V; kv_amax is the range's larger end."""
+    from common.model.calibration import kv_amax, kv_stats
+    from tests.unit.test_tensor_parallel import tiny, whole_model
+
+    model = whole_model(tiny(tied=False, bias=False))
+    st = kv_stats(model, [[5, 9, 2, 7, 7, 1], [3, 4]])
+    for lo, c, hi in ((st.k_lo, st.k_center, st.k_hi), (st.v_lo, st.v_center, st.v_hi)):
+        assert lo.shape == (2, 3, 8) and (lo <= c + 1e-6).all() and (c <= hi + 1e-6).all()
+        assert (hi - lo).gt(0).all()
+    k_amax, _ = kv_amax(model, [[5, 9, 2, 7, 7, 1], [3, 4]])
+    torch.testing.assert_close(k_amax, torch.maximum(st.k_lo.abs(), st.k_hi.abs()))
+    one, twice = kv_stats(model, [[5]]), kv_stats(model, [[5], [5]])
+    for s in (one, twice):
+        torch.testing.assert_close(s.k_center, one.k_lo, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(s.v_center, one.v_hi, rtol=1e-5, atol=1e-6)
+    assert torch.equal(one.k_lo, one.k_hi)

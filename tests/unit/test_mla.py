@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.kv.kv_cache import KVCacheSpec, KVScales, PagedKVCache
+from common.kv import quant
+from common.kv.kv_cache import FP8, KVCacheSpec, PagedKVCache
 from common.model.attention import AttentionMetadata
-from common.model.calibration import kv_amax
+from common.model.calibration import kv_stats
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 
@@ -67,13 +68,70 @@ def test_the_kv_spec_names_the_latent_group() -> None:
         KVCacheSpec(3, 10, BLOCK, 2, 12, mla=(16, 8))
 
 
-def test_fp8_kv_with_mla_is_refused() -> None:
-    scales = KVScales(torch.ones(2, 1, 12), torch.ones(2, 1, 12))
-    spec = KVCacheSpec(2, 4, BLOCK, 1, 12, torch.float8_e4m3fn, mla=(16, 8))
-    with pytest.raises(ValueError, match="MLA"):
-        PagedKVCache(spec, scales=scales)
-    with pytest.raises(ValueError, match="fp8 KV for deepseek_v3"):
-        kv_amax(random_model(mla_config()), [[1, 2, 3]])
+def _latent_logits(
+    model: LlamaForCausalLM, cache: PagedKVCache, seqs: list[list[int]], steps: int
+) -> torch.Tensor:
+    """The sequences prefilled together over shuffled blocks of `cache`, then each decoding `steps` more
+    tokens together (the next tokens fixed in advance, the same for every cache): the logits of every
+    row of every step, (rows, vocab)."""
+    gen = torch.Generator().manual_seed(2)
+    free = torch.randperm(cache.spec.num_blocks, generator=gen).tolist()
+    extra = torch.randint(0, model.config.vocab_size, (steps, len(seqs)), generator=gen).tolist()
+    tables: list[list[int]] = [[] for _ in seqs]
+    done = [0] * len(seqs)
+    out = []
+    for news in [list(seqs), *[[[t] for t in row] for row in extra]]:
+        ids, pos, slots, qsl, lens = [], [], [], [0], []
+        for i, new in enumerate(news):
+            while len(tables[i]) * BLOCK < done[i] + len(new):
+                tables[i].append(free.pop())
+            for j, t in enumerate(new):
+                p = done[i] + j
+                ids.append(t)
+                pos.append(p)
+                slots.append(tables[i][p // BLOCK] * BLOCK + p % BLOCK)
+            done[i] += len(new)
+            qsl.append(qsl[-1] + len(new))
+            lens.append(done[i])
+        meta = AttentionMetadata(qsl, lens, [torch.tensor(t) for t in tables], torch.tensor(slots))
+        hidden = model(torch.tensor(ids), torch.tensor(pos), cache, meta)
+        out.append(model.compute_logits(hidden))
+    return torch.cat(out)
+
+
+@torch.inference_mode()
+def test_fp8_latent_cache_stays_within_fp8_precision_of_fp32_kv() -> None:
+    """An fp8 cache of the latent (each half rotated and scaled per channel as a K/V head, calibrated by
+    kv_stats over other sequences; no offsets for a latent): the logits of every row of a prefill and
+    two decode steps against fp32 KV's. The tolerance is relative to bf16 KV's drift on the same rows:
+    e4m3 rounds with 3 mantissa bits, bf16 with 7, so e4m3's errors are up to 16x bf16's, e5m2's
+    (2 bits) 32x; the bound allows twice that and also asks that fp8 did drift more than bf16 (its
+    rounding is in play). Logits, not greedy tokens: a random-weight model's top two logits are often
+    closer than any rounding (and where they are not, the bound already keeps the argmax). Both layers
+    dense: a routed MoE layer turns a small drift into a jump where an expert choice flips."""
+    model = random_model(mla_config(dense_layers=(0, 1)))
+    c = model.config
+    gen = torch.Generator().manual_seed(5)
+    calib = [torch.randint(0, c.vocab_size, (n,), generator=gen).tolist() for n in (30, 17)]
+    seqs = [torch.randint(0, c.vocab_size, (n,), generator=gen).tolist() for n in (21, 9, 14)]
+    stats = kv_stats(model, calib)
+    assert stats.k_lo.shape == (c.num_layers, 1, c.head_dim) and not stats.k_center.any()
+
+    def logits(dtype: torch.dtype) -> torch.Tensor:
+        scales = quant.calibrate(stats, dtype) if dtype in FP8 else None
+        spec = KVCacheSpec(c.num_layers, 24, BLOCK, 1, c.head_dim, dtype, mla=c.mla_latent)
+        cache = PagedKVCache(spec, compute_dtype=torch.float32, scales=scales)
+        out = _latent_logits(model, cache, seqs, steps=2)
+        assert cache.clamped == 0 and cache.quantized == (dtype in FP8)
+        return out
+
+    ref = logits(torch.float32)
+    bf16 = (logits(torch.bfloat16) - ref).abs().max().item()
+    for dtype, bits in ((torch.float8_e4m3fn, 3), (torch.float8_e5m2, 2)):
+        got = logits(dtype)
+        drift = (got - ref).abs().max().item()
+        bound = 2 * 2 ** (7 - bits) * bf16
+        assert bf16 < drift <= bound, (dtype, drift, bf16, bound)
 
 
 @pytest.mark.parametrize("interleave", [True, False])

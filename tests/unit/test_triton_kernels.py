@@ -46,12 +46,13 @@ def make_step(
     seed: int = 0,
     spare_blocks: int = 3,
     kv_dtype: torch.dtype | None = None,  # the cache's, if not `dtype` (fp8: with per-channel scales)
+    offsets: bool = False,  # fp8: and per-channel offsets
 ) -> Step:
     g = torch.Generator().manual_seed(seed)
     need = [-(-c // block_size) for _, c in seqs]
     num_blocks = sum(need) + spare_blocks
     spec = KVCacheSpec(2, num_blocks, block_size, n_kv, head_dim, kv_dtype or dtype)
-    cache = new_cache(spec, dtype)
+    cache = new_cache(spec, dtype, offsets)
     cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(spec.dtype))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(spec.dtype))
     perm = torch.randperm(num_blocks, generator=g).tolist()  # blocks scattered over the cache
@@ -78,20 +79,25 @@ def make_step(
     )
 
 
-def new_cache(spec: KVCacheSpec, compute_dtype: torch.dtype) -> PagedKVCache:
+def new_cache(spec: KVCacheSpec, compute_dtype: torch.dtype, offsets: bool = False) -> PagedKVCache:
     """An empty cache; an fp8 one with power-of-two scales varying over (layer, head, channel), K and V
-    (exponents -4 .. 3, each channel of a head its own)."""
+    (exponents -4 .. 3, each channel of a head its own), and with `offsets` per-channel offsets too
+    (K's between -3 and 3, V's -2 and 2, most of them comparable to the values' own size)."""
     scales = None
     if spec.dtype in FP8:
         shape = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
         exps = torch.arange(spec.num_layers * spec.num_kv_heads * spec.head_dim).view(shape) * 5 % 8
-        scales = KVScales(torch.exp2(exps.float() - 4), torch.exp2(3 - exps.float()))
+        k_off = v_off = None
+        if offsets:
+            k_off = (exps.float() * 3 % 7 - 3) * 0.75
+            v_off = (exps.float() % 5 - 2) * 0.5
+        scales = KVScales(torch.exp2(exps.float() - 4), torch.exp2(3 - exps.float()), k_off, v_off)
     return PagedKVCache(spec, device=DEVICE, compute_dtype=compute_dtype, scales=scales)
 
 
 def run_both(step: Step, layer: int = 1, scale: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
     """(torch reference output, kernel output); each on its own copy of the cache, compared after."""
-    ref_cache = new_cache(step.cache.spec, step.q.dtype)
+    ref_cache = new_cache(step.cache.spec, step.q.dtype, step.cache.offsets)
     ref_cache.k.copy_(step.cache.k)
     ref_cache.v.copy_(step.cache.v)
     tables_t = [torch.tensor(t, dtype=torch.long, device=DEVICE) for t in step.tables]
@@ -164,19 +170,21 @@ def test_bfloat16_matches_reference_within_bf16_precision() -> None:
     assert (ref.float() - out.float()).abs().max().item() <= tol(torch.bfloat16)
 
 
+@pytest.mark.parametrize("offsets", [False, True], ids=["scaled", "offset"])
 @pytest.mark.parametrize("kv_dtype", FP8)
 @pytest.mark.parametrize(
     "seed,n_heads,n_kv,head_dim", [(0, 9, 3, 64), (1, 16, 2, 24)], ids=["smollm2", "hd24"]
 )
 def test_fp8_cache_matches_the_reference_over_the_same_bytes(
-    kv_dtype: torch.dtype, seed: int, n_heads: int, n_kv: int, head_dim: int
+    kv_dtype: torch.dtype, seed: int, n_heads: int, n_kv: int, head_dim: int, offsets: bool
 ) -> None:
-    """Both paths store the same fp8 bytes (run_both checks: rotated, scaled per channel), and attention
-    over them with the per-channel scales applied in the kernel (K's to the query, V's to the output)
-    matches the reference's attention over the dequantized values; a head size that is not a power of
-    two pads the scale vectors (masked) and rotates by two Hadamard blocks (24 = 16 + 8)."""
+    """Both paths store the same fp8 bytes (run_both checks: rotated, less the offsets, scaled per
+    channel), and attention over them with the per-channel scales and offsets applied in the kernel
+    (K's scales to the query and q . offset to the scores, V's scales and offset to the output) matches
+    the reference's attention over the dequantized values; a head size that is not a power of two pads
+    the vectors (masked) and rotates by two Hadamard blocks (24 = 16 + 8)."""
     seqs = [(1, 33), (12, 40), (1, 5), (1, 70), (7, 7)]
-    step = make_step(seqs, n_heads, n_kv, head_dim, 16, seed=seed, kv_dtype=kv_dtype)
+    step = make_step(seqs, n_heads, n_kv, head_dim, 16, seed=seed, kv_dtype=kv_dtype, offsets=offsets)
     step.k[0, 0, :4] = torch.tensor([1e6, -1e6, 3.0, 0.0])  # past the range: saturates, never inf/NaN
     ref, out = run_both(step)
     assert torch.isfinite(out).all() and (ref - out).abs().max().item() <= 1e-4
@@ -184,11 +192,52 @@ def test_fp8_cache_matches_the_reference_over_the_same_bytes(
     # counted as they were written
     sc, fmax = step.cache.scales, torch.finfo(kv_dtype).max
     assert sc is not None
+    assert sc.k_off is not None and sc.v_off is not None
     past = sum(
-        int(((x.cpu() @ kv_rotation(head_dim)) / s[1].cpu()).abs().gt(fmax).sum())
-        for x, s in ((step.k, sc.k), (step.v, sc.v))
+        int((((x.cpu() @ kv_rotation(head_dim)) - o[1].cpu()) / s[1].cpu()).abs().gt(fmax).sum())
+        for x, s, o in ((step.k, sc.k, sc.k_off), (step.v, sc.v, sc.v_off))
     )
     assert past > 0 and step.cache.clamped == past
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_offsets_in_the_kernel_with_a_softcap_and_split_decode(num_splits: int) -> None:
+    """K's offset shifts every score of a query row by q . offset: softmax alone would not notice, a
+    soft-cap does, so the kernel adds it; V's is added to the output, through split decode's merge too.
+    Against the reference over the same bytes; and the offsets matter: left out, the output differs."""
+    seqs = [(1, 150), (6, 90), (1, 3), (40, 70), (1, 66)]
+    step = make_step(seqs, 6, 3, 16, 8, seed=9, kv_dtype=torch.float8_e5m2, offsets=True)
+    ref_cache = new_cache(step.cache.spec, step.q.dtype, offsets=True)
+    ref_cache.k.copy_(step.cache.k)
+    ref_cache.v.copy_(step.cache.v)
+    tables_t = [torch.tensor(t, dtype=torch.long, device=DEVICE) for t in step.tables]
+    ref_meta = AttentionMetadata(step.qsl, step.ctx, tables_t, step.slots)
+    want = paged_attention(step.q, step.k, step.v, 1, ref_cache, ref_meta, 0.3, softcap=2.0)
+    cache = step.cache
+    store_kv(
+        cache.quantize(step.k, 1, "k"), cache.quantize(step.v, 1, "v"), cache.k[1], cache.v[1], step.slots
+    )
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+    km = KernelMetadata.build(step.qsl, step.ctx, step.tables, DEVICE)
+    q = cache.rotate(step.q)
+    sc = cache.scales
+    assert sc is not None and sc.k_off is not None and sc.v_off is not None and cache.offsets
+    outs = []
+    for with_offsets in (True, False):
+        out = torch.zeros_like(q)
+        common = (q, cache.k[1], cache.v[1], out, km.block_tables, km.query_start_loc, km.context_lens)
+        opts = dict(k_scale=sc.k[1], v_scale=sc.v[1], softcap=2.0)
+        if with_offsets:
+            opts.update(k_off=sc.k_off[1], v_off=sc.v_off[1])
+        paged_attention_launch(*common, km.decode_ids, 0.3, 1, decode=True, num_splits=num_splits, **opts)
+        paged_attention_launch(*common, km.prefill_ids, 0.3, km.max_prefill_tokens, decode=False, **opts)
+        outs.append(cache.rotate(out))
+    assert (outs[0] - want).abs().max().item() <= 1e-4
+    assert (outs[1] - want).abs().max().item() > 0.1  # without them: not the same attention
+    with pytest.raises(ValueError, match="k_off and v_off"):
+        paged_attention_launch(
+            *common, km.decode_ids, 0.3, 1, decode=True, k_scale=sc.k[1], v_scale=sc.v[1], k_off=sc.k_off[1]
+        )
 
 
 def test_padding_rows_give_zeros_and_write_nothing() -> None:
