@@ -35,6 +35,7 @@ import httpx
 import numpy as np
 
 from bench.loadgen import arrival_offsets, sse_chunks
+from bench.plots import pyplot, save
 from bench.rounds import alternate, load_avg, spread
 from bench.serving import Stack
 from bench.workload import QUESTIONS
@@ -150,10 +151,7 @@ def p99_ms(reqs: list[Req], tenant: str) -> float:
 def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
     """B's TTFT p99 alone and under A's flood, and the tokens each tenant got while both were
     backlogged, per policy (medians over rounds)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     x, w = np.arange(len(POLICIES)), 0.35
@@ -171,10 +169,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: str) -> None:
     for ax in (ax1, ax2):
         ax.legend()
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

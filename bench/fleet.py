@@ -32,6 +32,7 @@ import httpx
 import numpy as np
 import psutil
 
+from bench.plots import pyplot, save
 from bench.rounds import load_avg
 from bench.serving import Stack, scrape
 from common.cluster.redis_server import RedisServer
@@ -321,10 +322,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(points: list[dict[str, Any]], path: str, title: str) -> None:
     """Achieved against offered rate, and end-to-end p50/p99, one line per router count."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110)
     top = max(p["offered_rps"] for p in points)
@@ -346,10 +344,7 @@ def plot(points: list[dict[str, Any]], path: str, title: str) -> None:
     ax2.grid(alpha=0.3, which="both")
     ax2.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _placement_buckets(url: str) -> dict[float, float]:

@@ -54,6 +54,7 @@ import psutil
 
 from bench.fleet import free_ports, healthy, routed, wait_for
 from bench.loadgen import Result, arrival_offsets, make_specs, run_load, summarize
+from bench.plots import pyplot, save
 from bench.rounds import load_avg
 from bench.serving import Stack, warm_up
 from common.cluster.redis_server import RedisServer
@@ -366,10 +367,7 @@ class Bench:
 def plot(
     table: dict[str, list[dict[str, Any]]], target: float, path: str, title: str, time_scale: float = 1.0
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for name, points in table.items():
@@ -384,10 +382,7 @@ def plot(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

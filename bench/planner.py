@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from bench.fleet_model import Fleet, FleetConfig
+from bench.plots import pyplot, save
 from bench.rounds import load_avg
 from common.engine.sim_profile import SimProfile
 from planner.policy import Planner, PlannerConfig, RoleSignals, Signals
@@ -306,10 +307,7 @@ def flips(decisions: list[tuple[float, int, int, bool]], trace: Trace) -> tuple[
 
 def plot(trace: Trace, planner_fleet: Fleet, fixed: dict[str, Any], planned: list[dict[str, Any]],
          targets: Targets, outage: tuple[float, float], path: str) -> None:  # fmt: skip
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
     T = trace.duration_s
@@ -346,10 +344,7 @@ def plot(trace: Trace, planner_fleet: Fleet, fixed: dict[str, Any], planned: lis
                 ax.axvspan(s.start / 60, s.end / 60, color="purple", alpha=0.08)
         ax.grid(alpha=0.3)
     ax3.set_xlabel("minutes (shaded: bursts purple, metrics outage red)")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

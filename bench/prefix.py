@@ -35,6 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.loadgen import sse_chunks
+from bench.plots import pyplot, save
 from bench.rounds import alternate, load_avg, ratio_keys, ratio_stats
 from bench.serving import Stack
 from bench.workload import QUESTIONS
@@ -200,10 +201,7 @@ def summarize(turns: list[Turn]) -> dict[str, Any]:
 
 def plot(every: dict[str, list[Turn]], n_turns: int, path: str) -> None:
     """Per turn of a session: TTFT p50 and KV bytes moved per request, for each policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     x = np.arange(1, n_turns + 1)
@@ -221,10 +219,7 @@ def plot(every: dict[str, list[Turn]], n_turns: int, path: str) -> None:
     for ax in (ax1, ax2):
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import numpy as np
 import psutil
 
 from bench.loadgen import Result, Spec, arrival_offsets, make_specs, run_load, send, summarize
+from bench.plots import pyplot, save
 from bench.rounds import load_avg, ratio_keys, ratio_stats
 from common.cluster.redis_server import RedisServer
 from common.protocol import DecodeFrame, ErrorFrame, FrameReader, GenerateRequest, TokenFrame, encode
@@ -263,10 +264,7 @@ async def phases(url: str, results: list[Result]) -> dict[str, float]:
 
 
 def plot(runs: dict[str, list[Result]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), dpi=120)
     for (label, results), color in zip(runs.items(), ("tab:blue", "tab:orange"), strict=False):
@@ -283,10 +281,7 @@ def plot(runs: dict[str, list[Result]], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("split (prefill service + KV push) vs colocated (prefill on decode), same workload")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _flat(prefix: str, summary: dict[str, Any], results: list[Result]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from bench.plots import pyplot, save
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.model.loader import load_model
@@ -35,10 +36,7 @@ def decode_tok_s(engine: LLMEngine, batch: int, steps: int = 16, prompt_len: int
 
 
 def plot(points: dict[int, float], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     xs, ys = list(points), list(points.values())
@@ -60,9 +58,7 @@ def plot(points: dict[int, float], path: str) -> None:
     fig.legend(loc="upper left", bbox_to_anchor=(0.12, 0.88), fontsize=8)
     ax.set_title("SmolLM2-135M decode throughput vs batch size (CPU, fp32)")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fig.savefig(path)
+    save(fig, path)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
