@@ -36,6 +36,16 @@ read latency. The JSON's headline keys:
   overestimate both count; `service_counted_vs_served_hits` is the services' own side (pool prefix hits
   plus tier hits from /metrics, over the same cached tokens).
 
+`{pool,ram,disk}_prefetches_{started,dropped,completed,in_time,late}`: the decode service's prefetches
+on arrival (common/kv/tiers.py; only `disk` has both tiers, so only it prefetches). Requests run one at
+a time here, so a request is admitted in the engine step right after it arrives, and a prefetch is in
+time only because the admission's own work before its tier read (scheduling, hashing the prompt,
+copying the ~30 blocks it evicts out of the pool) takes about as long as the prefetch's read of files
+from the page cache (a few ms a chunk). That read is a small part of a TTFT here, and costs about what
+the RAM read that replaces it costs (both are mostly the checksum): this trace shows prefetch working,
+not what it saves. What would: a cold disk (files not in the page cache, or a throttled device) and
+requests that queue before admission (concurrent sessions).
+
 Turns are `THINK_S` apart (a chat user's pause, far shorter than a real one): the tier write and the
 KV event that follow one turn's evictions reach the router's index before the next turn is placed.
 """
@@ -56,6 +66,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
+from bench.plots import pyplot, save
 from bench.prefix import Session, Turn, chat_turn, make_sessions
 from bench.rounds import alternate, load_avg, ratio_keys, ratio_stats, spread
 from bench.serving import Stack, scrape
@@ -66,6 +77,7 @@ from common.security.secret import ensure_for_children
 CONFIGS = ("pool", "ram", "disk")
 PLOT_NAME = "tiers_ttft.png"
 TIERS = ("ram", "disk")
+PREFETCH = ("started", "dropped", "completed", "in_time", "late")
 THINK_S = 0.3  # between turns (module doc): KV events are flushed every 0.1 s and read at once
 
 
@@ -95,6 +107,8 @@ def tier_figures(delta: dict[str, float]) -> dict[str, Any]:
     out["verify_failures"] = int(
         sum(v for k, v in delta.items() if k.startswith("splitserve_kv_tier_verify_failures_total"))
     )
+    for stage in PREFETCH:  # prefetch on arrival (common/kv/tiers.py): RAM+disk only
+        out[f"prefetches_{stage}"] = int(delta.get(f"splitserve_kv_tier_prefetches_{stage}_total", 0))
     return out
 
 
@@ -167,10 +181,7 @@ def plot(
     every: dict[str, list[Answered]], per_round: dict[str, list[dict[str, Any]]], n_turns: int, path: str
 ) -> None:
     """TTFT p50 per turn of a session for each configuration, and each configuration's TTFT p50 per round."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     x = np.arange(1, n_turns + 1)
@@ -188,10 +199,7 @@ def plot(
     ax2.set_xticks(range(len(per_round)), list(per_round))
     ax2.set(ylabel="TTFT p50 (ms)", title="TTFT p50 of each round (bar: median)")
     ax2.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -314,7 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out[f"{c}_ttft_p50_ms_by_turn"] = ttft_by_turn(every[c], n_turns)
         for key in ("ttft_p50_ms", "ttft_p99_ms", "later_turns_ttft_p50_ms"):
             out[f"{c}_{key}_rounds"] = [r[key] for r in rs]
-        keys = ("prompt_tokens", "cached_tokens", "pool_hit_blocks", "errors", "verify_failures")
+        keys = ("prompt_tokens", "cached_tokens", "pool_hit_blocks", "errors", "verify_failures",
+                *(f"prefetches_{x}" for x in PREFETCH))  # fmt: skip
         for key in keys + tuple(f"{t}_{x}" for t in TIERS for x in ("hit_blocks", "miss_blocks")):
             out[f"{c}_{key}"] = sum(r[key] for r in rs)
         for t in TIERS:

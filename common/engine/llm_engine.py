@@ -409,6 +409,8 @@ class LLMEngine:
             seq.prompt_logprobs = [None]  # the first prompt token has no logprob
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
+        if self.kv_offload is not None and seq.prompt_logprobs is None:  # (prompt logprobs: no reuse)
+            self.block_manager.prefetch(seq)  # the tiers start reading its disk blocks into RAM now
         return seq.seq_id
 
     @property

@@ -22,7 +22,8 @@ buffer that nobody drains.
 Offload tiers (`tier`, an `OffloadTier`: common/kv/offload.py): an evicted hashed block is handed to
 the tier before the block is reused, and `allocate` continues a prompt's pool prefix with the blocks the
 tier can return, read into the freshly taken blocks and hashed only once their KV is there (tier hits
-count as cached tokens, like pool hits).
+count as cached tokens, like pool hits). `prefetch` (the engine calls it when a request arrives) hands
+the tier the hashes `allocate` would ask it for, so it can bring disk blocks into RAM before admission.
 
 Sliding windows (`window`, set for models whose every layer slides: the largest window; None
 otherwise): a block that lies wholly before the window of every query a sequence will still make is
@@ -69,6 +70,11 @@ class OffloadTier(Protocol):
     def load(self, hashes: Seq[int], tokens: Seq[tuple[int, ...]], block_ids: Seq[int]) -> int:
         """Write the KV of the longest run of leading `hashes` the tier returns (verified) into
         `block_ids`; returns how many blocks it wrote."""
+
+    def prefetch(self, hashes: Seq[int]) -> bool:
+        """A request arrived whose admission will ask `load` for these hashes (a prefix of them): start
+        bringing them nearer (off the caller's thread; never waits). Whether a prefetch started."""
+        ...
 
     def enable_events(self) -> None:
         """Record the tier's own KV events from now on."""
@@ -305,6 +311,29 @@ class BlockManager:
         seq.num_hashed_blocks = start + loaded
         self.tier_hits += loaded
         return loaded
+
+    def prefetch(self, seq: BlockOwner) -> bool:
+        """A sequence arrived: hand the offload tier the hashes its admission would ask the tier for if
+        the pool stayed as it is now (the full prompt blocks after the pool's prefix, up to a hash the
+        pool holds), so it can start reading them (common/kv/tiers.py, "Prefetch on arrival"). Not for
+        a windowed model (its admission loads the first chunk's blocks only, or none into holes).
+        Whether the tier started a prefetch."""
+        if self.tier is None or not self.enable_prefix_caching or self.window is not None:
+            return False
+        bs, hashes = self.block_size, []
+        parent, in_pool = _root(seq), True
+        for i in range((len(seq.token_ids) - 1) // bs):
+            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, toks)
+            bid = self.hash_to_block.get(parent)
+            pooled = bid is not None and self.blocks[bid].tokens == toks
+            if pooled and in_pool:
+                continue  # the pool's prefix: a hit, not a tier read
+            if pooled:
+                break  # the tier's run stops at a hash the pool holds (_load_from_tier)
+            in_pool = False
+            hashes.append(parent)
+        return bool(hashes) and self.tier.prefetch(hashes)
 
     def can_append(self, seq: BlockOwner, num_new_tokens: int = 1) -> bool:
         need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)

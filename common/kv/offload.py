@@ -9,7 +9,10 @@ copy: `load` copies them out first too, and offers them once its own read is don
 
 In: at admission the block manager asks `load` for the blocks that continue a prompt's pool prefix;
 what the store returns (verified) is copied into the freshly allocated blocks before the block manager
-hashes them, so a block is in the prefix cache only once its KV is there.
+hashes them, so a block is in the prefix cache only once its KV is there. Earlier, when the request
+arrived, `prefetch` handed the store the same hashes: its prefetch worker brings the disk-only ones
+into RAM meanwhile (common/kv/tiers.py, "Prefetch on arrival"), so `load` reads them from RAM when the
+prefetch finished first, and from the disk as before when not.
 
 KV events: what the store comes to hold and lets go of (common/kv/tiers.py) is the block manager's to
 drain with its own (`drain_events`, `held_hashes`), so a service publishes one stream naming each hash's tier.
@@ -110,6 +113,9 @@ class KVOffload:
         finally:
             self._offer()
         return len(got)
+
+    def prefetch(self, hashes: Sequence[int]) -> bool:
+        return self.store.prefetch(hashes)
 
     def enable_events(self) -> None:
         self.store.enable_events()

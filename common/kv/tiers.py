@@ -42,13 +42,31 @@ publisher (common/cluster/kv_events.py), `held` lists every (hash, tier) for a s
 was dropped (queue full), filtered or failed stores nothing, so it is never published.
 
 Reads run on the caller's thread (the engine's, at admission; TODO(issue 32): reads overlapped with
-compute, prefetch when the router places a request). The index is guarded by one lock, held for index
-changes only, never across I/O.
+compute, layer by layer). The index is guarded by one lock, held for index changes only, never across
+I/O.
+
+Prefetch on arrival. When a request reaches the engine (`add_request`), `prefetch(hashes)` is handed
+the prompt's leading block hashes past the pool's prefix; the leading run the tiers hold (what a read
+would return), less what RAM holds already, is one *prefetch*: a worker thread of its own (never the
+engine's) reads the disk chunks holding those blocks, verifies them as a read does (a failure is
+counted in `verify_failures` and the chunk forgotten: a miss, exactly as a read's) and inserts their
+records into RAM, where the admission's read then finds them. The insert is one index change under
+the lock, of a record complete in memory, so a reader sees the whole chunk or none of it, and the
+block's (held, hash, "ram") event is recorded only then. A promotion evicts RAM's LRU chunks as any
+RAM write does, except those an admission's read is reading now (pinned for the read's length); it is
+given up when only pinned chunks could make room. Bounded: at most `prefetch_jobs` prefetches queued
+or running; an arrival past that is dropped (counted). A block already covered by a pending prefetch
+is not asked for twice. The admission never waits for a prefetch: one that has not finished when the
+read comes is *late* — the read goes to the disk as before, and a late prefetch reads no further chunk
+(the chunk it is reading is still promoted; one that has not started is skipped). `PrefetchStats`:
+started, dropped, completed, in time (an admission read a block it promoted from RAM), late, and the
+blocks promoted. Prefetch reads stay out of `read_latency` (the router's read cost per block returned).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -60,7 +78,7 @@ import time
 import zlib
 from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,6 +95,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 REUSE_WINDOW = 1 << 16  # block hashes the reuse filter remembers (LRU): bounded memory
 MAX_SLOTS = 64  # services sharing one disk_dir
 VERIFY_CAUSES = ("missing", "io", "truncated", "checksum", "layout", "block")
+PREFETCH_JOBS = 4  # prefetches queued or running at once (module doc); an arrival past them is dropped
 
 
 class VerifyError(Exception):
@@ -188,12 +207,35 @@ class TierStats:
 
 
 @dataclass
+class PrefetchStats:
+    """Prefetches on arrival (module doc), each one arrival's disk-only leading blocks."""
+
+    started: int = 0  # queued for the prefetch worker
+    dropped: int = 0  # not started: `prefetch_jobs` were queued or running already
+    completed: int = 0  # ran to the end: its chunks read, and promoted unless they did not verify (a late
+    # one stops before its next chunk read, and one still queued is skipped: not completed)
+    in_time: int = 0  # an admission then read a block it promoted from RAM
+    late: int = 0  # an admission read its blocks before it had promoted them (from the disk, as before)
+    blocks: int = 0  # blocks promoted from the disk into RAM
+    no_room: int = 0  # chunks not promoted: only chunks an admission was reading could have made room
+
+
+@dataclass
 class StoreStats:
     """A copy of the store's figures (`TierStore.stats`)."""
 
     tiers: list[TierStats]  # RAM first
     dropped_blocks: int  # offered while the write queue was full: stored nowhere
     filtered_blocks: int  # kept off the disk by the reuse filter
+    prefetch: PrefetchStats = field(default_factory=PrefetchStats)
+
+
+@dataclass
+class _Prefetch:
+    """One arrival's prefetch: the disk-only leading block hashes it promotes, in prompt order."""
+
+    hashes: list[int]
+    outcome: str = ""  # "in_time" or "late" once an admission's read decided it (counted once)
 
 
 @dataclass
@@ -202,6 +244,7 @@ class _Chunk:
     hashes: tuple[int, ...]
     nbytes: int
     record: bytearray | None = None  # RAM: the record itself; disk: in the chunk's file
+    prefetch: _Prefetch | None = None  # RAM: the prefetch that promoted it from the disk
 
 
 TierEvent = KVEvent  # (held, block hash, tier name): a tier's KV events are the block manager's kind
@@ -222,19 +265,35 @@ class _Tier:
     def holds(self, h: int) -> bool:
         return h in self.where
 
-    def room_for(self, nbytes: int) -> list[_Chunk]:
-        """Evict LRU chunks until nbytes fit; returns them (their files are the caller's to delete)."""
+    def room_for(self, nbytes: int, keep: Container[int] = ()) -> list[_Chunk]:
+        """Evict LRU chunks, but none whose key is in `keep`, until nbytes fit (check `fits` first when
+        keeping any); returns them (their files are the caller's to delete)."""
         out, st = [], self.stats
+        lru = iter(list(self.chunks.values()) if keep else ())  # (a copy only when keeping any)
         while self.chunks and st.bytes + nbytes > st.capacity_bytes:
-            _, c = self.chunks.popitem(last=False)
+            if keep:
+                c = next(c for c in lru if c.key not in keep)  # `fits` said there is one
+                del self.chunks[c.key]
+            else:
+                _, c = self.chunks.popitem(last=False)
             self._forget(c)
             st.evicted += len(c.hashes)
             out.append(c)
         return out
 
+    def fits(self, nbytes: int, keep: Container[int]) -> bool:
+        """Whether room_for(nbytes, keep) can make room."""
+        st = self.stats
+        kept = sum(c.nbytes for k, c in self.chunks.items() if k in keep)
+        return kept + nbytes <= st.capacity_bytes
+
     def add(self, c: _Chunk) -> None:
+        """Index a stored chunk. A hash the tier holds already (in another chunk: a write and a
+        prefetch raced) keeps its place, and no second event: each event is one index change."""
         self.chunks[c.key] = c
         for i, h in enumerate(c.hashes):
+            if h in self.where:
+                continue
             self.where[h] = (c.key, i)
             if self.events is not None:
                 self.events.append((True, h, self.name))
@@ -278,6 +337,7 @@ class TierStore:
         disk_dir: str | os.PathLike[str] | None = None,
         disk_bytes: int = 0,
         queue_chunks: int = 16,
+        prefetch_jobs: int = PREFETCH_JOBS,
     ) -> None:
         assert len(digest) == 16, "the layout digest is 16 bytes"
         assert ram_bytes > 0 or disk_dir is not None, "a store needs a tier"
@@ -299,6 +359,22 @@ class TierStore:
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
+        # prefetch on arrival (module doc): only with both tiers (it promotes disk chunks into RAM)
+        if prefetch_jobs < 0:
+            raise ValueError(f"prefetch_jobs must be >= 0, got {prefetch_jobs}")
+        self.prefetch_jobs = prefetch_jobs
+        self._pf = PrefetchStats()
+        self._pf_pending: dict[int, _Prefetch] = {}  # block hash -> the queued or running prefetch of it
+        self._pf_in_flight = 0
+        self._pf_idle = threading.Condition(self._lock)  # notified when a prefetch ends
+        self._pf_queue: queue.SimpleQueue[_Prefetch | None] = queue.SimpleQueue()
+        self._pinned: Counter[int] = Counter()  # RAM chunk keys an admission's read is reading
+        self._prefetcher: threading.Thread | None = None
+        if self.ram is not None and self.disk is not None and prefetch_jobs > 0:
+            self._prefetcher = threading.Thread(
+                target=self._prefetch_loop, name="kv-tier-prefetch", daemon=True
+            )
+            self._prefetcher.start()
 
     # --- the engine's side --------------------------------------------------------------------------
     def wants(self, h: int) -> bool:
@@ -332,21 +408,49 @@ class TierStore:
 
     def read(self, hashes: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[memoryview]:
         """The verified bytes of the longest run of leading blocks some tier holds (RAM first), one
-        memoryview of `block_bytes` per block; it stops at the first block no tier returns."""
+        memoryview of `block_bytes` per block; it stops at the first block no tier returns. The RAM
+        chunks holding `hashes` are pinned while it runs: a prefetch does not evict them."""
         out: list[memoryview] = []
         cache: dict[tuple[str, int], Decoded | None] = {}  # chunks read in this call
-        for h, toks in zip(hashes, tokens, strict=True):
-            got = None
-            for tier in (self.ram, self.disk):
-                if tier is None:
-                    continue
-                got = self._read_block(tier, h, tuple(toks), cache)
-                if got is not None:
+        pins = self._pin(hashes)
+        try:
+            for h, toks in zip(hashes, tokens, strict=True):
+                if self._pf_pending:  # a prefetch of h not done: this read overtook it (module doc)
+                    self._overtook(h)
+                got = None
+                for tier in (self.ram, self.disk):
+                    if tier is None:
+                        continue
+                    got = self._read_block(tier, h, tuple(toks), cache)
+                    if got is not None:
+                        break
+                if got is None:
                     break
-            if got is None:
-                break
-            out.append(got)
+                out.append(got)
+        finally:
+            self._unpin(pins)
         return out
+
+    def _pin(self, hashes: Sequence[int]) -> list[int]:
+        if self._prefetcher is None or self.ram is None:
+            return []
+        with self._lock:
+            keys = [at[0] for at in map(self.ram.where.get, hashes) if at is not None]
+            self._pinned.update(keys)
+        return keys
+
+    def _unpin(self, keys: list[int]) -> None:
+        if keys:
+            with self._lock:
+                self._pinned.subtract(keys)
+                self._pinned += Counter()  # drops the keys at 0
+
+    def _overtook(self, h: int) -> None:
+        with self._lock:
+            job = self._pf_pending.get(h)
+            if job is not None and not job.outcome:
+                job.outcome = "late"
+                self._pf.late += 1
 
     def _read_block(
         self, tier: _Tier, h: int, toks: tuple[int, ...], cache: dict[tuple[str, int], Decoded | None]
@@ -371,9 +475,15 @@ class TierStore:
                 tier.stats.misses += 1
                 return None
             tier.stats.hits += 1
+            job = chunk.prefetch
+            if job is not None and not job.outcome:  # a prefetch brought this block here in time
+                job.outcome = "in_time"
+                self._pf.in_time += 1
         return dec.payload[index * self.block_bytes : (index + 1) * self.block_bytes]
 
-    def _read_chunk(self, tier: _Tier, chunk: _Chunk) -> Decoded | None:
+    def _read_chunk(self, tier: _Tier, chunk: _Chunk, observe: bool = True) -> Decoded | None:
+        """The chunk's record, read and verified (its bytes: `payload.obj`); None, counted and the chunk
+        forgotten, if it fails (module doc). `observe`: its time goes into the tier's read latency."""
         t0 = time.perf_counter()
         try:
             if chunk.record is not None:
@@ -389,8 +499,9 @@ class TierStore:
             cause = "missing" if e.errno == errno.ENOENT else "io"
             self._failed(tier, chunk, VerifyError(cause, str(e)))
             return None
-        with self._lock:
-            tier.stats.read_latency.observe(time.perf_counter() - t0)
+        if observe:
+            with self._lock:
+                tier.stats.read_latency.observe(time.perf_counter() - t0)
         return dec
 
     def _failed(self, tier: _Tier, chunk: _Chunk, e: VerifyError) -> None:
@@ -405,6 +516,114 @@ class TierStore:
             with contextlib.suppress(OSError):
                 (self.slot / _name(chunk.key)).unlink()
         self._log_once(tier.name, e.cause, f"a KV chunk did not read back ({e}): a miss, recomputed")
+
+    # --- prefetch on arrival (module doc) -------------------------------------------------------------
+    def prefetch(self, hashes: Sequence[int]) -> bool:
+        """Queue the promotion into RAM of the disk-only blocks among the leading run of `hashes` the
+        tiers hold (a prompt's block hashes past the pool's prefix, in order); never waits. True if a
+        prefetch was started; False if nothing needs one (or a pending one covers it), the store has
+        not both tiers, or `prefetch_jobs` are in flight (then counted as dropped)."""
+        if self._prefetcher is None or self._closed:
+            return False
+        assert self.ram is not None and self.disk is not None
+        with self._lock:
+            want: list[int] = []
+            for h in hashes:
+                if self.ram.holds(h):
+                    continue
+                if not self.disk.holds(h):
+                    break  # a read stops here
+                if h not in self._pf_pending:
+                    want.append(h)
+            if not want:
+                return False
+            if self._pf_in_flight >= self.prefetch_jobs:
+                self._pf.dropped += 1
+                return False
+            job = _Prefetch(want)
+            for h in want:
+                self._pf_pending[h] = job
+            self._pf_in_flight += 1
+            self._pf.started += 1
+        self._pf_queue.put(job)
+        return True
+
+    def _prefetch_loop(self) -> None:
+        while True:
+            job = self._pf_queue.get()
+            if job is None:
+                return
+            try:
+                self._prefetch(job)
+            except Exception:  # a bug here must not stop later prefetches
+                log.exception("KV tier prefetch failed")
+            finally:
+                with self._lock:
+                    for h in job.hashes:
+                        if self._pf_pending.get(h) is job:
+                            del self._pf_pending[h]
+                    self._pf_in_flight -= 1
+                    self._pf_idle.notify_all()
+
+    def wait_prefetched(self, timeout: float | None = None) -> bool:
+        """Wait until no prefetch is queued or running; False on timeout (for tests and benchmarks: the
+        engine never waits for one)."""
+        with self._pf_idle:
+            return self._pf_idle.wait_for(lambda: self._pf_in_flight == 0, timeout)
+
+    def _prefetch(self, job: _Prefetch) -> None:
+        """Read, verify and promote into RAM the disk chunks holding job's blocks (each once)."""
+        ram, disk = self.ram, self.disk
+        assert ram is not None and disk is not None
+        with self._lock:
+            if job.outcome == "late" or self._closed:  # an admission read them already; or closing
+                return
+            chunks: dict[int, _Chunk] = {}
+            for h in job.hashes:
+                at = disk.where.get(h)
+                if at is not None and not ram.holds(h) and at[0] in disk.chunks:
+                    chunks.setdefault(at[0], disk.chunks[at[0]])
+        for chunk in chunks.values():
+            if job.outcome == "late":  # overtaken: the admission reads the rest itself
+                return
+            dec = self._read_chunk(disk, chunk, observe=False)  # a failure: counted, forgotten, a miss
+            if dec is not None:
+                self._promote(dec, job)
+        with self._lock:
+            self._pf.completed += 1
+
+    def _promote(self, dec: Decoded, job: _Prefetch) -> None:
+        """Insert a verified disk record into RAM: the blocks RAM does not hold yet (re-encoded when that
+        is not all of them), in one index change (module doc)."""
+        ram = self.ram
+        assert ram is not None
+        with self._lock:
+            keep = [i for i, h in enumerate(dec.hashes) if not ram.holds(h)]
+        if not keep:
+            return
+        rec = dec.payload.obj
+        assert isinstance(rec, bytearray)
+        if len(keep) < len(dec.hashes):
+            bb = self.block_bytes
+            payload = memoryview(b"".join(dec.payload[i * bb : (i + 1) * bb] for i in keep))
+            rec = encode(
+                self.digest, self.block_size, [dec.hashes[i] for i in keep], [dec.tokens[i] for i in keep],
+                payload,
+            )  # fmt: skip
+        hashes = tuple(dec.hashes[i] for i in keep)
+        with self._lock:
+            if all(ram.holds(h) for h in hashes):  # a write raced it in meanwhile
+                return
+            if not ram.fits(len(rec), self._pinned):
+                self._pf.no_room += 1
+                return
+            ram.room_for(len(rec), self._pinned)
+            self._keys += 1
+            ram.add(_Chunk(self._keys, hashes, len(rec), rec, prefetch=job))
+            self._pf.blocks += len(hashes)
+            for h in hashes:  # promoted: an admission from now on finds it in RAM, in time
+                if self._pf_pending.get(h) is job:
+                    del self._pf_pending[h]
 
     # --- KV events -------------------------------------------------------------------------------
     def enable_events(self) -> None:
@@ -525,13 +744,18 @@ class TierStore:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the writer (what is queued is written first, for up to `timeout` seconds: a hung disk
-        does not hold up a shutdown; the writer is a daemon thread) and let go of the disk slot, unless the
-        writer is still busy (call again to finish). The slot's files stay until the next store takes it."""
+        does not hold up a shutdown; the writer is a daemon thread) and the prefetch worker (queued
+        prefetches are skipped), and let go of the disk slot, unless the writer is still busy (call
+        again to finish). The slot's files stay until the next store takes it."""
+        deadline = time.monotonic() + timeout
         if not self._closed:
-            self._closed = True
+            self._closed = True  # queued prefetches are skipped from now on
+            self._pf_queue.put(None)
             with contextlib.suppress(queue.Full):
                 self._queue.put(None, timeout=timeout)
         self._writer.join(timeout)
+        if self._prefetcher is not None:  # a daemon too: one inside a hung read is left behind
+            self._prefetcher.join(max(0.0, deadline - time.monotonic()))
         if self._writer.is_alive():  # the slot stays locked: no other store may empty it under a write
             log.warning("KV tier writer still busy after %.0f s: left behind", timeout)
             return
@@ -543,7 +767,7 @@ class TierStore:
         """A copy of the figures, each tier's RAM first (safe from any thread)."""
         with self._lock:
             tiers = [t.stats.copy() for t in (self.ram, self.disk) if t is not None]
-            return StoreStats(tiers, self.dropped_blocks, self.filtered_blocks)
+            return StoreStats(tiers, self.dropped_blocks, self.filtered_blocks, dataclasses.replace(self._pf))
 
     def _log_once(self, tier: str, cause: str, msg: str) -> None:
         if (tier, cause) not in self._logged:

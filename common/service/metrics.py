@@ -258,6 +258,23 @@ class EngineCollector:
             "evicted KV blocks kept off the disk by the reuse filter (not evicted twice yet)",
             value=store.filtered_blocks,
         )
+        pf = store.prefetch  # prefetch on arrival: disk blocks into RAM before admission (tiers.py)
+        for name, doc, value in (
+            ("started", "arrivals whose disk-only leading blocks a prefetch set out to bring into RAM",
+             pf.started),
+            ("dropped", "arrivals not prefetched: the prefetches in flight were at their limit", pf.dropped),
+            ("completed", "prefetches that read (and, where they verified, promoted) their chunks",
+             pf.completed),
+            ("in_time", "prefetches whose promoted blocks an admission then read from RAM", pf.in_time),
+            ("late", "prefetches an admission overtook: it read their blocks from the disk itself",
+             pf.late),
+        ):  # fmt: skip
+            yield CounterMetricFamily(f"splitserve_kv_tier_prefetches_{name}", doc, value=value)
+        yield CounterMetricFamily(
+            "splitserve_kv_tier_prefetched_blocks",
+            "KV blocks a prefetch promoted from disk to RAM",
+            value=pf.blocks,
+        )
 
 
 def _buckets(lat: Latency) -> list[tuple[str, float]]:

@@ -243,6 +243,43 @@ def test_narrow_kv_dtypes_round_trip_through_the_tiers(tiny, tmp_path, kv_dtype)
         on.close()
 
 
+def test_a_prefetch_on_arrival_is_read_from_ram_and_gives_the_same_tokens(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Prompt 0's blocks on the disk only (a RAM tier of one request's blocks: the next two prompts
+    push it out): when it arrives again, the engine's add_request starts a prefetch; once it finished,
+    the admission reads those blocks from RAM (no disk read of its own) and the tokens equal a
+    recompute's. The test waits for the prefetch (a condition); the engine never does."""
+    model, tok = tiny
+    prompts = [tok.encode(q) for q in QUESTIONS]
+    base = _config(prompts)
+    off = LLMEngine(model, tok, base)
+    want = _run(off, prompts, ORDER)
+    per_request = max(-(-(len(p) + MAX_TOKENS) // 16) for p in prompts)
+    ram_gb = (per_request + 1) * off.kv_cache.spec.bytes_per_block / 2**30
+    tiers = {"kv_offload_ram_gb": ram_gb, "kv_offload_disk_dir": str(tmp_path), "kv_offload_disk_gb": 0.01}
+    on = LLMEngine(model, tok, base.model_copy(update=tiers))
+    assert on.kv_offload is not None
+    store = on.kv_offload.store
+    try:
+        outs = _run(on, prompts, ORDER[:-1])
+        assert store.wait_idle(WAIT_S) and store.ram is not None and store.disk is not None
+        chain = prefix_chain(prompts[0], 16)
+        assert any(store.disk.holds(h) and not store.ram.holds(h) for h in chain), "disk-only blocks"
+        disk_reads = _tier(on, "disk").read_latency.counts
+        rid = on.add_request(prompts[0], PARAMS)
+        assert store.wait_prefetched(WAIT_S) and store.stats().prefetch.started == 1
+        tokens: list[int] = []
+        while on.has_unfinished():
+            tokens += [t for o in on.step().outputs if o.request_id == rid for t in o.token_ids]
+        assert outs + [tokens] == want
+        pf = store.stats().prefetch
+        assert (pf.completed, pf.in_time, pf.late, pf.dropped) == (1, 1, 0, 0) and pf.blocks > 0
+        assert _tier(on, "disk").read_latency.counts == disk_reads, "the admission read no disk chunk"
+        assert on.block_manager.tier_hits > 0
+        on.block_manager.check_integrity()
+    finally:
+        on.close()
+
+
 def test_the_service_registry_shows_each_tier(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A service's /metrics registry (common/service/base.py) carries the tiers' figures, by tier."""
     model, tok = tiny
@@ -258,5 +295,8 @@ def test_the_service_registry_shows_each_tier(tiny, tmp_path) -> None:  # type: 
             assert f'splitserve_kv_tier_write_failures_total{{cause="full",tier="{tier}"}} 0.0' in text
             assert f'splitserve_kv_tier_read_seconds_bucket{{le="+Inf",tier="{tier}"}} 0.0' in text
         assert "splitserve_kv_tier_dropped_blocks_total 0.0" in text
+        for name in ("started", "dropped", "completed", "in_time", "late"):
+            assert f"splitserve_kv_tier_prefetches_{name}_total 0.0" in text, name
+        assert "splitserve_kv_tier_prefetched_blocks_total 0.0" in text
     finally:
         engine.close()

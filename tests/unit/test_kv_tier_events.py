@@ -5,16 +5,20 @@ router's index keeps each hash's tiers and matches a prompt the way the engine r
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.cluster.kv_events import FORMAT, KVIndex, TierMatch, net_changes, pack_hashes
+from common.kv import tiers
 from common.kv.block_manager import BlockManager
 from common.kv.tiers import TierStore
+from common.prefix_hash import ROOT, prefix_chain
 from tests.support.block_owner import Owner
 from tests.unit.test_kv_tiers import BB, BS, DIGEST, StuckDisk, blocks, encode, put, store
 
@@ -110,6 +114,9 @@ class StoreTier:
     def load(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> int:
         return len(self.s.read(hashes, tokens))
 
+    def prefetch(self, hashes: Sequence[int]) -> bool:
+        return self.s.prefetch(hashes)
+
     def enable_events(self) -> None:
         self.s.enable_events()
 
@@ -118,6 +125,55 @@ class StoreTier:
 
     def held_hashes(self) -> list[tuple[int, str]]:
         return self.s.held()
+
+
+def test_a_prefetch_on_arrival_is_read_from_ram_at_admission_and_announced_truthfully(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt whose 3 blocks are on the disk only (offered twice, then pushed out of RAM): the
+    block manager's `prefetch` (what the engine calls on arrival) hands the tier the hashes its
+    admission asks for; once promoted, the admission reads them from RAM (no disk read on the
+    admission's thread), and the drained events, replayed, are what the pool and tiers hold."""
+    s = store(tmp_path, ram_blocks=4, disk_blocks=16)
+    prompt = list(range(1, 3 * BS + 2))  # 3 full blocks + 1 token
+    chain = prefix_chain(prompt, BS, root=ROOT)[:3]
+    toks = [tuple(prompt[i * BS : (i + 1) * BS]) for i in range(3)]
+    payload = b"".join(bytes([i + 7]) * BB for i in range(3))
+    for h in chain + chain:
+        s.wants(h)
+    assert s.offer(chain, toks, memoryview(payload)) and s.wait_idle(10)
+    put(s, 500, n=3)  # offered once: RAM only, and the prompt's chunk leaves RAM for it
+    assert s.ram is not None and not any(s.ram.holds(h) for h in chain)
+    bm = BlockManager(8, BS)
+    bm.tier = StoreTier(s)
+    bm.enable_kv_events()
+    replayed = set(bm.cached_hashes())
+    disk_reads: list[str] = []
+    real = tiers._read_file
+
+    def read_file(path: Path) -> bytearray:
+        disk_reads.append(threading.current_thread().name)
+        return real(path)
+
+    monkeypatch.setattr(tiers, "_read_file", read_file)
+    try:
+        seq = Owner(prompt)
+        assert bm.prefetch(seq)
+        assert s.wait_prefetched(10) and disk_reads == ["kv-tier-prefetch"]
+        replay(bm.drain_kv_events(), replayed)
+        assert replayed == {(h, "device") for h in bm.hash_to_block} | readable(s)
+        assert {(h, "ram") for h in chain} <= replayed, "promoted: held by RAM too"
+        disk_reads.clear()  # (readable() reads every chunk)
+        bm.allocate(seq)
+        assert seq.num_cached_tokens == 3 * BS and bm.tier_hits == 3
+        assert disk_reads == [], "the admission read RAM"
+        assert s.stats().prefetch.in_time == 1
+        replay(bm.drain_kv_events(), replayed)
+        assert replayed == {(h, "device") for h in bm.hash_to_block} | readable(s)
+        assert not bm.prefetch(Owner(prompt)), "the pool holds the prefix now: nothing to bring"
+        bm.check_integrity()
+    finally:
+        s.close()
 
 
 ops = st.lists(

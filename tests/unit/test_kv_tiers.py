@@ -9,12 +9,14 @@ import os
 import subprocess
 import sys
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from common.kv import tiers
 from common.kv.block_manager import BlockManager
 from common.kv.tiers import MAGIC, TierStats, TierStore, VerifyError, decode, encode
 from common.prefix_hash import ROOT, prefix_chain
@@ -297,6 +299,172 @@ def test_a_disk_that_refuses_a_write_is_a_miss_not_an_error(tmp_path: Path) -> N
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
+# --- prefetch on arrival ----------------------------------------------------------------------------
+
+
+def disk_only(tmp_path: Path, **kw: object) -> tuple[TierStore, list[int], list[tuple[int, ...]]]:
+    """A store whose RAM holds one two-block chunk: A (blocks 0, 1) reached the disk (offered twice)
+    and left RAM when B (blocks 100, 101, offered once: RAM only) came; returns A."""
+    s = store(tmp_path, ram_blocks=3, disk_blocks=16, **kw)
+    a_hashes, a_toks = put(s, 0, n=2, times=2)
+    put(s, 100, n=2)
+    assert s.ram is not None and s.disk is not None
+    assert not any(s.ram.holds(h) for h in a_hashes) and all(s.disk.holds(h) for h in a_hashes)
+    return s, a_hashes, a_toks
+
+
+class DiskReads:
+    """Counts the disk files read, by thread name; `gate[name]`, when set, holds that thread's next
+    read until the event is set (a slow disk for that reader only)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.by: Counter[str] = Counter()
+        self.gate: dict[str, threading.Event] = {}
+        self.inside: dict[str, threading.Event] = {}
+        real = tiers._read_file
+
+        def read_file(path: Path) -> bytearray:
+            name = threading.current_thread().name
+            self.by[name] += 1
+            if name in self.gate:
+                self.inside.setdefault(name, threading.Event()).set()
+                assert self.gate[name].wait(30), "the test never released the disk"
+            return real(path)
+
+        monkeypatch.setattr(tiers, "_read_file", read_file)
+
+    def reached(self, name: str) -> bool:
+        return self.inside.setdefault(name, threading.Event()).wait(10)
+
+
+def test_prefetch_brings_a_disk_chunk_into_ram_and_the_read_finds_it_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s, hashes, toks = disk_only(tmp_path)
+    reads = DiskReads(monkeypatch)
+    try:
+        s.enable_events()
+        s.drain_events()
+        assert s.prefetch(hashes)
+        assert s.wait_prefetched(10)
+        assert s.ram is not None and all(s.ram.holds(h) for h in hashes)
+        assert reads.by == {"kv-tier-prefetch": 1}, "one chunk, read once, off the caller's thread"
+        b_hashes = blocks(100, 2)[0]  # RAM's LRU let go of B to make room, as any RAM write would
+        assert s.drain_events() == [(False, h, "ram") for h in b_hashes] + [(True, h, "ram") for h in hashes]
+        assert {(h, "ram") for h in hashes} | {(h, "disk") for h in hashes} <= set(s.held())
+        pf = s.stats().prefetch
+        assert (pf.started, pf.completed, pf.blocks, pf.dropped, pf.late, pf.in_time) == (1, 1, 2, 0, 0, 0)
+        assert sum(tier(s, "disk").read_latency.counts) == 0, (
+            "a prefetch read is not an admission's: it stays out of the router's read cost"
+        )
+        got = s.read(hashes, toks)  # the admission
+        assert [bytes(b) for b in got] == [bytes([0]) * BB, bytes([1]) * BB]
+        assert reads.by["MainThread"] == 0, "the admission read RAM, not the disk"
+        assert tier(s, "ram").hits == 2 and tier(s, "disk").hits == 0
+        assert s.stats().prefetch.in_time == 1
+        s.read(hashes, toks)
+        assert s.stats().prefetch.in_time == 1, "counted once per prefetch"
+        assert not s.prefetch(hashes), "in RAM already: nothing to prefetch"
+    finally:
+        s.close()
+
+
+def test_a_damaged_disk_chunk_is_not_promoted_and_stays_a_counted_miss(tmp_path: Path) -> None:
+    s, hashes, toks = disk_only(tmp_path)
+    try:
+        assert s.slot is not None
+        (path,) = [p for p in s.slot.glob("*.kv")]
+        data = bytearray(path.read_bytes())
+        data[len(data) - BB // 2] ^= 0x01  # one bit of the payload
+        path.write_bytes(data)
+        s.enable_events()
+        assert s.prefetch(hashes)
+        assert s.wait_prefetched(10)
+        assert s.ram is not None and not any(s.ram.holds(h) for h in hashes)
+        assert tier(s, "disk").verify_failures == {"checksum": 1} and not path.exists()
+        assert s.drain_events() == [(False, h, "disk") for h in hashes], "let go of, never announced in RAM"
+        pf = s.stats().prefetch
+        assert (pf.started, pf.completed, pf.blocks) == (1, 1, 0)
+        assert s.read(hashes, toks) == [] and s.stats().prefetch.in_time == 0
+    finally:
+        s.close()
+
+
+def test_a_slow_prefetch_never_holds_up_the_admission(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefetch's disk read hangs: the admission's read goes to the disk itself and returns (the
+    prefetch is late), while the prefetch is still inside its read; a late prefetch still queued is
+    skipped, and arrivals past `prefetch_jobs` are dropped, counted."""
+    s, a_hashes, a_toks = disk_only(tmp_path, prefetch_jobs=2)
+    reads = DiskReads(monkeypatch)
+    slow = reads.gate["kv-tier-prefetch"] = threading.Event()
+    try:
+        c_hashes, c_toks = put(s, 200, n=2, times=2)  # C and E: on the disk (and in RAM, until F comes)
+        e_hashes, _ = put(s, 400, n=2, times=2)
+        put(s, 500, n=2)
+        assert s.ram is not None and not any(s.ram.holds(h) for h in a_hashes + c_hashes + e_hashes)
+        assert s.prefetch(a_hashes)
+        assert reads.reached("kv-tier-prefetch"), "the prefetch is inside its disk read"
+        assert not s.prefetch(a_hashes), "a pending prefetch covers them: not asked twice"
+        assert s.prefetch(c_hashes), "queued behind the slow one"
+        assert not s.prefetch(e_hashes), "two in flight: the limit"
+        got = s.read(a_hashes, a_toks)  # the admission, while the prefetch of A hangs
+        assert [bytes(b) for b in got] == [bytes([0]) * BB, bytes([1]) * BB]
+        assert reads.by["MainThread"] == 1, "it read the disk itself"
+        assert [bytes(b) for b in s.read(c_hashes, c_toks)] == [bytes([200]) * BB, bytes([201]) * BB]
+        assert reads.by["MainThread"] == 2
+        pf = s.stats().prefetch
+        assert (pf.started, pf.dropped, pf.late, pf.completed, pf.in_time) == (2, 1, 2, 0, 0)
+        slow.set()
+        assert s.wait_prefetched(10)
+        pf = s.stats().prefetch
+        assert pf.completed == 1, "A's ran to the end; C's was late before it started: skipped"
+        assert reads.by["kv-tier-prefetch"] == 1, "C's chunk was not read a second time"
+        assert all(s.ram.holds(h) for h in a_hashes)
+        s.read(a_hashes, a_toks)
+        assert s.stats().prefetch.in_time == 0, "a late prefetch is never counted in time"
+    finally:
+        slow.set()
+        s.close()
+
+
+def test_a_promotion_never_evicts_what_an_admission_is_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RAM holds one chunk (B), which an admission is reading (it then waits on a slow disk read of A):
+    a prefetch of C finds no room but B's and gives up (counted); once the read is over, it evicts B."""
+    s, a_hashes, a_toks = disk_only(tmp_path)
+    reads = DiskReads(monkeypatch)
+    try:
+        c_hashes, _ = put(s, 200, n=2, times=2)
+        b_hashes, b_toks = put(s, 100, n=2)  # B back into RAM (C out)
+        assert s.ram is not None and all(s.ram.holds(h) for h in b_hashes)
+        slow = reads.gate["admission"] = threading.Event()
+        got: list[list[bytes]] = []
+        admission = threading.Thread(
+            target=lambda: got.append([bytes(b) for b in s.read(b_hashes + a_hashes, b_toks + a_toks)]),
+            name="admission",
+        )
+        admission.start()
+        assert reads.reached("admission"), "B read from RAM, A's disk read hangs"
+        assert s.prefetch(c_hashes)
+        assert s.wait_prefetched(10)
+        pf = s.stats().prefetch
+        assert (pf.completed, pf.blocks, pf.no_room) == (1, 0, 1)
+        assert all(s.ram.holds(h) for h in b_hashes) and not any(s.ram.holds(h) for h in c_hashes)
+        slow.set()
+        admission.join(10)
+        assert got == [[bytes([100]) * BB, bytes([101]) * BB, bytes([0]) * BB, bytes([1]) * BB]]
+        assert s.prefetch(c_hashes) and s.wait_prefetched(10)
+        assert all(s.ram.holds(h) for h in c_hashes) and not any(s.ram.holds(h) for h in b_hashes)
+        assert tier(s, "ram").bytes <= tier(s, "ram").capacity_bytes
+    finally:
+        for ev in reads.gate.values():
+            ev.set()
+        s.close()
+
+
 # --- the block manager's side ------------------------------------------------------------------------
 
 
@@ -318,6 +486,9 @@ class RecordingTier:
         while n < len(hashes) and self.held.get(hashes[n]) == tokens[n]:
             n += 1
         return n
+
+    def prefetch(self, hashes: Sequence[int]) -> bool:
+        return False
 
     def enable_events(self) -> None:
         pass
