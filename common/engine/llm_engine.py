@@ -278,10 +278,12 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (a no-op without them) and the KV offload tiers'
         writer; idempotent. The engine cannot step afterwards."""
-        if self.tp_workers is not None:
-            self.tp_workers.close()
-        if self.kv_offload is not None:
-            self.kv_offload.close()
+        try:
+            if self.kv_offload is not None:  # first: its last evicted blocks' heads come from the workers
+                self.kv_offload.close()
+        finally:
+            if self.tp_workers is not None:
+                self.tp_workers.close()
 
     def _offload_tiers(self) -> KVOffload | None:
         """The KV offload tiers behind the pool (kv_offload_ram_gb, kv_offload_disk_dir), or None."""
@@ -290,11 +292,22 @@ class LLMEngine:
             return None
         if not cfg.enable_prefix_caching:
             raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
-        if cfg.tensor_parallel_size > 1:  # TODO(issue 32): each rank offloads its own shard
-            raise ValueError("KV offload tiers with tensor_parallel_size > 1 are not supported yet")
+        if self.tp_workers is None:
+            return KVOffload.create(
+                self.kv_cache, repr(self.kv_compat()), cfg.kv_offload_ram_gb, cfg.kv_offload_disk_dir,
+                cfg.kv_offload_disk_gb,
+            )  # fmt: skip
+        # Tensor parallelism: rank 0's store holds every KV head of a block (the workers' fetched and
+        # handed back over the step pipes: common/kv/offload.py), so its records name the whole model's
+        # KV layout, as one rank's would (the fp8 scales' digest is the whole model's already).
+        mc = self.model.config
+        whole = kv_compat(
+            mc, dataclasses.replace(self.kv_cache.spec, num_kv_heads=mc.num_kv_heads), self._scales_digest
+        )
+        heads = kv_head_ranges(mc.num_kv_heads, cfg.tensor_parallel_size)
         return KVOffload.create(
-            self.kv_cache, repr(self.kv_compat()), cfg.kv_offload_ram_gb, cfg.kv_offload_disk_dir,
-            cfg.kv_offload_disk_gb,
+            self.kv_cache, repr(whole), cfg.kv_offload_ram_gb, cfg.kv_offload_disk_dir,
+            cfg.kv_offload_disk_gb, self.tp_workers, heads,
         )  # fmt: skip
 
     def _kv_blocks(self, bytes_per_block: int) -> int:

@@ -14,6 +14,13 @@ each rank moves its own KV heads. Rank 0 drives the agents over a second pipe pe
 the typed messages of common/parallel/messages.py), and hears a decode agent's reports (`on_report`);
 a prefill step carries the layer writes each rank posts.
 
+The KV offload tiers (common/kv/offload.py) live on rank 0 and hold every KV head of a block: rank 0
+fetches the workers' heads of the blocks the prefix cache evicts (`tier_out`, `tier_out_wait`) and
+hands them their heads of the blocks a tier read returns (`tier_in`, `tier_in_wait`), each a round
+trip on the step pipe (`TierOut` / `TierIn`, answered by a `TierReply`, the bytes as a frame of their
+own after the message) while the workers wait for the next step: the step messages are unchanged, and
+a worker answers before it reads the next one.
+
 The step goes over a pipe, not a gloo broadcast: an idle engine leaves its workers blocked in
 `recv`, which no collective timeout can end, and a pipe's end (rank 0 exited, even by SIGKILL) ends
 them: a worker exits on EOF, on a broken collective, or when its parent process is gone.
@@ -35,7 +42,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,6 +52,7 @@ import torch.distributed as dist
 from common.engine.kv_connector import KVConnector
 from common.engine.model_runner import ModelRunner, StepInputs
 from common.kv.kv_cache import KVCacheSpec, KVScales, PagedKVCache
+from common.kv.offload import gather_blocks, scatter_blocks
 from common.model.config import ModelConfig
 from common.model.llama import LlamaForCausalLM
 from common.parallel.collective import GlooCollective, TPRank, Unconnected, gloo_group
@@ -119,6 +127,35 @@ class StepMessage:
         return self.step is None and not (self.drop or self.swap_out or self.swap_in)
 
 
+@dataclass
+class TierOut:
+    """Rank 0 asks a worker for its KV heads of blocks the prefix cache evicted (the offload tiers):
+    answered with a TierReply and, unless it failed, the bytes (`gather_blocks`) as the next frame."""
+
+    call: int
+    block_ids: list[int]
+
+
+@dataclass
+class TierIn:
+    """Rank 0 hands a worker its KV heads of blocks a tier read returned: `nbytes` of block-major bytes
+    follow as the next frame; written into `block_ids`, then answered with a TierReply."""
+
+    call: int
+    block_ids: list[int]
+    nbytes: int
+
+
+@dataclass
+class TierReply:
+    """A worker's answer to TierOut or TierIn `call`: error "" when it went well; `nbytes` is not None
+    when that many bytes follow as the next frame (a TierOut that went well)."""
+
+    call: int
+    error: str = ""
+    nbytes: int | None = None
+
+
 class TPWorkers:
     """Rank 0's side of the group: starts the workers, hands them their shards, sends each step."""
 
@@ -141,6 +178,9 @@ class TPWorkers:
         self.endpoints: list[str] = []  # ranks 1..: their receivers' endpoints (decode agents)
         self._controls: list[multiprocessing.connection.Connection] = []
         self._calls = itertools.count(1)
+        self._tier_calls = itertools.count(1)  # TierOut / TierIn on the step pipes
+        self._tier_out: tuple[int, list[int]] | None = None  # (call, ranks asked)
+        self._tier_in: tuple[int, list[int], list[str]] | None = None  # (call, ranks sent to, errors)
         self._replies: dict[tuple[int, int], asyncio.Future[str]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_report: Callable[[int, RankReport], None] | None = None
@@ -254,6 +294,108 @@ class TPWorkers:
             except OSError as e:
                 code = self._procs[r - 1].exitcode
                 raise RuntimeError(f"tensor-parallel rank {r} is gone (exit code {code}): {e}") from e
+
+    # --- the KV offload tiers (common/kv/offload.py's ShardPeers) ----------------------------------
+    def tier_out(self, ranks: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Ask each of `ranks` (workers) for its KV heads of the blocks; `tier_out_wait` returns them.
+        RuntimeError naming the rank if one is gone."""
+        call = next(self._tier_calls)
+        self._tier_out = (call, list(ranks))
+        msg = pickle.dumps(TierOut(call, list(block_ids)), protocol=pickle.HIGHEST_PROTOCOL)
+        for r in ranks:
+            self._tier_send(r, msg)
+
+    def tier_out_wait(self) -> list[torch.Tensor]:
+        """The last `tier_out`'s ranks' KV heads of its blocks (flat uint8, block-major), once every one
+        of them has copied them out; RuntimeError naming the rank if one failed or is gone (or did not
+        answer within OP_TIMEOUT_S)."""
+        assert self._tier_out is not None, "tier_out first"
+        (call, ranks), self._tier_out = self._tier_out, None
+        out: list[torch.Tensor] = []
+        for r in ranks:
+            reply = self._tier_reply(r, call)
+            if reply.error:
+                raise RuntimeError(f"tensor-parallel rank {r}: {reply.error}")
+            assert reply.nbytes is not None
+            buf = torch.empty(reply.nbytes, dtype=torch.uint8)
+            try:
+                self._conns[r - 1].recv_bytes_into(buf.numpy())
+            except (EOFError, OSError) as e:
+                raise RuntimeError(f"tensor-parallel rank {r} is gone: {e}") from e
+            out.append(buf)
+        return out
+
+    def tier_in(self, block_ids: Sequence[int], shards: Sequence[torch.Tensor]) -> None:
+        """Send worker rank r its KV heads of the blocks (`shards[r - 1]`, block-major uint8) to write;
+        `tier_in_wait` hears whether every rank did."""
+        call = next(self._tier_calls)
+        sent: list[int] = []
+        errors: list[str] = []
+        for r, shard in enumerate(shards, start=1):
+            data = shard.contiguous().view(torch.uint8).reshape(-1)
+            msg = pickle.dumps(TierIn(call, list(block_ids), data.numel()), protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                self._tier_send(r, msg, data.numpy().data)
+                sent.append(r)
+            except RuntimeError as e:
+                errors.append(str(e))
+        self._tier_in = (call, sent, errors)
+
+    def tier_in_wait(self) -> str:
+        """Wait for every worker's answer to the last `tier_in`: "" when each wrote its heads, else why
+        not (every rank that did not, named)."""
+        assert self._tier_in is not None, "tier_in first"
+        (call, sent, errors), self._tier_in = self._tier_in, None
+        for r in sent:
+            try:
+                reply = self._tier_reply(r, call)
+            except RuntimeError as e:
+                errors.append(str(e))
+                continue
+            if reply.error:
+                errors.append(f"tensor-parallel rank {r}: {reply.error}")
+        return "; ".join(errors)
+
+    def _tier_send(self, rank: int, msg: bytes, payload: memoryview | None = None) -> None:
+        if not self._conns:
+            raise RuntimeError("the tensor-parallel workers are stopped")
+        try:
+            self._conns[rank - 1].send_bytes(msg)
+            if payload is not None:
+                self._conns[rank - 1].send_bytes(payload)
+        except OSError as e:
+            code = self._procs[rank - 1].exitcode
+            raise RuntimeError(f"tensor-parallel rank {rank} is gone (exit code {code}): {e}") from e
+
+    def _tier_reply(self, rank: int, call: int) -> TierReply:
+        """Worker `rank`'s TierReply to `call` (a late one to an earlier call, and its bytes, skipped);
+        RuntimeError when the rank failed, is gone or stays silent for OP_TIMEOUT_S."""
+        if not self._conns:
+            raise RuntimeError("the tensor-parallel workers are stopped")
+        conn, proc = self._conns[rank - 1], self._procs[rank - 1]
+        deadline = time.monotonic() + OP_TIMEOUT_S
+        while True:
+            try:
+                if not conn.poll(0.1):
+                    if not proc.is_alive():
+                        raise RuntimeError(f"tensor-parallel rank {rank} is gone (exit code {proc.exitcode})")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"tensor-parallel rank {rank}: no answer in {OP_TIMEOUT_S:g} s")
+                    continue
+                msg = pickle.loads(conn.recv_bytes())
+                if isinstance(msg, TierReply) and msg.call != call and msg.nbytes is not None:
+                    conn.recv_bytes()  # the bytes of an answer nobody waits for any more
+            except (EOFError, OSError) as e:
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} is gone (exit code {proc.exitcode}): {e!r}"
+                ) from e
+            if isinstance(msg, TierReply):
+                if msg.call == call:
+                    return msg
+                continue
+            if isinstance(msg, tuple) and msg and msg[0] == "error":  # the worker failed and exits
+                raise RuntimeError(str(msg[1]))
+            raise RuntimeError(f"tensor-parallel rank {rank}: a {type(msg).__name__} on the step pipe")
 
     def close(self) -> None:
         """Stop the workers (idempotent)."""
@@ -420,6 +562,12 @@ def _serve(conn: multiprocessing.connection.Connection, runner: ModelRunner, kv:
         msg = pickle.loads(conn.recv_bytes())  # EOFError once rank 0 is gone
         if msg is None:
             return
+        if isinstance(msg, TierOut):
+            _tier_out(conn, kv, msg)
+            continue
+        if isinstance(msg, TierIn):
+            _tier_in(conn, kv, msg)
+            continue
         assert isinstance(msg, StepMessage)
         for seq_id in msg.drop:
             swapped.pop(seq_id, None)
@@ -429,6 +577,33 @@ def _serve(conn: multiprocessing.connection.Connection, runner: ModelRunner, kv:
             kv.copy_in(blocks, swapped.pop(seq_id))
         if msg.step is not None:
             runner.run_shard(msg.step, msg.save)
+
+
+def _tier_out(conn: multiprocessing.connection.Connection, kv: PagedKVCache, msg: TierOut) -> None:
+    """Answer a TierOut: this rank's heads of the blocks, copied now (before the next step)."""
+    try:
+        data = gather_blocks(kv, msg.block_ids).reshape(-1)
+    except Exception as e:  # answered: rank 0 drops these blocks, the rank goes on
+        conn.send_bytes(pickle.dumps(TierReply(msg.call, error=f"copying blocks out failed: {e!r}")))
+        return
+    conn.send_bytes(pickle.dumps(TierReply(msg.call, nbytes=data.numel())))
+    conn.send_bytes(data.numpy().data)
+
+
+def _tier_in(conn: multiprocessing.connection.Connection, kv: PagedKVCache, msg: TierIn) -> None:
+    """Apply a TierIn (its bytes are the next frame, read whatever happens) and answer it."""
+    buf = torch.empty(msg.nbytes, dtype=torch.uint8)
+    error = ""
+    try:
+        conn.recv_bytes_into(buf.numpy())
+        s = kv.spec
+        shape = (len(msg.block_ids), 2, s.num_layers, s.block_size, s.num_kv_heads, -1)
+        scatter_blocks(kv, msg.block_ids, buf.view(shape))
+    except (EOFError, OSError):
+        raise
+    except Exception as e:  # answered: the load is a miss on every rank, the rank goes on
+        error = f"writing blocks from a tier failed: {e!r}"
+    conn.send_bytes(pickle.dumps(TierReply(msg.call, error=error)))
 
 
 class _AgentHook(KVConnector):

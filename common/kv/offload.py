@@ -14,23 +14,41 @@ arrived, `prefetch` handed the store the same hashes: its prefetch worker brings
 into RAM meanwhile (common/kv/tiers.py, "Prefetch on arrival"), so `load` reads them from RAM when the
 prefetch finished first, and from the disk as before when not.
 
+Tensor parallelism (`peers`: the worker ranks, common/engine/tp_workers.py). Every rank's pool has
+the same blocks, each with only its own KV heads; rank 0 (this object) holds the one store, and a
+chunk holds the *whole* KV of its blocks, all heads: chunks and the layout digest do not depend on
+the tensor-parallel size (`create` is given the whole model's compat record and head count). Copying
+out is one synchronous round trip: rank 0 asks each worker for its heads of the blocks
+(`ShardPeers.tier_out`), gathers its own meanwhile, waits for theirs and puts each in its place on the
+head axis (a head replicated on several ranks, as with more ranks than KV heads, is taken from the
+first one), so the blocks' KV is out of every rank before anything can write into them (an evicted
+block may be handed to another sequence in the same schedule, and a decode rank's KV receiver writes
+into a reservation soon after). Blocks a worker fails to hand over are not offered
+(`dropped_blocks`, logged). Loading sends each worker its heads (`ShardPeers.tier_in`) and writes rank
+0's own meanwhile; the blocks count as loaded only once every rank acknowledged them: a worker that
+fails or is gone makes the load a miss (0, recomputed), never a partial success across ranks.
+
 KV events: what the store comes to hold and lets go of (common/kv/tiers.py) is the block manager's to
 drain with its own (`drain_events`, `held_hashes`), so a service publishes one stream naming each hash's tier.
 
 A chunk's payload is block-major: block i is one contiguous run of (2, layers, block_size, kv_heads,
-head_dim) values of the cache's dtype, K then V: any subset of blocks is a byte slice.
+head_dim) values of the cache's dtype, K then V (kv_heads: all the model's): any subset of blocks is a
+byte slice. One rank's share (`gather_blocks`, `scatter_blocks`) is laid out the same way with only its
+heads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from common.kv.kv_cache import PagedKVCache
+from common.kv.kv_cache import KVCacheSpec, PagedKVCache
 from common.kv.tiers import StoreStats, TierEvent, TierStore
 
 log = logging.getLogger("splitserve.kv_tiers")
@@ -39,28 +57,106 @@ CHUNK_BLOCKS = 16  # blocks per offered chunk at most
 PAYLOAD_LAYOUT = "block-major-kv-v1"  # named in the digest: a payload laid out otherwise never verifies
 
 
-def layout_digest(compat: str, cache: PagedKVCache) -> bytes:
+def layout_digest(compat: str, cache: PagedKVCache | KVCacheSpec) -> bytes:
     """16 bytes naming what a tier record's bytes mean: the model and KV layout (`compat`: the
-    engine's KVCompat record, fp8 scales' digest and tensor-parallel shard included), the cache's shape
-    and dtype, and the payload layout."""
-    s = cache.spec
+    engine's KVCompat record, fp8 scales' digest included), the cache's shape and dtype (with tensor
+    parallelism: the whole model's, every KV head), and the payload layout."""
+    s = cache.spec if isinstance(cache, PagedKVCache) else cache
     shape = (s.num_layers, s.block_size, s.num_kv_heads, s.head_dim, str(s.dtype))
     h = hashlib.blake2b(digest_size=16, person=b"splitserve-kvtr")
     h.update(f"{compat}|{shape}|{PAYLOAD_LAYOUT}".encode())
     return h.digest()
 
 
-class KVOffload:
-    """The block manager's OffloadTier over one PagedKVCache and its TierStore (module doc)."""
+def gather_blocks(cache: PagedKVCache, block_ids: Sequence[int], contiguous: bool = True) -> torch.Tensor:
+    """The blocks' KV as host bytes, block-major: uint8 (n, 2, layers, block_size, kv_heads,
+    head_dim * element size) (this cache's heads); contiguous=False: a block-major view of a copy
+    (to be copied on)."""
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=cache.k.device)
+    # (n, 2, L, bs, kv_heads, hd): block-major, K then V within a block
+    kv = torch.stack((cache.k[:, idx], cache.v[:, idx])).permute(2, 0, 1, 3, 4, 5)
+    return (kv.contiguous() if contiguous else kv).to("cpu").view(torch.uint8)
 
-    def __init__(self, cache: PagedKVCache, store: TierStore) -> None:
-        self.cache, self.store = cache, store
+
+def scatter_blocks(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Tensor) -> None:
+    """Write block-major bytes (uint8, `gather_blocks`' shape for this cache's heads, any strides
+    whose last dimension is dense) into the blocks."""
+    s = cache.spec
+    elem = cache.k.element_size()
+    want = (len(block_ids), 2, s.num_layers, s.block_size, s.num_kv_heads, s.head_dim * elem)
+    if tuple(data.shape) != want or data.dtype != torch.uint8:
+        raise ValueError(f"KV blocks {tuple(data.shape)} {data.dtype}: this cache needs {want} uint8")
+    kv = data.view(s.dtype)  # (n, 2, L, bs, kv_heads, hd)
+    for i, bid in enumerate(block_ids):
+        cache.k[:, bid].copy_(kv[i, 0])
+        cache.v[:, bid].copy_(kv[i, 1])
+
+
+class ShardPeers(Protocol):
+    """The other tensor-parallel ranks' pools (common/engine/tp_workers.TPWorkers), rank 1 first."""
+
+    def tier_out(self, ranks: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Ask each of `ranks` for its heads of the blocks (`tier_out_wait` returns them); RuntimeError
+        if a rank is gone."""
+        ...
+
+    def tier_out_wait(self) -> list[torch.Tensor]:
+        """The last `tier_out`'s ranks' heads (`gather_blocks` on each, flat uint8), once every one has
+        copied them; RuntimeError if a rank failed or is gone."""
+        ...
+
+    def tier_in(self, block_ids: Sequence[int], shards: Sequence[torch.Tensor]) -> None:
+        """Send each worker its heads of the blocks to write (`shards[r - 1]`: rank r's, block-major
+        uint8, `gather_blocks`' shape on that rank); `tier_in_wait` hears whether they did."""
+        ...
+
+    def tier_in_wait(self) -> str:
+        """Wait for every rank's answer to the last `tier_in`: "" when all wrote their heads, else why
+        not."""
+        ...
+
+
+class KVOffload:
+    """The block manager's OffloadTier over one PagedKVCache and its TierStore (module doc).
+
+    With tensor parallelism `peers` are the worker ranks and `head_ranges` every rank's KV heads (rank
+    0 first, from common/parallel/partition.kv_head_ranges); the store's blocks hold all of them."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        store: TierStore,
+        peers: ShardPeers | None = None,
+        head_ranges: Sequence[range] | None = None,
+    ) -> None:
+        self.cache, self.store, self.peers = cache, store, peers
         s = cache.spec
-        self.block_shape = (2, s.num_layers, s.block_size, s.num_kv_heads, s.head_dim)
+        self.head_ranges = list(head_ranges) if head_ranges is not None else [range(s.num_kv_heads)]
+        if len(self.head_ranges[0]) != s.num_kv_heads or (peers is None) != (len(self.head_ranges) == 1):
+            raise ValueError(
+                f"KV offload: head ranges {self.head_ranges} do not fit rank 0's {s.num_kv_heads} KV heads "
+                f"with{'out' if peers is None else ''} worker ranks"
+            )
+        self.num_kv_heads = max(r.stop for r in self.head_ranges)
+        # the ranks whose heads make up a whole block, in head order: a replicated head's first holder
+        self._sources: list[int] = []
+        covered = 0
+        for rank, heads in enumerate(self.head_ranges):
+            if heads.start == covered:
+                self._sources.append(rank)
+                covered = heads.stop
+            elif not (heads.start < covered and heads.stop <= covered):
+                raise ValueError(f"KV offload: head ranges {self.head_ranges} are not contiguous")
+        if covered != self.num_kv_heads:
+            raise ValueError(f"KV offload: head ranges {self.head_ranges} leave heads out")
+        self.block_shape = (2, s.num_layers, s.block_size, self.num_kv_heads, s.head_dim)
+        self._block_bytes = s.bytes_per_block * self.num_kv_heads // s.num_kv_heads
+        assert store.block_bytes == self._block_bytes, "the store's blocks hold every KV head"
         self._pending: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens), evicted
         # copied out of the pool, not offered yet: (hashes, tokens, block-major bytes)
         self._copied: list[tuple[list[int], list[tuple[int, ...]], torch.Tensor]] = []
         self.offered_blocks = 0
+        self.dropped_blocks = 0  # evicted blocks a worker rank did not hand over: never offered
 
     @classmethod
     def create(
@@ -70,12 +166,17 @@ class KVOffload:
         ram_gb: float,
         disk_dir: str | None,
         disk_gb: float,
+        peers: ShardPeers | None = None,
+        head_ranges: Sequence[range] | None = None,
     ) -> KVOffload:
-        s = cache.spec
-        block_bytes = s.bytes_per_block
+        """The tiers of `cache`. With tensor parallelism (`peers`, `head_ranges`: see the class doc)
+        `compat` must be the whole model's record (tp_size 1), as the store's blocks are."""
+        heads = max(r.stop for r in head_ranges) if head_ranges is not None else cache.spec.num_kv_heads
+        spec = dataclasses.replace(cache.spec, num_kv_heads=heads)  # what a chunk's block holds
+        block_bytes = spec.bytes_per_block
         store = TierStore(
-            layout_digest(compat, cache),
-            s.block_size,
+            layout_digest(compat, spec),
+            spec.block_size,
             block_bytes,
             ram_bytes=int(ram_gb * 2**30),
             disk_dir=os.path.expanduser(disk_dir) if disk_dir else None,
@@ -84,8 +185,13 @@ class KVOffload:
         tiers = [f"RAM {ram_gb:g} GiB"] if ram_gb > 0 else []
         if store.slot is not None:
             tiers.append(f"disk {disk_gb:g} GiB in {store.slot}")
-        log.info("KV offload tiers: %s (%d KiB a block)", ", ".join(tiers), block_bytes // 1024)
-        return cls(cache, store)
+        ranks = f", every KV head of the {len(head_ranges)} ranks" if head_ranges is not None else ""
+        log.info("KV offload tiers: %s (%d KiB a block%s)", ", ".join(tiers), block_bytes // 1024, ranks)
+        try:
+            return cls(cache, store, peers, head_ranges)
+        except BaseException:
+            store.close()
+            raise
 
     # --- the block manager's OffloadTier ----------------------------------------------------------
     def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
@@ -102,17 +208,38 @@ class KVOffload:
         self._copy_out()
         try:
             got = self.store.read(hashes, tokens)
-            for buf, bid in zip(got, block_ids, strict=False):
-                kv = (
-                    torch.frombuffer(buf, dtype=torch.uint8)
-                    .view(self.cache.spec.dtype)
-                    .view(self.block_shape)
-                )
-                self.cache.k[:, bid].copy_(kv[0])
-                self.cache.v[:, bid].copy_(kv[1])
+            if not got:
+                return 0
+            ids = list(block_ids[: len(got)])
+            if self.peers is None:
+                for buf, bid in zip(got, ids, strict=True):
+                    kv = torch.frombuffer(buf, dtype=torch.uint8).view(self.cache.spec.dtype)
+                    kv = kv.view(self.block_shape)
+                    self.cache.k[:, bid].copy_(kv[0])
+                    self.cache.v[:, bid].copy_(kv[1])
+                return len(got)
+            return len(got) if self._load_shards(got, ids) else 0
         finally:
             self._offer()
-        return len(got)
+
+    def _load_shards(self, got: list[memoryview], block_ids: list[int]) -> bool:
+        """Every rank's heads of the read blocks into its pool (module doc); False: a worker did not."""
+        assert self.peers is not None
+        s = self.cache.spec
+        elem = self.cache.k.element_size()
+        whole = torch.empty((len(got), self._block_bytes), dtype=torch.uint8)
+        for i, buf in enumerate(got):
+            whole[i] = torch.frombuffer(buf, dtype=torch.uint8)
+        whole = whole.view(len(got), 2, s.num_layers, s.block_size, self.num_kv_heads, s.head_dim * elem)
+        shards = [whole[..., h.start : h.stop, :].contiguous() for h in self.head_ranges[1:]]
+        self.peers.tier_in(block_ids, shards)  # the workers write theirs while rank 0 writes its own
+        own = self.head_ranges[0]
+        scatter_blocks(self.cache, block_ids, whole[..., own.start : own.stop, :])
+        why = self.peers.tier_in_wait()
+        if why:
+            log.warning("KV offload: a tier read of %d blocks is a miss: %s", len(got), why)
+            return False
+        return True
 
     def prefetch(self, hashes: Sequence[int]) -> bool:
         return self.store.prefetch(hashes)
@@ -139,15 +266,37 @@ class KVOffload:
         self._offer()
 
     def _copy_out(self) -> None:
-        """Copy the pending evicted blocks out of the pool (one gather), to offer later."""
+        """Copy the pending evicted blocks out of the pool (one gather on every rank), to offer later."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        idx = torch.tensor([b for b, _, _ in pending], dtype=torch.long, device=self.cache.k.device)
-        # (n, 2, L, bs, kv_heads, hd): block-major, K then V within a block
-        kv = torch.stack((self.cache.k[:, idx], self.cache.v[:, idx])).permute(2, 0, 1, 3, 4, 5)
-        data = kv.contiguous().to("cpu").view(torch.uint8).reshape(-1)
-        self._copied.append(([h for _, h, _ in pending], [t for _, _, t in pending], data))
+        ids = [b for b, _, _ in pending]
+        if self.peers is None:
+            data = gather_blocks(self.cache, ids)
+        else:
+            try:
+                data = self._gather_shards(ids)
+            except RuntimeError as e:  # a worker failed or is gone (then the next step fails, too)
+                self.dropped_blocks += len(pending)
+                log.warning("KV offload: %d evicted blocks not offered: %s", len(pending), e)
+                return
+        self._copied.append(([h for _, h, _ in pending], [t for _, _, t in pending], data.reshape(-1)))
+
+    def _gather_shards(self, block_ids: list[int]) -> torch.Tensor:
+        """Every head of the blocks, block-major (module doc): the workers copy theirs while rank 0
+        copies its own, each into its place on the head axis."""
+        assert self.peers is not None
+        workers = [r for r in self._sources if r > 0]
+        self.peers.tier_out(workers, block_ids)
+        own = gather_blocks(self.cache, block_ids, contiguous=False)
+        n, _, layers, bs, _, row = own.shape
+        whole = torch.empty((n, 2, layers, bs, self.num_kv_heads, row), dtype=torch.uint8)
+        heads = self.head_ranges[0]
+        whole[..., heads.start : heads.stop, :].copy_(own)
+        for r, flat in zip(workers, self.peers.tier_out_wait(), strict=True):
+            heads = self.head_ranges[r]
+            whole[..., heads.start : heads.stop, :].copy_(flat.view(n, 2, layers, bs, len(heads), row))
+        return whole
 
     def _offer(self) -> None:
         copied, self._copied = self._copied, []

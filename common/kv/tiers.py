@@ -22,7 +22,7 @@ blocks some tier holds, RAM first. Every chunk is stored as one record, the same
 disk: a header (magic, format version, the model/KV-layout digest, block count, block size, payload
 length, checksum), the block hashes, the tokens of each block, then the payload. A read verifies all
 of it: the length (a truncated file), the checksum of every byte, the digest (another model, KV dtype,
-block size, fp8 scales or tensor-parallel shard wrote it), and that the block at that place has the
+block size, fp8 scales or KV head count wrote it), and that the block at that place has the
 hash and tokens asked for. A read that fails or does not verify is a miss: counted
 (`TierStats.verify_failures`, by cause), logged once per tier and cause, the chunk dropped from the
 index (and its file deleted) — never data.
