@@ -11,7 +11,6 @@ every output still equals the tiers-off run's — 0 wrong outputs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from common.config import EngineConfig, ServiceConfig
 from common.engine.llm_engine import LLMEngine
 from common.kv.offload import KVOffload
-from common.kv.tiers import TierStats, TierStore
+from common.kv.tiers import TierStore
 from common.prefix_hash import prefix_chain
 from common.sampling_params import SamplingParams
 from common.security.secret import InternalSecret
 from common.service.base import Service
 from common.service.metrics import EngineCollector
+from tests.support.tiers import WAIT_S, run_in_turn, tier
 
 QUESTIONS = [  # after the chat template's shared system prompt, ~90 tokens of their own each
     "Describe, step by step, how a bicycle converts the rider's pedaling into forward motion, "
@@ -44,7 +44,6 @@ ORDER = [0, 1, 2, 0, 1, 2, 0]  # prompt 0 is evicted twice by request 4: on disk
 LONG = ORDER + [1, 2]
 MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-WAIT_S = 30
 
 
 @pytest.fixture(scope="module")
@@ -59,35 +58,11 @@ def _config(prompts: list[list[int]], **tiers: object) -> EngineConfig:
     return EngineConfig(num_kv_blocks=per_request + 2, max_num_seqs=1, **tiers)  # type: ignore[arg-type]
 
 
-def _run(
-    engine: LLMEngine,
-    prompts: list[list[int]],
-    order: list[int] = ORDER,
-    before: Callable[[int], None] | None = None,
-) -> list[list[int]]:
-    """The requests one at a time; before each, the tiers' writes are done (a condition, not a sleep)
-    and `before(i)` may inject a fault."""
-    outs = []
-    for i, p in enumerate(order):
-        if engine.kv_offload is not None:
-            assert engine.kv_offload.store.wait_idle(WAIT_S), "the tier writer never caught up"
-        if before is not None:
-            before(i)
-        outs.append(engine.generate([prompts[p]], PARAMS)[0].token_ids)
-    engine.block_manager.check_integrity()
-    return outs
-
-
-def _tier(engine: LLMEngine, name: str) -> TierStats:
-    assert engine.kv_offload is not None
-    return next(t for t in engine.kv_offload.stats().tiers if t.tier == name)
-
-
 @pytest.fixture(scope="module")
 def reference(smollm, prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
     model, tok = smollm
     engine = LLMEngine(model, tok, _config(prompts))
-    outs = _run(engine, prompts, LONG)
+    outs = run_in_turn(engine, prompts, LONG, PARAMS)
     assert engine.block_manager.prefix_hits < sum((len(prompts[p]) - 1) // 16 for p in LONG[3:]) // 2, (
         "the pool must be too small to keep the repeated prompts"
     )
@@ -98,8 +73,8 @@ def test_ram_tier_hits_give_the_same_tokens(smollm, prompts, reference) -> None:
     model, tok = smollm
     engine = LLMEngine(model, tok, _config(prompts, kv_offload_ram_gb=0.25))
     try:
-        assert _run(engine, prompts) == reference[: len(ORDER)]
-        ram = _tier(engine, "ram")
+        assert run_in_turn(engine, prompts, ORDER, PARAMS) == reference[: len(ORDER)]
+        ram = tier(engine, "ram")
         assert ram.hits > 0 and ram.hits == engine.block_manager.tier_hits
         assert ram.verify_failures.total() == 0 and 0 < ram.bytes <= ram.capacity_bytes
         # the service's /metrics shows them
@@ -119,8 +94,8 @@ def test_disk_tier_hits_give_the_same_tokens(smollm, prompts, reference, tmp_pat
         model, tok, _config(prompts, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.25)
     )
     try:
-        assert _run(engine, prompts) == reference[: len(ORDER)]
-        disk = _tier(engine, "disk")
+        assert run_in_turn(engine, prompts, ORDER, PARAMS) == reference[: len(ORDER)]
+        disk = tier(engine, "disk")
         assert disk.hits > 0 and disk.hits == engine.block_manager.tier_hits
         assert engine.kv_offload.stats().filtered_blocks > 0  # type: ignore[union-attr]  # one-offs kept off
         assert disk.verify_failures.total() == 0
@@ -164,8 +139,8 @@ def test_a_damaged_disk_tier_is_recomputed_never_wrong(smollm, prompts, referenc
             _damage(store, prompts[p], fault)
 
     try:
-        assert _run(engine, prompts, LONG, before) == reference
-        disk = _tier(engine, "disk")
+        assert run_in_turn(engine, prompts, LONG, PARAMS, before) == reference
+        disk = tier(engine, "disk")
         assert all(disk.verify_failures[fault] >= 1 for _, fault in FAULTS.values()), disk.verify_failures
         assert disk.hits == 0 and engine.block_manager.tier_hits == 0, "nothing damaged was loaded"
     finally:
@@ -179,8 +154,8 @@ def test_a_full_disk_is_a_miss_not_an_error(smollm, prompts, reference, tmp_path
         model, tok, _config(prompts, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=tiny)
     )
     try:
-        assert _run(engine, prompts) == reference[: len(ORDER)]
-        disk = _tier(engine, "disk")
+        assert run_in_turn(engine, prompts, ORDER, PARAMS) == reference[: len(ORDER)]
+        disk = tier(engine, "disk")
         assert disk.write_failures["too_large"] > 0 and disk.hits == 0 and disk.bytes == 0
     finally:
         engine.close()
@@ -217,8 +192,8 @@ def test_a_hung_disk_never_stalls_the_engine(smollm, prompts, reference, tmp_pat
             outs.append(engine.generate([prompts[p]], PARAMS)[0].token_ids)
         assert outs == reference
         assert not store.wait_idle(0), "the disk write is still hanging"
-        assert store.stats().dropped_blocks > 0 and _tier(engine, "disk").writes == 0
-        assert _tier(engine, "ram").hits > 0, "RAM reads go on while the disk hangs"
+        assert store.stats().dropped_blocks > 0 and tier(engine, "disk").writes == 0
+        assert tier(engine, "ram").hits > 0, "RAM reads go on while the disk hangs"
     finally:
         HungDisk.release.set()
         engine.close()
@@ -232,11 +207,11 @@ def test_narrow_kv_dtypes_round_trip_through_the_tiers(tiny, tmp_path, kv_dtype)
     prompts = [tok.encode(q) for q in QUESTIONS]
     base = _config(prompts).model_copy(update={"kv_cache_dtype": kv_dtype})
     off = LLMEngine(model, tok, base)
-    want = _run(off, prompts, LONG)
+    want = run_in_turn(off, prompts, LONG, PARAMS)
     tiers = {"kv_offload_ram_gb": 0.01, "kv_offload_disk_dir": str(tmp_path), "kv_offload_disk_gb": 0.01}
     on = LLMEngine(model, tok, base.model_copy(update=tiers))
     try:
-        assert _run(on, prompts, LONG) == want
+        assert run_in_turn(on, prompts, LONG, PARAMS) == want
         assert on.block_manager.tier_hits > 0
         assert all(t.verify_failures.total() == 0 for t in on.kv_offload.stats().tiers)  # type: ignore[union-attr]
     finally:
@@ -252,7 +227,7 @@ def test_a_prefetch_on_arrival_is_read_from_ram_and_gives_the_same_tokens(tiny, 
     prompts = [tok.encode(q) for q in QUESTIONS]
     base = _config(prompts)
     off = LLMEngine(model, tok, base)
-    want = _run(off, prompts, ORDER)
+    want = run_in_turn(off, prompts, ORDER, PARAMS)
     per_request = max(-(-(len(p) + MAX_TOKENS) // 16) for p in prompts)
     ram_gb = (per_request + 1) * off.kv_cache.spec.bytes_per_block / 2**30
     tiers = {"kv_offload_ram_gb": ram_gb, "kv_offload_disk_dir": str(tmp_path), "kv_offload_disk_gb": 0.01}
@@ -260,11 +235,11 @@ def test_a_prefetch_on_arrival_is_read_from_ram_and_gives_the_same_tokens(tiny, 
     assert on.kv_offload is not None
     store = on.kv_offload.store
     try:
-        outs = _run(on, prompts, ORDER[:-1])
+        outs = run_in_turn(on, prompts, ORDER[:-1], PARAMS)
         assert store.wait_idle(WAIT_S) and store.ram is not None and store.disk is not None
         chain = prefix_chain(prompts[0], 16)
         assert any(store.disk.holds(h) and not store.ram.holds(h) for h in chain), "disk-only blocks"
-        disk_reads = _tier(on, "disk").read_latency.counts
+        disk_reads = tier(on, "disk").read_latency.counts
         rid = on.add_request(prompts[0], PARAMS)
         assert store.wait_prefetched(WAIT_S) and store.stats().prefetch.started == 1
         tokens: list[int] = []
@@ -273,7 +248,7 @@ def test_a_prefetch_on_arrival_is_read_from_ram_and_gives_the_same_tokens(tiny, 
         assert outs + [tokens] == want
         pf = store.stats().prefetch
         assert (pf.completed, pf.in_time, pf.late, pf.dropped) == (1, 1, 0, 0) and pf.blocks > 0
-        assert _tier(on, "disk").read_latency.counts == disk_reads, "the admission read no disk chunk"
+        assert tier(on, "disk").read_latency.counts == disk_reads, "the admission read no disk chunk"
         assert on.block_manager.tier_hits > 0
         on.block_manager.check_integrity()
     finally:
@@ -288,12 +263,12 @@ def test_the_service_registry_shows_each_tier(tiny, tmp_path) -> None:  # type: 
     try:
         svc = Service(ServiceConfig(role="decode"), engine, InternalSecret())
         text = generate_latest(svc.metrics.registry).decode()
-        for tier in ("ram", "disk"):
+        for which in ("ram", "disk"):
             for name in ("bytes", "capacity_bytes", "blocks", "hits_total", "misses_total", "writes_total"):
-                assert f'splitserve_kv_tier_{name}{{tier="{tier}"}}' in text, (name, tier)
-            assert f'splitserve_kv_tier_verify_failures_total{{cause="truncated",tier="{tier}"}} 0.0' in text
-            assert f'splitserve_kv_tier_write_failures_total{{cause="full",tier="{tier}"}} 0.0' in text
-            assert f'splitserve_kv_tier_read_seconds_bucket{{le="+Inf",tier="{tier}"}} 0.0' in text
+                assert f'splitserve_kv_tier_{name}{{tier="{which}"}}' in text, (name, which)
+            assert f'splitserve_kv_tier_verify_failures_total{{cause="truncated",tier="{which}"}} 0.0' in text
+            assert f'splitserve_kv_tier_write_failures_total{{cause="full",tier="{which}"}} 0.0' in text
+            assert f'splitserve_kv_tier_read_seconds_bucket{{le="+Inf",tier="{which}"}} 0.0' in text
         assert "splitserve_kv_tier_dropped_blocks_total 0.0" in text
         for name in ("started", "dropped", "completed", "in_time", "late"):
             assert f"splitserve_kv_tier_prefetches_{name}_total 0.0" in text, name

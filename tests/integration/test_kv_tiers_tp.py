@@ -22,11 +22,11 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.kv.tiers import TierStats
 from common.model.llama import LlamaForCausalLM
 from common.prefix_hash import prefix_chain
 from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
+from tests.support.tiers import run_in_turn, tier
 
 QUESTIONS = [  # 61-67 tokens each: 3-4 full blocks of 16
     "Describe, step by step, how a bicycle converts the rider's pedaling into forward motion, "
@@ -45,7 +45,6 @@ ORDER = [0, 1, 2, 0, 1, 2, 0]  # prompt 0 is evicted twice by request 4: on disk
 LONG = ORDER + [1, 2]  # prompts 1 and 2 on disk for requests 7 and 8
 MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-WAIT_S = 30
 RAM = {"kv_offload_ram_gb": 0.01}
 
 
@@ -63,33 +62,12 @@ def _config(prompts: list[list[int]], tp: int = 1, **more: Any) -> EngineConfig:
     )
 
 
-def _run(
-    engine: LLMEngine, prompts: list[list[int]], order: list[int], before: Any = None
-) -> list[list[int]]:
-    """The requests one at a time, each once the tiers' writes are done (a condition, not a sleep);
-    `before(i)` may damage something first."""
-    outs = []
-    for i, p in enumerate(order):
-        if engine.kv_offload is not None:
-            assert engine.kv_offload.store.wait_idle(WAIT_S), "the tier writer never caught up"
-        if before is not None:
-            before(i)
-        outs.append(engine.generate([prompts[p]], PARAMS)[0].token_ids)
-    engine.block_manager.check_integrity()
-    return outs
-
-
-def _tier(engine: LLMEngine, name: str) -> TierStats:
-    assert engine.kv_offload is not None
-    return next(t for t in engine.kv_offload.stats().tiers if t.tier == name)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny: tuple[LlamaForCausalLM, Tokenizer], prompts: list[list[int]]) -> list[list[int]]:
     """One rank, tiers off: every repeat recomputes its prefix."""
     model, tok = tiny
     engine = LLMEngine(model, tok, _config(prompts))
-    outs = _run(engine, prompts, LONG)
+    outs = run_in_turn(engine, prompts, LONG, PARAMS)
     assert engine.block_manager.prefix_hits == 0, "the pool must be too small to keep a repeated prompt"
     return outs
 
@@ -110,8 +88,8 @@ def test_ram_tier_hits_with_tensor_parallelism_give_one_ranks_tokens(
         assert engine.kv_offload is not None and engine.tp_workers is not None
         assert engine.kv_offload.store.digest == digest, "a chunk names the whole model, not the TP size"
         assert engine.kv_cache.spec.num_kv_heads < model.config.num_kv_heads  # rank 0 holds a share
-        assert _run(engine, prompts, ORDER) == reference[: len(ORDER)]
-        ram = _tier(engine, "ram")
+        assert run_in_turn(engine, prompts, ORDER, PARAMS) == reference[: len(ORDER)]
+        ram = tier(engine, "ram")
         assert ram.hits > 0 and ram.hits == engine.block_manager.tier_hits
         assert ram.verify_failures.total() == 0 and engine.kv_offload.dropped_blocks == 0
         assert len(engine.tp_workers.alive) == tp - 1
@@ -153,8 +131,8 @@ def test_disk_tier_with_two_ranks_and_a_flipped_byte(
             _flip(engine, prompts[0])
 
     try:
-        assert _run(engine, prompts, LONG, before) == reference
-        disk = _tier(engine, "disk")
+        assert run_in_turn(engine, prompts, LONG, PARAMS, before) == reference
+        disk = tier(engine, "disk")
         assert disk.verify_failures["checksum"] >= 1, disk.verify_failures
         assert hits[6] == hits[7] == 0, "nothing before request 7 came from the disk"
         assert disk.hits > 0 and disk.hits == engine.block_manager.tier_hits
@@ -173,13 +151,13 @@ def test_a_rank_that_fails_or_is_gone_makes_a_tier_read_a_miss(
     try:
         tiers, workers = engine.kv_offload, engine.tp_workers
         assert tiers is not None and workers is not None
-        assert _run(engine, prompts, ORDER[:3]) == reference[:3]  # prompt 0 is in RAM now
+        assert run_in_turn(engine, prompts, ORDER[:3], PARAMS) == reference[:3]  # prompt 0 is in RAM now
         # a shard of the wrong size: rank 1 reads it, refuses it, and answers
         workers.tier_in([0], [torch.zeros(7, dtype=torch.uint8)])
         why = workers.tier_in_wait()
         assert why.startswith("tensor-parallel rank 1: writing blocks from a tier failed"), why
         # ... and serves on: prompt 0 read back from RAM on both ranks, the tokens one rank gives
-        assert _run(engine, prompts, [0]) == [reference[3]]
+        assert run_in_turn(engine, prompts, [0], PARAMS) == [reference[3]]
         assert engine.block_manager.tier_hits > 0
         [pid] = workers.alive
         os.kill(pid, signal.SIGKILL)
@@ -205,13 +183,13 @@ def test_fp8_tiers_with_two_ranks(tiny: tuple[LlamaForCausalLM, Tokenizer], prom
     assert one.kv_offload is not None
     digest = one.kv_offload.store.digest
     one.close()
-    want = _run(LLMEngine(model, tok, _config(prompts, **fp8)), prompts, ORDER)
+    want = run_in_turn(LLMEngine(model, tok, _config(prompts, **fp8)), prompts, ORDER, PARAMS)
     engine = LLMEngine(model, tok, _config(prompts, 2, **fp8, **RAM))
     try:
         assert engine.kv_offload is not None and engine.kv_offload.store.digest == digest
-        assert _run(engine, prompts, ORDER) == want
+        assert run_in_turn(engine, prompts, ORDER, PARAMS) == want
         assert engine.block_manager.tier_hits > 0
-        assert _tier(engine, "ram").verify_failures.total() == 0
+        assert tier(engine, "ram").verify_failures.total() == 0
     finally:
         engine.close()
 
