@@ -76,8 +76,12 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids)
         self.device = kv_cache.k.device
         if attention_backend == "triton" and model.config.is_mla:
-            # no Triton kernel over the latent cache yet (common/model/mla.py): its torch path, on the device
-            log.warning("%s (MLA): attention runs on the torch path, not Triton", model.config.architecture)
+            # the latent has its own attention (common/model/mla.py): decode rows through its Triton kernel
+            # (common/kernels/mla_attention.py), prefill chunks and fp8 caches on the torch path, on device
+            log.warning(
+                "%s (MLA): decode attention through the MLA Triton kernel, prefill chunks on the torch path",
+                model.config.architecture,
+            )
             attention_backend = "torch"
         self.use_kernels = attention_backend == "triton"
         self.graphs: DecodeGraphs | None = None

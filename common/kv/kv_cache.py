@@ -37,7 +37,7 @@ moves it unchanged. An fp8 cache stores each half as it stores a K or V head: ro
 over half the latent: DeepSeek's 576 = 512 + 64 is two halves of 288 = 256 + 32) and scaled per
 channel, calibrated like any model's (common/model/calibration.py: the latent's halves taken as K and
 V; their offsets are 0). The MLA attention reads the latent dequantized and rotated back (`gather`,
-`read_blocks`), so it needs nothing else; there is no Triton kernel for MLA.
+`read_blocks`), so it needs nothing else (the MLA Triton decode kernel takes non-fp8 caches only).
 
 Every layer keeps every block of a sequence, sliding-window layers included (their attention masks the
 keys out of the window: correct, but the memory and the split's transfer are a full prompt's).

@@ -125,19 +125,28 @@ def mla_paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # (T, n_heads, rank)
-    """Latent attention over the paged cache (the torch path, also on a GPU: no Triton kernel for MLA
-    yet). The new latents are written (first half into K, second into V), then each sequence's query
-    rows attend over its cached latents: the decode sequences in one padded call, each prefill chunk
-    on its own, as `paged_attention` does. With one shared key head every (token, head) query is a row
-    against the same keys: the heads are folded into the rows (one matrix product, no per-head copy
-    of the keys, which SDPA's grouped-query path would make)."""
+    """Latent attention over the paged cache: the torch path, and on a GPU (a cache that is not fp8)
+    the decode rows through the Triton kernel (common/kernels/mla_attention.py; prefill chunks stay
+    on the torch path). The new latents are written (first half into K, second into V), then each
+    sequence's query rows attend over its cached latents: the decode sequences in one padded call,
+    each prefill chunk on its own, as `paged_attention` does. With one shared key head every (token,
+    head) query is a row against the same keys: the heads are folded into the rows (one matrix
+    product, no per-head copy of the keys, which SDPA's grouped-query path would make)."""
     T, n_heads, width = q.shape
     half = width // 2
     kv_cache.write(layer, meta.slot_mapping, latent[:, None, :half], latent[:, None, half:])
     out = q.new_empty(T, n_heads, rank)
     qsl = meta.query_start_loc
     batch = meta.decode_batch(kv_cache.spec.block_size)
-    if batch is not None:
+    if batch is not None and kv_cache.k.is_cuda and not kv_cache.quantized:
+        # on a GPU the decode rows go through the Triton kernel over the latent (common/kernels/
+        # mla_attention.py), which reads the two halves where they lie: no gathered copy of the blocks
+        from common.kernels.mla_attention import mla_decode_launch
+
+        mla_decode_launch(
+            q, kv_cache.k[layer], kv_cache.v[layer], out, batch.rows, batch.blocks, batch.lens, scale
+        )
+    elif batch is not None:
         kb, vb = kv_cache.read_blocks(layer, batch.blocks)  # (D, max_blocks, bs, 1, half) each
         d = batch.blocks.shape[0]
         lat = torch.cat((kb, vb), dim=-1).view(d, 1, -1, width)  # (D, 1, L, width)

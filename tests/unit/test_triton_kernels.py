@@ -324,3 +324,64 @@ def test_decode_splits_depend_on_the_batch_only() -> None:
         dev = torch.device("cuda")
         assert decode_splits(1, 1, dev) == MAX_SPLITS
         assert decode_splits(256, 8, dev) == 1
+
+
+@pytest.mark.parametrize(
+    "n_heads,rank,rope,block_size,dtype",
+    [
+        (16, 32, 16, 4, torch.float32),  # width 48: halves 24, the second half partly value (8 of 24)
+        (20, 40, 8, 5, torch.float32),  # heads over two programs; width 48, halves 24, value 16 of the second
+        (4, 48, 16, 16, torch.float32),  # width 64: halves 32, the second half 16 value, 16 rope
+        (16, 32, 16, 4, torch.bfloat16),
+    ],
+    ids=["v2lite-ish", "two-head-tiles", "few-heads", "bf16"],
+)
+def test_mla_decode_kernel_matches_the_latent_torch_path(
+    n_heads: int, rank: int, rope: int, block_size: int, dtype: torch.dtype
+) -> None:
+    """The MLA decode kernel (common/kernels/mla_attention.py) against `mla_paged_attention`'s torch
+    path: ragged contexts over shuffled blocks, every row one new token, the new latents written by the
+    torch path first (as the model does), then the kernel reads the same cache."""
+    from common.kernels.mla_attention import mla_decode_launch
+    from common.model.mla import mla_paged_attention
+
+    width = rank + rope
+    half = width // 2
+    g = torch.Generator().manual_seed(n_heads + rank)
+    ctx = [1, 7, 16, 40, 3, 33]
+    need = [-(-c // block_size) for c in ctx]
+    num_blocks = sum(need) + 2
+    spec = KVCacheSpec(2, num_blocks, block_size, 1, half, dtype, mla=(rank, rope))
+    cache = PagedKVCache(spec, device=DEVICE, compute_dtype=dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(dtype))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(dtype))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots = [], []
+    for c, nb in zip(ctx, need, strict=True):
+        table, perm = perm[:nb], perm[nb:]
+        tables.append(torch.tensor(table, dtype=torch.long, device=DEVICE))
+        slots.append(table[(c - 1) // block_size] * block_size + (c - 1) % block_size)
+    T = len(ctx)
+    q = torch.randn((T, n_heads, width), generator=g).to(dtype).to(DEVICE)
+    latent = torch.randn((T, width), generator=g).to(dtype).to(DEVICE)
+    meta = AttentionMetadata(list(range(T + 1)), ctx, tables, torch.tensor(slots, device=DEVICE))
+    ref = mla_paged_attention(q, latent, rank, 1, cache, meta, 0.2)  # writes the new latents too
+    batch = meta.decode_batch(block_size)
+    assert batch is not None
+    out = torch.full_like(ref, float("nan"))
+    mla_decode_launch(q, cache.k[1], cache.v[1], out, batch.rows, batch.blocks, batch.lens, 0.2)
+    assert not out.isnan().any(), "every decode row written"
+    assert (ref.float() - out.float()).abs().max().item() <= tol(dtype)
+
+
+def test_mla_decode_kernel_refuses_what_it_does_not_run() -> None:
+    from common.kernels.mla_attention import mla_decode_launch
+
+    q = torch.zeros((2, 16, 48))
+    cache = torch.zeros((4, 4, 1, 24))
+    rows, blocks, lens = torch.tensor([0, 1]), torch.zeros((2, 1), dtype=torch.long), torch.tensor([1, 1])
+    with pytest.raises(ValueError, match="rank"):
+        mla_decode_launch(q, cache, cache, torch.zeros((2, 16, 20)), rows, blocks, lens, 1.0)
+    with pytest.raises(ValueError, match="fp8 runs on the torch path"):
+        fp8 = cache.to(torch.float8_e4m3fn)
+        mla_decode_launch(q, fp8, fp8, torch.zeros((2, 16, 32)), rows, blocks, lens, 1.0)
