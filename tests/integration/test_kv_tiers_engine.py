@@ -25,23 +25,8 @@ from common.sampling_params import SamplingParams
 from common.security.secret import InternalSecret
 from common.service.base import Service
 from common.service.metrics import EngineCollector
-from tests.support.tiers import WAIT_S, run_in_turn, tier
+from tests.support.tiers import LONG, ORDER, QUESTIONS, WAIT_S, run_in_turn, tier
 
-QUESTIONS = [  # after the chat template's shared system prompt, ~90 tokens of their own each
-    "Describe, step by step, how a bicycle converts the rider's pedaling into forward motion, "
-    "mentioning the chain, the gears and the wheels. Then say what changes when the rider shifts to a "
-    "lower gear on a steep hill, and why riding downhill in the highest gear feels so different from "
-    "riding uphill in the lowest one.",
-    "Write a short note to a neighbour asking them to water the tomato plants on the balcony while "
-    "you are away for the weekend, and thank them. Mention that the watering can is behind the door, "
-    "that the small pots need less water than the big ones, and that they may pick any ripe tomatoes "
-    "they find while you are gone.",
-    "Explain why the sky looks blue during the day and red or orange at sunset, in words a ten year "
-    "old would understand, with one everyday example. Then explain why clouds look white or grey, and "
-    "why the sky on the moon looks black even in the middle of the day when the sun is shining.",
-]
-ORDER = [0, 1, 2, 0, 1, 2, 0]  # prompt 0 is evicted twice by request 4: on disk for request 6
-LONG = ORDER + [1, 2]
 MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 

@@ -1,5 +1,5 @@
-"""What the KV offload tier tests share: requests run one at a time over an engine with tiers, and a
-tier's figures."""
+"""What the KV offload tier tests share: their prompts and request order, requests run one at a time over an
+engine with tiers, and a tier's figures."""
 
 from __future__ import annotations
 
@@ -10,6 +10,21 @@ from common.kv.tiers import TierStats
 from common.sampling_params import SamplingParams
 
 WAIT_S = 30  # how long a test waits for the tiers' writer to catch up
+QUESTIONS = [  # ~60-70 tokens each (3-4 full blocks of 16), ~90 after a chat template's system prompt
+    "Describe, step by step, how a bicycle converts the rider's pedaling into forward motion, "
+    "mentioning the chain, the gears and the wheels. Then say what changes when the rider shifts to a "
+    "lower gear on a steep hill, and why riding downhill in the highest gear feels so different from "
+    "riding uphill in the lowest one.",
+    "Write a short note to a neighbour asking them to water the tomato plants on the balcony while "
+    "you are away for the weekend, and thank them. Mention that the watering can is behind the door, "
+    "that the small pots need less water than the big ones, and that they may pick any ripe tomatoes "
+    "they find while you are gone.",
+    "Explain why the sky looks blue during the day and red or orange at sunset, in words a ten year "
+    "old would understand, with one everyday example. Then explain why clouds look white or grey, and "
+    "why the sky on the moon looks black even in the middle of the day when the sun is shining.",
+]
+ORDER = [0, 1, 2, 0, 1, 2, 0]  # prompt 0 is evicted twice by request 4: on disk for request 6
+LONG = ORDER + [1, 2]  # prompts 1 and 2 on disk for requests 7 and 8
 
 
 def run_in_turn(
