@@ -138,19 +138,20 @@ class SwallowingLoop:
     for the task forever."""
 
     def __init__(self) -> None:
-        self.ticks = 0
+        self.running = asyncio.Event()  # set once the loop waits (what stop() cancels)
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         swallowed = False
+        never = asyncio.Event()  # the loop's work: a wait that only a cancellation ends
         while True:
             try:
-                await asyncio.sleep(0.01)
+                self.running.set()
+                await never.wait()
             except asyncio.CancelledError:
                 if swallowed:
                     raise
                 swallowed = True  # the first one is lost
-            self.ticks += 1
 
     async def stop(self) -> None:
         self._task.cancel()
@@ -161,13 +162,12 @@ class SwallowingLoop:
 def test_a_stop_that_would_hang_is_bounded_and_its_loop_ended() -> None:
     async def run() -> None:
         part = SwallowingLoop()
-        while part.ticks < 2:  # running
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(part.running.wait(), 10)
         assert not await stop_bounded("test part", part.stop(), part, timeout_s=0.3)
         assert part._task.done()  # cancelled again until it ended: nothing of the old role goes on
 
         async def fine() -> None:
-            await asyncio.sleep(0)
+            return None
 
         assert await stop_bounded("fine part", fine(), timeout_s=1)
 

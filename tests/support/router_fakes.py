@@ -190,9 +190,11 @@ class FakeRegistry:
     def __init__(self) -> None:
         self.workers: dict[str, list[tuple[str, dict[str, Any]]]] = {}
         self.reads: Counter[str] = Counter()  # role -> alive() calls: a test waits on the router's next read
+        self.read = asyncio.Event()  # set at each alive() call (a test clears it, then waits)
 
     async def alive(self, role: str) -> list[Any]:
         self.reads[role] += 1
+        self.read.set()
         return [FakeWorker(name, f"http://{name}", load) for name, load in self.workers.get(role, [])]
 
 

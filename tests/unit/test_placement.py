@@ -216,27 +216,29 @@ def test_a_placement_does_not_wait_on_the_registry_while_it_has_a_recent_list() 
             super().__init__(infos)
             self.reads = self.done = 0  # reads started, reads answered
             self.gate = asyncio.Event()
+            self.moved = asyncio.Event()  # set when either count moves
 
         async def alive(self, role: str) -> list[WorkerInfo]:
             self.reads += 1
+            self.moved.set()
             await self.gate.wait()
             self.done += 1
+            self.moved.set()  # the waiter runs after this read's task has landed its list
             return await super().alive(role)
 
     def info(wid: str) -> WorkerInfo:
         return WorkerInfo(wid, "decode", f"http://{wid}", "", {"block_size": BS}, {}, 0.0)
 
-    async def until(cond: Callable[[], bool]) -> None:
-        """Let the pool's tasks run until cond holds (a read started, or answered and landed)."""
-        for _ in range(1000):
-            if cond():
-                return
-            await asyncio.sleep(0)
-        raise AssertionError("never")
-
     async def scenario() -> None:
         state = _State([info("d0")])
         registry = state.registry = SlowRegistry(state.registry.infos)
+
+        async def until(cond: Callable[[], bool]) -> None:
+            """Wait until cond holds (a read started, or answered and landed): each count's move wakes it."""
+            while not cond():
+                registry.moved.clear()
+                await asyncio.wait_for(registry.moved.wait(), 5)
+
         pool = WorkerPool(state, [], [])  # type: ignore[arg-type]
         first = asyncio.gather(*(pool.candidates("decode") for _ in range(3)))
         await until(lambda: registry.reads == 1)

@@ -4,6 +4,7 @@ de-duplication, stop strings, UTF-8 safe streaming, usage, retries, disconnects,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -248,8 +249,10 @@ async def read_again(client: httpx.AsyncClient, state: FakeState) -> None:
     deadline = time.monotonic() + 10
     while state.registry.reads["decode"] == reads:
         assert time.monotonic() < deadline, "the router never read the registry again"
-        await client.get("/health")
-        await asyncio.sleep(0.02)
+        state.registry.read.clear()
+        await client.get("/health")  # asks for the list: a read starts once the list is old enough
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.registry.read.wait(), 0.5)
 
 
 async def test_overloaded_decode_services_shed_load_with_retry_after(out_ids: list[int]) -> None:
