@@ -25,7 +25,7 @@ from common.sampling_params import SamplingParams
 from common.security.secret import InternalSecret
 from common.service.base import Service
 from common.service.metrics import EngineCollector
-from tests.support.tiers import LONG, ORDER, QUESTIONS, WAIT_S, run_in_turn, tier
+from tests.support.tiers import LONG, ORDER, QUESTIONS, WAIT_S, damage, run_in_turn, tier
 
 MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -91,23 +91,6 @@ def test_disk_tier_hits_give_the_same_tokens(smollm, prompts, reference, tmp_pat
 FAULTS = {6: (0, "truncated"), 7: (1, "checksum"), 8: (2, "missing")}  # request -> (its prompt, fault)
 
 
-def _damage(store: TierStore, prompt: list[int], fault: str) -> None:
-    """Damage every disk record holding a block of this prompt."""
-    assert store.disk is not None and store.slot is not None
-    keys = {store.disk.where[h][0] for h in prefix_chain(prompt, 16) if h in store.disk.where}
-    assert keys, "the disk tier holds none of the prompt's blocks"
-    for key in keys:
-        f = store.slot / f"{key:016x}.kv"
-        data = bytearray(f.read_bytes())
-        if fault == "truncated":
-            f.write_bytes(data[: len(data) // 2])
-        elif fault == "checksum":
-            data[len(data) - 1000] ^= 0x01  # one bit of one K/V value
-            f.write_bytes(data)
-        elif fault == "missing":
-            f.unlink()
-
-
 def test_a_damaged_disk_tier_is_recomputed_never_wrong(smollm, prompts, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Each prompt's records damaged just before the request that would read them back: truncated,
     one flipped bit, deleted."""
@@ -121,7 +104,7 @@ def test_a_damaged_disk_tier_is_recomputed_never_wrong(smollm, prompts, referenc
     def before(i: int) -> None:
         if i in FAULTS:
             p, fault = FAULTS[i]
-            _damage(store, prompts[p], fault)
+            damage(store, prompts[p], fault)
 
     try:
         assert run_in_turn(engine, prompts, LONG, PARAMS, before) == reference

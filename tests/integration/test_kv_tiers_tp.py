@@ -25,7 +25,7 @@ from common.model.llama import LlamaForCausalLM
 from common.prefix_hash import prefix_chain
 from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
-from tests.support.tiers import LONG, ORDER, QUESTIONS, run_in_turn, tier
+from tests.support.tiers import LONG, ORDER, QUESTIONS, damage, run_in_turn, tier
 
 MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -81,20 +81,6 @@ def test_ram_tier_hits_with_tensor_parallelism_give_one_ranks_tokens(
         engine.close()
 
 
-def _flip(engine: LLMEngine, prompt: list[int]) -> None:
-    """Flip one bit of one K/V value in every disk record holding a block of this prompt."""
-    assert engine.kv_offload is not None
-    store = engine.kv_offload.store
-    assert store.disk is not None and store.slot is not None
-    keys = {store.disk.where[h][0] for h in prefix_chain(prompt, 16) if h in store.disk.where}
-    assert keys, "the disk tier holds none of the prompt's blocks"
-    for key in keys:
-        f = store.slot / f"{key:016x}.kv"
-        data = bytearray(f.read_bytes())
-        data[len(data) - 1000] ^= 0x01
-        f.write_bytes(data)
-
-
 @pytest.mark.timeout(240)
 def test_disk_tier_with_two_ranks_and_a_flipped_byte(
     tiny: tuple[LlamaForCausalLM, Tokenizer],
@@ -112,7 +98,8 @@ def test_disk_tier_with_two_ranks_and_a_flipped_byte(
     def before(i: int) -> None:
         hits[i] = engine.block_manager.tier_hits
         if i == 6:
-            _flip(engine, prompts[0])
+            assert engine.kv_offload is not None
+            damage(engine.kv_offload.store, prompts[0], "checksum")
 
     try:
         assert run_in_turn(engine, prompts, LONG, PARAMS, before) == reference

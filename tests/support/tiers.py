@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from common.engine.llm_engine import LLMEngine
-from common.kv.tiers import TierStats
+from common.kv.tiers import TierStats, TierStore
+from common.prefix_hash import prefix_chain
 from common.sampling_params import SamplingParams
 
 WAIT_S = 30  # how long a test waits for the tiers' writer to catch up
@@ -51,3 +52,21 @@ def tier(engine: LLMEngine, name: str) -> TierStats:
     """The figures of the engine's `name` tier ("ram" or "disk")."""
     assert engine.kv_offload is not None
     return next(t for t in engine.kv_offload.stats().tiers if t.tier == name)
+
+
+def damage(store: TierStore, prompt: list[int], fault: str) -> None:
+    """Damage every disk record holding a block of this prompt: "truncated" (half its bytes),
+    "checksum" (one bit of one K/V value flipped) or "missing" (deleted)."""
+    assert store.disk is not None and store.slot is not None
+    keys = {store.disk.where[h][0] for h in prefix_chain(prompt, 16) if h in store.disk.where}
+    assert keys, "the disk tier holds none of the prompt's blocks"
+    for key in keys:
+        f = store.slot / f"{key:016x}.kv"
+        data = bytearray(f.read_bytes())
+        if fault == "truncated":
+            f.write_bytes(data[: len(data) // 2])
+        elif fault == "checksum":
+            data[len(data) - 1000] ^= 0x01  # one bit of one K/V value
+            f.write_bytes(data)
+        elif fault == "missing":
+            f.unlink()
