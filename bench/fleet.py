@@ -253,7 +253,7 @@ def _point(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    rates = fleet_rates(getattr(args, "fleet_rates", None), args.rate)
+    rates = fleet_rates(args.fleet_rates, args.rate)
     sweep = len(rates) > 1
     if args.fleet_routers < 1:
         raise SystemExit("error: --fleet-routers must be at least 1")

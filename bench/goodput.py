@@ -289,7 +289,7 @@ class Bench:
             common += ["--model", a.model]
         # one sim-fleet process for the configuration's services, or one each (--goodput-procs service:
         # no two services share a GIL, as no two GPU workers share a host process)
-        if getattr(a, "goodput_procs", "config") == "service":
+        if a.goodput_procs == "service":
             shapes = [(1, 0)] * lay.prefill + [(0, 1)] * lay.decode
         else:
             shapes = [(lay.prefill, lay.decode)]
@@ -500,7 +500,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workload": {k: v for k, v in vars(workload).items()},
         "max_num_seqs": args.goodput_max_num_seqs,
         "max_num_batched_tokens": budget,
-        "procs": getattr(args, "goodput_procs", "config"),  # sim-fleet processes: per config or service
+        "procs": args.goodput_procs,  # sim-fleet processes: one per configuration, or per service
         "seed": args.seed,
         "attainment_table": {
             name: {f"{p['rate']:g}": p["attainment"] for p in sorted(pts, key=lambda p: p["rate"])}
