@@ -22,7 +22,8 @@ blocks of work, lowest first:
 A worker's hit (`TierMatch`) is counted the way its engine reuses a prompt: the run of leading blocks
 its pool holds, then the run its tiers return (KV events name each hash's tier). The costs are
 measured by the services and published in their load: `prefill_tps` (recompute: block_size /
-prefill_tps seconds a block) and `kv_tier_read_ms` ({tier: ms a block read back and verified}); while
+prefill_tps seconds a block) and `kv_tier_read_ms` ({tier: ms a block read back, verified and put
+into the pool, on every rank with tensor parallelism}); while
 either is missing (a fresh service, a tier that has not been read yet) a tier block is worth
 DEFAULT_TIER_WORTH of a device block, on the low side of what the tiers measure here (a RAM read is ~1%
 of recomputing a block of SmolLM2 on CPU, a disk read a few %).

@@ -228,6 +228,9 @@ class StoreStats:
     dropped_blocks: int  # offered while the write queue was full: stored nowhere
     filtered_blocks: int  # kept off the disk by the reuse filter
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
+    # evicted blocks never offered: a tensor-parallel worker rank did not hand its heads over
+    # (common/kv/offload.py; the store never sees them, so KVOffload.stats fills this in)
+    unoffered_blocks: int = 0
 
 
 @dataclass

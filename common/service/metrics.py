@@ -254,6 +254,11 @@ class EngineCollector:
             value=store.dropped_blocks,
         )
         yield CounterMetricFamily(
+            "splitserve_kv_tier_unoffered_blocks",
+            "evicted KV blocks never offered to the tiers: a tensor-parallel worker did not hand them over",
+            value=store.unoffered_blocks,
+        )
+        yield CounterMetricFamily(
             "splitserve_kv_tier_filtered_blocks",
             "evicted KV blocks kept off the disk by the reuse filter (not evicted twice yet)",
             value=store.filtered_blocks,

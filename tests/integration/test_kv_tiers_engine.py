@@ -238,6 +238,7 @@ def test_the_service_registry_shows_each_tier(tiny, tmp_path) -> None:  # type: 
             assert f'splitserve_kv_tier_write_failures_total{{cause="full",tier="{which}"}} 0.0' in text
             assert f'splitserve_kv_tier_read_seconds_bucket{{le="+Inf",tier="{which}"}} 0.0' in text
         assert "splitserve_kv_tier_dropped_blocks_total 0.0" in text
+        assert "splitserve_kv_tier_unoffered_blocks_total 0.0" in text
         for name in ("started", "dropped", "completed", "in_time", "late"):
             assert f"splitserve_kv_tier_prefetches_{name}_total 0.0" in text, name
         assert "splitserve_kv_tier_prefetched_blocks_total 0.0" in text

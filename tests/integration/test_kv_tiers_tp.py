@@ -77,6 +77,10 @@ def test_ram_tier_hits_with_tensor_parallelism_give_one_ranks_tokens(
         assert ram.hits > 0 and ram.hits == engine.block_manager.tier_hits
         assert ram.verify_failures.total() == 0 and engine.kv_offload.dropped_blocks == 0
         assert len(engine.tp_workers.alive) == tp - 1
+        # the router's read cost counts the round trip to every rank, not just the store's read
+        assert engine.kv_offload.copy_in_blocks == ram.hits and engine.kv_offload.copy_in_s > 0
+        read_only = engine.kv_offload.store.read_s_per_block()["ram"] * 1000
+        assert engine.kv_offload.read_ms_per_block()["ram"] > read_only
     finally:
         engine.close()
 
@@ -138,6 +142,11 @@ def test_a_rank_that_fails_or_is_gone_makes_a_tier_read_a_miss(
         tokens = [tuple(prompts[1][i * 16 : (i + 1) * 16]) for i in range(len(hashes))]
         assert tiers.store.read(hashes, tokens), "prompt 1's blocks are in RAM"
         assert tiers.load(hashes, tokens, list(range(len(hashes)))) == 0  # the engine is done for anyway
+        # an evicted block whose heads the gone worker cannot hand over is never offered, and counted
+        offered = tiers.offered_blocks
+        tiers.evicted(0, 12345, tuple(range(16)))
+        tiers.flush()
+        assert tiers.offered_blocks == offered and tiers.stats().unoffered_blocks == 1
     finally:
         engine.close()
 
