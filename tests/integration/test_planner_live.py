@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from common.cluster.redis_server import RedisServer
+from common.cluster.state import ClusterState
 from planner.signals import SignalReader
-from tests.support.cluster import Cluster, free_port
+from tests.support.cluster import Cluster, free_port, wait_until
 
 pytestmark = pytest.mark.services
 
@@ -38,9 +39,22 @@ def test_signals_and_decisions_from_a_real_stack(tmp_path) -> None:  # type: ign
                         body = {"model": "default", "prompt": "Hello there", "max_tokens": 4}
                         r = await client.post(router.url + "/v1/completions", json=body)
                         assert r.status_code == 200, r.text
+                # the registry's load is a heartbeat old: wait until it shows the three finished
+                await asyncio.to_thread(wait_until, decode_idle, 10, "a heartbeat with nothing running")
                 return await reader.read()
             finally:
                 await reader.close()
+
+        def decode_idle() -> bool:
+            async def read() -> bool:
+                state = ClusterState.from_url(redis_url)
+                try:
+                    [w] = await state.registry.alive("decode")
+                    return int(w.load.get("running", 0)) + int(w.load.get("waiting", 0)) == 0
+                finally:
+                    await state.close()
+
+            return asyncio.run(read())
 
         s = asyncio.run(read_around_traffic())
         assert s is not None
