@@ -39,10 +39,15 @@ channel, calibrated like any model's (common/model/calibration.py: the latent's 
 V; their offsets are 0). The MLA attention reads the latent dequantized and rotated back (`gather`,
 `read_blocks`), so it needs nothing else (the MLA Triton decode kernel takes non-fp8 caches only).
 
-Every layer keeps every block of a sequence, sliding-window layers included (their attention masks the
-keys out of the window: correct, but the memory and the split's transfer are a full prompt's).
-TODO(issue 28): one spec per layer group (full, sliding window N), the block manager freeing the
-blocks that fall out of a window, and the transfer sending only the blocks still inside it.
+Sliding windows (`layer_windows`): the transfer sends a sliding layer only the blocks still inside its
+window (`first_needed_block`), and when every layer slides the block manager releases the blocks that
+fell out of the window (common/kv/block_manager.py, HOLEs). A model that mixes full and sliding layers
+(gemma2, gemma3) keeps one block table for all layers, so its sliding layers hold a full prompt's blocks
+in memory: correct (attention masks them out), not compact.
+TODO(issue 28): a per-group allocator for those: pages of k layers (k dividing both group sizes, e.g. 3
+for gemma3's 3 full + 15 sliding layers), one shared page pool, a block table per group (the sliding
+groups' releasing what slid out, prefix hits capped where a group lacks the window before them), the
+per-layer tables chosen in attention and in the transfer, swap and tiers per group.
 """
 
 from __future__ import annotations
