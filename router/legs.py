@@ -66,6 +66,7 @@ class Legs:
         self.first = FirstPlacement()
         self._stream: DecodeStream | None = None
         self._prefill: Worker | None = None  # set while a prefill call is in flight
+        self._decode_work = 0  # a local route's prompt tokens held on its decode service until token 1
 
     # ---- decode service --------------------------------------------------------------------------
 
@@ -99,7 +100,9 @@ class Legs:
                     "splitserve.blocks": len(reserved.block_ids),
                     "splitserve.num_cached_tokens": reserved.num_cached_tokens,
                 })  # fmt: skip
-        self.pool.hold(self._stream.worker)
+        if mode == "local":  # it computes the prompt itself: that work counts until its first token
+            self._decode_work = max(0, len(out.tokens) - reserved.num_cached_tokens)
+        self.pool.hold(self._stream.worker, self._decode_work)
         return reserved
 
     async def read_tokens(self, stall_s: float | None = None) -> list[int] | None:
@@ -119,6 +122,9 @@ class Legs:
                     detail = f"decode service {self._stream.worker.id} ended it: {why}"
                     raise APIError(502, "the decode service ended the request early", detail=detail)
                 out.finish_reason = frame.finish_reason
+            if self._decode_work and (new or frame.finished):
+                self.pool.done_tokens(self._stream.worker, self._decode_work)
+                self._decode_work = 0
             if new:
                 return new
             if frame.finished:
@@ -146,7 +152,8 @@ class Legs:
             try:
                 await stream.aclose()
             finally:
-                self.pool.release(stream.worker)
+                self.pool.release(stream.worker, self._decode_work)
+                self._decode_work = 0
 
     # ---- prefill service -------------------------------------------------------------------------
 
@@ -156,10 +163,11 @@ class Legs:
         # P records PREFILLING and TRANSFERRING itself, D records RESERVED and DECODING: the router
         # writes only QUEUED and the end, keeping Redis round trips off the path to the first token.
         self._prefill = w  # from here until it answers, a cancelled request must abort it on P
-        self.pool.hold(w)
+        out = self.output
+        work = len(out.tokens)  # the prompt work P has for it (ranking: placement.py, queued_blocks)
+        self.pool.hold(w, work)
         try:
             with span_scope(_tracer, "router.prefill", attributes={"splitserve.prefill_id": w.id}):
-                out = self.output
                 req = PrefillRequest(
                     self.id, out.tokens, out.next_sampling(), r.kv_endpoint, r.block_ids, r.fence,
                     r.num_cached_tokens, self.deadline, traceparent(), len(out.ids),
@@ -167,7 +175,7 @@ class Legs:
                 )  # fmt: skip
                 first = await self._prefill_or_decode_error(call_prefill(self.client, w, req))
         finally:
-            self.pool.release(w)
+            self.pool.release(w, work)
         self._prefill = None
         return first
 

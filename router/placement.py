@@ -14,8 +14,12 @@ blocks of work, lowest first:
   its hit, where a hit block is worth what it saves (`tier_worth`): one held in the device pool a whole
   block, one in an offload tier (RAM, disk) 1 - read cost / recompute cost (nothing when recomputing
   that block is as cheap as reading it);
-- queued_blocks: prompt tokens already waiting in its queue, in blocks (its heartbeat's
-  `queued_tokens`);
+- queued_blocks: prompt tokens already waiting in its queue, in blocks: its heartbeat's
+  `queued_tokens`, or when higher the prompt tokens this router has handed it and that it has not
+  answered yet (`in_flight_tokens`: a prefill call's prompt, a local route's until its first token).
+  The heartbeat is up to a second old and counts only the queue, not the prompt being computed: a
+  service just handed a 1,500-token prompt looked as free as an idle one until its next heartbeat,
+  so requests arriving in that second piled onto it;
 - sequences: requests sharing its steps — the heartbeat's running + waiting, or this router's own count
   of requests it has on the worker when that is higher (the heartbeat is up to a second old).
 
@@ -116,9 +120,11 @@ def rank(
     prefix_weight: float,
     load_weight: float,
     root: int = ROOT,
+    in_flight_tokens: Counter[str] | None = None,
 ) -> list[Candidate]:
     """`workers` (router.workers.Worker) as Candidates, cheapest first. With no index every hit is 0.
-    `root`: the chain root of the request's cache salt (hits count only blocks of its own namespace)."""
+    `root`: the chain root of the request's cache salt (hits count only blocks of its own namespace).
+    `in_flight_tokens`: per worker url, prompt tokens of this router's calls it has not answered."""
     chains: dict[int, list[int]] = {}  # block size -> the prompt's chain (workers usually share one)
     out = []
     for w in workers:
@@ -135,7 +141,10 @@ def rank(
         )
         unit = bs or 16  # a worker that published no block size: count in 16-token blocks
         uncached = -(-(len(prompt_ids) - hit * bs) // unit) + discount
-        queued_blocks = int(w.load.get("queued_tokens", 0)) / unit
+        queued = int(w.load.get("queued_tokens", 0))
+        if in_flight_tokens is not None:
+            queued = max(queued, in_flight_tokens[w.url])
+        queued_blocks = queued / unit
         seqs = max(int(w.load.get("running", 0)) + int(w.load.get("waiting", 0)), in_flight[w.url])
         cost = prefix_weight * uncached + load_weight * (queued_blocks + seqs)
         out.append(Candidate(w, hit, bs, cost, match.ram + match.disk, discount))

@@ -66,6 +66,8 @@ class WorkerPool:
         self.other_model: dict[str, str] = {}
         self.static = {"decode": list(decode_urls), "prefill": list(prefill_urls)}
         self.in_flight: Counter[str] = Counter()  # worker url -> requests this router has on it
+        # worker url -> prompt tokens of this router's calls it has not answered (prefill calls)
+        self.in_flight_tokens: Counter[str] = Counter()
         self._cache: dict[str, tuple[float, list[Worker]]] = {}  # role -> (read at, workers)
         self._known: dict[str, list[Worker]] = {}  # role -> the last non-empty list read
         # role -> when its registry read first came back empty or failed since that list (None: it did not)
@@ -276,13 +278,26 @@ class WorkerPool:
         """`workers` cheapest first for this prompt: prefix hits (when the pool has a KV index, counted
         under the chain root of the request's cache salt) against load (router/placement.py)."""
         index: PrefixIndex | None = self.index
-        return rank(workers, prompt_ids, index, self.in_flight, prefix_weight, load_weight, root)
+        tokens = self.in_flight_tokens
+        return rank(workers, prompt_ids, index, self.in_flight, prefix_weight, load_weight, root, tokens)
 
-    def hold(self, worker: Worker) -> None:
-        """Count a request of ours against `worker` (until release)."""
+    def hold(self, worker: Worker, tokens: int = 0) -> None:
+        """Count a request of ours against `worker` (until release), and `tokens` of prompt work it
+        has to do for it before its first token (a prefill call's prompt, or a local route's on a decode
+        service: until `done_tokens` or release)."""
         self.in_flight[worker.url] += 1
+        if tokens:
+            self.in_flight_tokens[worker.url] += tokens
 
-    def release(self, worker: Worker) -> None:
+    def release(self, worker: Worker, tokens: int = 0) -> None:
         self.in_flight[worker.url] -= 1
         if self.in_flight[worker.url] <= 0:
             del self.in_flight[worker.url]
+        self.done_tokens(worker, tokens)
+
+    def done_tokens(self, worker: Worker, tokens: int) -> None:
+        """`tokens` of prompt work held on `worker` are done (its first token came), the request stays."""
+        if tokens:
+            self.in_flight_tokens[worker.url] -= tokens
+            if self.in_flight_tokens[worker.url] <= 0:
+                del self.in_flight_tokens[worker.url]

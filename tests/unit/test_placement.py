@@ -73,6 +73,42 @@ def test_only_leading_blocks_count_and_the_router_in_flight_count_is_load() -> N
     assert ranked[1].cost == pytest.approx(41 + 2)  # two of ours there since its last heartbeat
 
 
+def test_prompt_work_of_ours_in_flight_counts_until_the_heartbeat_shows_it() -> None:
+    """A prefill service just handed a long prompt still heartbeats an empty queue for up to a second
+    (and never counts the prompt it is computing): the router's own unanswered prompt tokens on it
+    count as its queue, the heartbeat's when that is higher."""
+    p0, p1 = worker("p0", running=1), worker("p1", running=1)
+    ours = Counter({"http://p0": 1})
+    tokens = Counter({"http://p0": 30 * BS})  # a 30-block prompt of ours p0 has not answered yet
+    ranked = rank([p0, p1], PROMPT, None, ours, 1.0, 1.0, in_flight_tokens=tokens)
+    assert [c.worker.id for c in ranked] == ["p1", "p0"]
+    assert ranked[1].cost == pytest.approx(41 + 30 + 1) and ranked[0].cost == pytest.approx(41 + 1)
+    # the heartbeat's queue wins when it is the higher
+    busy = worker("p1", running=1, queued_tokens=35 * BS)
+    ranked = rank([p0, busy], PROMPT, None, ours, 1.0, 1.0, in_flight_tokens=tokens)
+    assert [c.worker.id for c in ranked] == ["p0", "p1"] and ranked[1].cost == pytest.approx(41 + 35 + 1)
+
+
+def test_the_pool_counts_prompt_tokens_held_until_released() -> None:
+    pool = WorkerPool(_State([]), [], [])  # type: ignore[arg-type]
+    w = worker("p0")
+    pool.hold(w, 500)
+    pool.hold(w, 300)
+    pool.hold(w)  # a decode stream: no prompt work
+    assert pool.in_flight[w.url] == 3 and pool.in_flight_tokens[w.url] == 800
+    pool.release(w, 500)
+    pool.release(w)
+    assert pool.in_flight[w.url] == 1 and pool.in_flight_tokens[w.url] == 300
+    pool.release(w, 300)
+    assert w.url not in pool.in_flight and w.url not in pool.in_flight_tokens
+    # a local route's prompt on a decode service: its work is done at token 1, the stream stays
+    pool.hold(w, 200)
+    pool.done_tokens(w, 200)
+    assert pool.in_flight[w.url] == 1 and w.url not in pool.in_flight_tokens
+    pool.release(w)
+    assert w.url not in pool.in_flight
+
+
 def test_without_an_index_it_is_least_loaded() -> None:
     ranked = rank([worker("d0", running=2), worker("d1", running=1)], PROMPT, None, Counter(), 1.0, 1.0)
     assert [c.worker.id for c in ranked] == ["d1", "d0"] and all(c.hit_blocks == 0 for c in ranked)
