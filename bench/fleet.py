@@ -7,10 +7,10 @@ Two parts:
 2. fleet: Redis, `--fleet-procs` `splitserve sim-fleet` processes holding --fleet-prefill + --fleet-decode
    services between them, --fleet-routers routers, then open-loop Poisson arrivals of short requests at
    --rate for --fleet-duration-s, spread over the routers. Reported: offered vs achieved rate, errors,
-   end-to-end latency, router CPU per request (its process's user + system time over the run), and, from a
-   sample of the requests' records, the router's queued -> reserved time (placement plus the decode
-   service's reservation round trip: an upper bound on placement time, which the router does not
-   time on its own), the fleet's RSS and the load generator's own CPU.
+   end-to-end latency, router CPU per request (its process's user + system time over the run, and the
+   system share of it), and, from a sample of the requests' records, the router's queued -> reserved
+   time (placement plus the decode service's reservation round trip: an upper bound on placement
+   time, which the router does not time on its own), the fleet's RSS and the load generator's own CPU.
    With --fleet-rates (a sweep) one fleet serves every rate, each through one router and through all
    --fleet-routers in turn, and the points are plotted: achieved against offered rate, and end-to-end
    p50/p99, a line per router count (<--out>/fleet.png).
@@ -206,6 +206,11 @@ def _cpu(pids: list[int]) -> float:
     return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
 
 
+def _system_cpu(pids: list[int]) -> float:
+    """Of _cpu, the time in the kernel (system calls: the sockets' sends and receives, the loop's polls)."""
+    return sum(psutil.Process(pid).cpu_times().system for pid in pids)
+
+
 def _point(
     routers: list[str], router_pids: list[int], fleet_pids: list[int], rate: float, args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -213,9 +218,11 @@ def _point(
     load_before = load_avg()
     me = psutil.Process()
     fleet0, cpu0, me0 = _cpu(fleet_pids), _cpu(router_pids), sum(me.cpu_times()[:2])
+    sys0 = _system_cpu(router_pids)
     placed0 = [_placement_buckets(url) for url in routers]
     load = asyncio.run(_load(routers, rate, args.fleet_duration_s, args.fleet_output_tokens, args.seed))
     router_cpu = _cpu(router_pids) - cpu0
+    router_sys = _system_cpu(router_pids) - sys0
     me_cpu = sum(me.cpu_times()[:2]) - me0
     placed: Counter[float] = Counter()
     for url, before in zip(routers, placed0, strict=True):
@@ -240,6 +247,7 @@ def _point(
         "queued_to_reserved_p99_ms": _ms(load["placements"], 99),
         "router_cpu_ms_per_request": round(router_cpu / max(1, done) * 1e3, 3),
         "router_cpu_cores": round(router_cpu / load["done_s"], 2),
+        "router_cpu_system_share": round(router_sys / router_cpu, 3) if router_cpu > 0 else None,
         "loadgen_cpu_cores": round(me_cpu / load["done_s"], 2),
         "fleet_cpu_cores": round(fleet_cpu / load["done_s"], 2),
         # how the sampled requests spread over the decode services (router placement under this load)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -39,15 +40,17 @@ from router.access import AUTHENTICATED, Access
 from router.auth.keys import ApiKey
 from router.config import RouterConfig
 from router.errors import APIError, install_handlers
+from router.http_backend import service_transport, without_cookies
 from router.metrics import RouterMetrics
 from router.openai_types import ChatCompletionRequest, CompletionRequest, request_body_schema
 from router.orchestrator import Orchestrator
 from router.prep import prepare_detokenize, prepare_tokenize
 from router.serving import Server
 from router.tokenize import detokenize_body_schema, tokenize_body_schema
-from router.upstream import SettledTransport
+from router.upstream import PerServiceTransport, SettledTransport
 
 log = logging.getLogger(__name__)
+IDLE_PER_SERVICE = 32  # idle connections kept to each service (router/upstream.py PerServiceTransport)
 
 
 def create_app(
@@ -70,18 +73,7 @@ def create_app(
     setup_tracing("router")
     secret = InternalSecret.from_env() if secret is None else secret
     owns_client = http_client is None
-    client = http_client or httpx.AsyncClient(
-        # Connecting must be quick; reading must not time out (a decode stream lasts as long as the
-        # generation): the request's own deadline bounds every wait instead.
-        timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
-        auth=SignedCalls(secret),  # the services refuse /internal/ calls without the cluster secret's proof
-        transport=SettledTransport(
-            httpx.AsyncHTTPTransport(
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-                verify=_internal_tls(config),
-            )
-        ),
-    )
+    client = http_client or _service_client(config, secret)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -246,10 +238,31 @@ def create_app(
     return app
 
 
-def _internal_tls(config: RouterConfig) -> ssl.SSLContext | bool:
+def _service_client(config: RouterConfig, secret: InternalSecret) -> httpx.AsyncClient:
+    """The router's client to the services: a pool per service (httpcore's bookkeeping walks every
+    connection of a pool per call), each on asyncio sockets (router/http_backend.py), one TLS context
+    for all of them (made once, not per pool), no cookie store."""
+    pools = functools.partial(
+        service_transport,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=IDLE_PER_SERVICE),
+        verify=_internal_tls(config),
+    )
+    return without_cookies(
+        httpx.AsyncClient(
+            # Connecting must be quick; reading must not time out (a decode stream lasts as long as the
+            # generation): the request's own deadline bounds every wait instead.
+            timeout=httpx.Timeout(None, connect=config.connect_timeout_s),
+            # the services refuse /internal/ calls without the cluster secret's proof
+            auth=SignedCalls(secret),
+            transport=SettledTransport(PerServiceTransport(pools)),
+        )
+    )
+
+
+def _internal_tls(config: RouterConfig) -> ssl.SSLContext:
     """How the router checks the services' HTTPS: the system's CAs, or internal_ca_file's."""
     if not config.internal_ca_file:
-        return True
+        return httpx.create_ssl_context()  # what verify=True makes (httpx's default CAs)
     ctx = ssl.create_default_context(cafile=config.internal_ca_file)
     ctx.check_hostname = config.internal_tls_check_hostname
     return ctx
