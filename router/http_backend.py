@@ -68,18 +68,20 @@ class _Protocol(asyncio.Protocol):
         _wake(self._drained)
 
     async def wait_data(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
+        await self._wait("_waiter")
 
     async def wait_drained(self) -> None:
-        self._drained = asyncio.get_running_loop().create_future()
+        await self._wait("_drained")
+
+    async def _wait(self, slot: str) -> None:
+        """Wait until the future put in `slot` (_waiter or _drained) is woken; the slot is empty again
+        after, however the wait ends."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        setattr(self, slot, fut)
         try:
-            await self._drained
+            await fut
         finally:
-            self._drained = None
+            setattr(self, slot, None)
 
 
 def _wake(fut: asyncio.Future[None] | None) -> None:
