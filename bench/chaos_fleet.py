@@ -41,7 +41,7 @@ import httpx
 import psutil
 from tqdm import tqdm
 
-from bench.fleet import PROFILE, free_ports, healthy, routed, split_evenly, wait_for
+from bench.fleet import PROFILE, healthy, routed, split_evenly, wait_for
 from bench.rounds import load_avg
 from bench.serving import Stack, metric_sum, scrape
 from bench.soak import TERMINAL, Outcome, one, quiesce
@@ -56,9 +56,8 @@ BROKEN = ("RemoteProtocolError", "ReadError", "ConnectError", "WriteError", "Con
 
 def _start_fleet(stack: Stack, redis_url: str, prefill: int, decode: int) -> tuple[int, list[str]]:
     """One sim-fleet process holding `prefill` + `decode` services; its pid and its services' URLs."""
-    base = free_ports(prefill + decode)
     flags = ["--prefill", str(prefill), "--decode", str(decode), "--redis-url", redis_url]
-    stack.start("sim-fleet", *flags, "--sim-profile", PROFILE, port=base, timeout_s=300)
+    base = stack.start_block(prefill + decode, "sim-fleet", *flags, "--sim-profile", PROFILE, timeout_s=300)
     pid = stack.procs[-1].pid
     for port in range(base, base + prefill + decode):
         wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")

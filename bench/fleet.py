@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import tempfile
 import time
 from collections import Counter
@@ -87,25 +86,6 @@ def step_accuracy(steps: int = 40) -> dict[str, Any]:
             "max": round(max(ratios), 4),
         }
     return out
-
-
-def free_ports(n: int) -> int:
-    """The first of n consecutive free ports on 127.0.0.1."""
-    rng = random.Random()
-    while True:
-        base = rng.randrange(20000, 60000 - n)
-        try:
-            socks = []
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
 
 
 def split_evenly(total: int, parts: int) -> list[int]:
@@ -274,7 +254,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         fleet_pids = []
         for p, d in zip(split_evenly(prefill, procs), split_evenly(decode, procs), strict=True):
-            base = free_ports(p + d)
             flags = [
                 "--prefill",
                 str(p),
@@ -285,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "--sim-profile",
                 PROFILE,
             ]
-            stack.start("sim-fleet", *flags, port=base, timeout_s=300)
+            base = stack.start_block(p + d, "sim-fleet", *flags, timeout_s=300)
             fleet_pids.append(stack.procs[-1].pid)
             for port in range(base, base + p + d):
                 wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")

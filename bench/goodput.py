@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.fleet import free_ports, healthy, routed, wait_for
+from bench.fleet import healthy, routed, wait_for
 from bench.loadgen import Result, arrival_offsets, make_specs, run_load, summarize
 from bench.plots import pyplot, save
 from bench.rounds import load_avg
@@ -278,7 +278,6 @@ class Bench:
     def start(self) -> None:
         a, lay = self.args, self.layout
         self.redis.start()
-        base = free_ports(lay.workers)
         common = [
             "--redis-url", self.redis.url, "--sim-profile", self.profile_path,
             "--max-num-seqs", str(a.goodput_max_num_seqs),
@@ -293,15 +292,14 @@ class Bench:
             shapes = [(1, 0)] * lay.prefill + [(0, 1)] * lay.decode
         else:
             shapes = [(lay.prefill, lay.decode)]
-        port = base
+        ports: list[int] = []
         for p, d in shapes:
-            self.stack.start(
-                "sim-fleet", "--prefill", str(p), "--decode", str(d), *common, port=port, timeout_s=300
-            )
+            flags = ("--prefill", str(p), "--decode", str(d), *common)
+            base = self.stack.start_block(p + d, "sim-fleet", *flags, timeout_s=300)
             self.fleet.append(psutil.Process(self.stack.procs[-1].pid))
-            port += p + d
-        self.services = [f"http://127.0.0.1:{p}" for p in range(base, base + lay.workers)]
-        for port in range(base, base + lay.workers):
+            ports += range(base, base + p + d)
+        self.services = [f"http://127.0.0.1:{p}" for p in ports]
+        for port in ports:
             wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")
         threshold = SPLIT_THRESHOLD if lay.prefill else LOCAL_THRESHOLD
         model = ["--model", a.model] if a.model else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import socket
 import subprocess
@@ -55,6 +56,34 @@ def metric_sum(samples: dict[str, float], name: str, labels: str = "") -> float:
     return sum(v for k, v in samples.items() if k.split("{", 1)[0] == name and labels in k)
 
 
+PORT_TRIES = 3  # starts on fresh ports after another process took a port found free (PortTaken)
+
+
+class PortTaken(RuntimeError):
+    """A child could not bind its port: another process took it between our finding it free and the
+    child binding it (a busy machine runs other servers too)."""
+
+
+def free_ports(n: int) -> int:
+    """The first of n consecutive ports on 127.0.0.1 that are free now (another process may take one
+    before a child binds it: Stack.start_block starts again then)."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
 class Stack:
     """Service processes on 127.0.0.1, each logging to its own file; stop() ends every one."""
 
@@ -72,11 +101,34 @@ class Stack:
         module: str = "splitserve",
     ) -> str:
         """Start `splitserve <role> <flags>` (on `port`, default any free one) and wait until /health
-        answers; its URL. Another `module` runs as `python -m <module> <flags>` (`role` names its log)."""
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+        answers; its URL. Another `module` runs as `python -m <module> <flags>` (`role` names its log).
+        A port taken meanwhile by another process: PortTaken for a given `port`; a free one picked here
+        is picked again (PORT_TRIES times)."""
+        for attempt in range(1 if port is not None else PORT_TRIES):
+            try:
+                return self._start(role, flags, timeout_s, free_ports(1) if port is None else port, module)
+            except PortTaken:
+                if port is not None or attempt == PORT_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def start_block(
+        self, n: int, role: str, *flags: str, timeout_s: float = 180.0, module: str = "splitserve"
+    ) -> int:
+        """Start `splitserve <role> --port base <flags>`, a process serving on the n ports from base
+        (a sim-fleet), on n consecutive free ports; again on fresh ones when a port was taken meanwhile
+        (PORT_TRIES times). Returns base."""
+        for attempt in range(PORT_TRIES):
+            base = free_ports(n)
+            try:
+                self.start(role, *flags, port=base, timeout_s=timeout_s, module=module)
+                return base
+            except PortTaken:
+                if attempt == PORT_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, role: str, flags: tuple[str, ...], timeout_s: float, port: int, module: str) -> str:
         log_path = os.path.join(self.log_dir, f"{role}-{port}.log")
         with open(log_path, "a") as log:  # the child keeps its own descriptor
             program = [role] if module == "splitserve" else []
@@ -88,8 +140,12 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
+                self.procs.remove(proc)
+                del self.by_url[url]
                 with open(log_path, errors="replace") as f:
-                    raise RuntimeError(f"{role} exited with {proc.returncode}:\n{f.read()[-2000:]}")
+                    text = f.read()
+                error = PortTaken if "address already in use" in text else RuntimeError
+                raise error(f"{role} exited with {proc.returncode}:\n{text[-2000:]}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2):
                     return url

@@ -66,7 +66,7 @@ def test_split_requests_complete_with_the_sims_tokens_and_real_kv_bytes(stack) -
 
 
 def test_sim_fleet_runs_many_registered_services_in_one_process(tmp_path, redis_url) -> None:  # type: ignore[no-untyped-def]
-    from bench.fleet import free_ports
+    from bench.serving import free_ports
 
     # Redis database 1: the module's other stack (database 0) is still registered and must not be routed to
     cluster = Cluster(redis_url.rstrip("/") + "/1", str(tmp_path))

@@ -1,0 +1,46 @@
+"""Benchmarks start their services on ports found free a moment earlier; on a busy machine another
+process can take one in between. Stack (bench/serving.py) then starts again on fresh ports instead of
+failing a benchmark run minutes in. Real processes and real binds (tests/support/port_server.py)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+import bench.serving as serving
+from bench.serving import PortTaken, Stack
+
+SERVER = "tests.support.port_server"
+
+
+@pytest.fixture
+def taken() -> Iterator[int]:
+    """A port another process (here: this one) holds."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_taken_port_is_port_taken_and_a_picked_one_is_picked_again(
+    tmp_path, taken: int, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    stack = Stack(str(tmp_path))
+    try:
+        with pytest.raises(PortTaken, match="address already in use"):
+            stack.start("port-server", port=taken, module=SERVER, timeout_s=30)
+        assert not stack.procs  # the child that failed is forgotten
+        # the port picked for it is taken before it binds: picked again, once
+        picks = iter([taken])
+        free = serving.free_ports
+        monkeypatch.setattr(serving, "free_ports", lambda n: next(picks, None) or free(n))
+        url = stack.start("port-server", module=SERVER, timeout_s=30)
+        assert not url.endswith(f":{taken}") and len(stack.procs) == 1
+        # a block of ports (a sim-fleet's) likewise
+        picks = iter([taken])
+        base = stack.start_block(1, "port-server", module=SERVER, timeout_s=30)
+        assert base != taken and len(stack.procs) == 2
+    finally:
+        stack.stop()
