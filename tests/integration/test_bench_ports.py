@@ -1,6 +1,7 @@
-"""Benchmarks start their services on ports found free a moment earlier; on a busy machine another
-process can take one in between. Stack (bench/serving.py) then starts again on fresh ports instead of
-failing a benchmark run minutes in. Real processes and real binds (tests/support/port_server.py)."""
+"""Benchmarks and tests start their services on ports found free a moment earlier; on a busy machine
+another process can take one in between. Stack (bench/serving.py) and the tests' Cluster
+(tests/support/cluster.py) then start again on fresh ports instead of failing a benchmark run minutes in,
+or a test at random. Real processes and real binds (tests/support/port_server.py)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,19 @@ from collections.abc import Iterator
 import pytest
 
 import bench.serving as serving
+import tests.support.cluster as cluster
 from bench.serving import PortTaken, Stack
+from tests.support.cluster import Cluster
 
 SERVER = "tests.support.port_server"
 
 
 @pytest.fixture
 def taken() -> Iterator[int]:
-    """A port another process (here: this one) holds."""
+    """A port another process (here: this one) holds: bound, not listening, so a health check on it is
+    refused at once (a listener would hold each check for its whole timeout)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        s.listen()
         yield s.getsockname()[1]
 
 
@@ -44,3 +47,20 @@ def test_a_taken_port_is_port_taken_and_a_picked_one_is_picked_again(
         assert base != taken and len(stack.procs) == 2
     finally:
         stack.stop()
+
+
+def test_the_tests_cluster_picks_a_taken_port_again(
+    tmp_path, taken: int, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    c = Cluster(None, str(tmp_path))
+    try:
+        with pytest.raises(cluster.PortTaken, match="address already in use"):
+            c.start("port-server", port=taken, module=SERVER, timeout_s=30)
+        assert not c.procs
+        picks = iter([taken])
+        free = cluster.free_port
+        monkeypatch.setattr(cluster, "free_port", lambda: next(picks, None) or free())
+        proc = c.start("port-server", module=SERVER, timeout_s=30)
+        assert not proc.url.endswith(f":{taken}") and c.procs == [proc]
+    finally:
+        c.stop()

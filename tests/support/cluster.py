@@ -24,6 +24,13 @@ INTERNAL_SECRET = "splitserve-tests-internal-secret-3f9a"
 internal_auth = SignedCalls(InternalSecret(INTERNAL_SECRET.encode()))
 
 
+PORT_TRIES = 3  # Cluster.start: ports picked again after another process took one (PortTaken)
+
+
+class PortTaken(RuntimeError):
+    """A child could not bind its port: another process took it after it was found free."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -67,8 +74,26 @@ class Cluster:
         module: str = "splitserve",
     ) -> Proc:
         """Start a service process and wait until it is healthy; `env` adds to its environment. Another
-        `module` runs as `python -m <module> --port P <flags>` (`role` names its log; no Redis flag)."""
-        port = port or free_port()
+        `module` runs as `python -m <module> --port P <flags>` (`role` names its log; no Redis flag).
+        A port picked here that another process takes before the child binds it (two test workers, and
+        everything else on the machine, pick ports at once) is picked again, up to PORT_TRIES times."""
+        for attempt in range(1 if port else PORT_TRIES):
+            try:
+                return self._start(role, flags, timeout_s, env, port or free_port(), module)
+            except PortTaken:
+                if port or attempt == PORT_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(
+        self,
+        role: str,
+        flags: tuple[str, ...],
+        timeout_s: float,
+        env: dict[str, str] | None,
+        port: int,
+        module: str,
+    ) -> Proc:
         program = [role] if module == "splitserve" else []
         cmd = [sys.executable, "-m", module, *program, "--port", str(port), *flags]
         if self.redis_url and module == "splitserve":
@@ -90,7 +115,10 @@ class Cluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.popen.poll() is not None:
-                raise RuntimeError(f"{role} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+                self.procs.remove(proc)
+                tail = proc.log_tail()
+                error = PortTaken if "address already in use" in tail else RuntimeError
+                raise error(f"{role} exited with {proc.popen.returncode}:\n{tail}")
             try:
                 get_json(proc.url + "/health")
                 return proc

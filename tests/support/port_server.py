@@ -1,6 +1,7 @@
-"""A tiny real server for tests of process start-up (bench/serving.py Stack): binds 127.0.0.1:--port
-and answers GET /health with 200, as the services do; exits with the bind error's message (as uvicorn
-words it: "address already in use") when the port is taken."""
+"""A tiny real server for tests of process start-up (bench/serving.py Stack, tests/support/cluster.py):
+binds 127.0.0.1:--port and answers GET /health with 200 and an empty JSON object, as the services answer
+theirs; exits with the bind error's message (as uvicorn words it: "address already in use") when the
+port is taken."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 class _Health(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        self.send_response(200 if self.path == "/health" else 404)
+        body = b"{}" if self.path == "/health" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
         self.end_headers()
+        self.wfile.write(body)
 
     def log_message(self, *args: object) -> None:
         pass
