@@ -53,8 +53,11 @@ lint: $(STAMP)
 # slowest tests are printed at the end (the suite's budget: 12 minutes on 2 cores).
 # A worker that dies (--max-worker-restart=0) ends the run at once, naming its test: restarting it under
 # --dist loadfile once left the run hung with both workers idle.
+# --no-loadscope-reorder: files are handed out in collection order, which tests/conftest.py sorts
+# costliest first; without it pytest-xdist (3.7 and newer) re-sorts them by their number of tests, and
+# the long single-test files (the soak, the benches) started last.
 TEST_WORKERS ?= 2
-PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=20
+PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=20
 
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)

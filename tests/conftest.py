@@ -43,7 +43,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     minutes, then chaos, then those that start services, then those on the real model, then the
     rest), each file's tests kept together and in order: pytest-xdist hands out whole files in this
     order, so the long ones start at once and short ones fill in at the end, instead of one worker
-    finishing a long file alone."""
+    finishing a long file alone. Only with --no-loadscope-reorder (the Makefile passes it): by default
+    pytest-xdist 3.7 and newer re-sort the files by their number of tests, which put the
+    single-test files (the soak, the benches, minutes of work between them) last."""
     for item in items:
         if "smollm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.real_model)

