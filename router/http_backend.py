@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any, cast
 
 import httpcore
@@ -182,32 +182,36 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
     ) -> httpcore.AsyncNetworkStream:
         loop = asyncio.get_running_loop()
         local = (local_address, 0) if local_address else None
-        try:
-            async with asyncio.timeout(timeout):
-                transport, protocol = await loop.create_connection(_Protocol, host, port, local_addr=local)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"no connection to {host}:{port} within {timeout:g} s") from None
-        except OSError as e:
-            raise httpcore.ConnectError(repr(e)) from e
-        _apply(transport, socket_options)
-        return AsyncioStream(cast(asyncio.Transport, transport), protocol)
+        opening = loop.create_connection(_Protocol, host, port, local_addr=local)
+        return await _connect(opening, f"{host}:{port}", timeout, socket_options)
 
     async def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
     ) -> httpcore.AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(timeout):
-                transport, protocol = await loop.create_unix_connection(_Protocol, path)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"could not connect to {path} within {timeout:g} s") from None
-        except OSError as e:
-            raise httpcore.ConnectError(repr(e)) from e
-        _apply(transport, socket_options)
-        return AsyncioStream(cast(asyncio.Transport, transport), protocol)
+        opening = asyncio.get_running_loop().create_unix_connection(_Protocol, path)
+        return await _connect(opening, path, timeout, socket_options)
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+
+async def _connect(
+    opening: Coroutine[Any, Any, tuple[asyncio.BaseTransport, _Protocol]],
+    where: str,
+    timeout: float | None,
+    socket_options: Iterable[Any] | None,
+) -> httpcore.AsyncNetworkStream:
+    """A connection being made, as httpcore's stream: ConnectTimeout past `timeout`, ConnectError if it
+    fails."""
+    try:
+        async with asyncio.timeout(timeout):
+            transport, protocol = await opening
+    except TimeoutError:
+        raise httpcore.ConnectTimeout(f"no connection to {where} within {timeout:g} s") from None
+    except OSError as e:
+        raise httpcore.ConnectError(repr(e)) from e
+    _apply(transport, socket_options)
+    return AsyncioStream(cast(asyncio.Transport, transport), protocol)
 
 
 def _apply(transport: asyncio.BaseTransport, options: Iterable[Any] | None) -> None:
