@@ -14,6 +14,7 @@ Every answer equals the plain engine's (tiers off, no split), token for token.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -75,14 +76,48 @@ def ask(router_url: str, messages: list[dict[str, str]]) -> tuple[str, str, dict
     return r.json()["choices"][0]["message"]["content"], route, rec
 
 
-def test_tier_hits_across_the_split(stack, tiny) -> None:  # type: ignore[no-untyped-def]
-    prefill, decode, router = stack
+def plain_answers(tiny) -> Callable[[list[dict[str, str]]], str]:  # type: ignore[no-untyped-def]
+    """A chat's answer from the plain engine, tiers off (the prompt tokenized as the router does)."""
     model, tok = tiny
     reference = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
 
     def want(messages: list[dict[str, str]]) -> str:
-        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)  # as the router does
+        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
         return reference.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))[0].text
+
+    return want
+
+
+def read_back_from_tiers(
+    router_url: str,
+    prefill_url: str,
+    decode_url: str,
+    want: Callable[[list[dict[str, str]]], str],
+    reusable: int,
+) -> tuple[str, dict, dict]:  # type: ignore[type-arg]
+    """A, then B (A leaves both pools for their tiers), then A again: the prefill service reads A back
+    instead of computing it, the decode service reads it back too so only the suffix moves, and every
+    answer is the tiers-off one. The second A's route, and both A's records."""
+    a = story("Ada")
+    text, _, first = ask(router_url, a)
+    assert text == want(a)
+    text, _, _ = ask(router_url, story("Bob"))  # evicts A from both pools into their tiers
+    assert text == want(story("Bob"))
+    p0, d0 = hits(prefill_url), hits(decode_url)
+    text, route, again = ask(router_url, a)
+    p1, d1 = hits(prefill_url), hits(decode_url)
+    assert text == want(a), "read back from the tiers, the answer is the tiers-off one"
+    # the prefill service's computed prompt tokens fell to the tail: the rest came from pool and tier
+    assert p1[1] - p0[1] > 0 and (p1[0] - p0[0]) + (p1[1] - p0[1]) == reusable, (p0, p1)
+    assert d1[1] - d0[1] > 0 and (d1[0] - d0[0]) + (d1[1] - d0[1]) == reusable, (d0, d1)
+    assert 0 < again["transfer_bytes"] * 4 < first["transfer_bytes"], (first, again)
+    return route, first, again
+
+
+def test_tier_hits_across_the_split(stack, tiny) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode, router = stack
+    model, tok = tiny
+    want = plain_answers(tiny)
 
     def chain(messages: list[dict[str, str]]) -> list[int]:
         return prefix_chain(tok.encode(tok.apply_chat_template(messages), add_special_tokens=False), BS)
@@ -93,20 +128,7 @@ def test_tier_hits_across_the_split(stack, tiny) -> None:  # type: ignore[no-unt
     shared = next(i for i, (x, y) in enumerate(zip(chain(a), chain(story("Dan")), strict=False)) if x != y)
     assert POOL_BLOCKS // 2 < reusable < POOL_BLOCKS - 2, "one prompt fits the pool, two do not"
 
-    text, _, first = ask(router.url, a)
-    assert text == want(a)
-    text, _, _ = ask(router.url, story("Bob"))  # evicts A from both pools into their tiers
-    assert text == want(story("Bob"))
-
-    p0, d0 = hits(prefill.url), hits(decode.url)
-    text, route, again = ask(router.url, a)
-    p1, d1 = hits(prefill.url), hits(decode.url)
-    assert text == want(a), "read back from the tiers, the answer is the tiers-off one"
-    # the prefill service read A back instead of computing it: its computed prompt tokens fell to the tail
-    assert p1[1] - p0[1] > 0 and (p1[0] - p0[0]) + (p1[1] - p0[1]) == reusable, (p0, p1)
-    # the decode service read it back too, so only the suffix moved
-    assert d1[1] - d0[1] > 0 and (d1[0] - d0[0]) + (d1[1] - d0[1]) == reusable, (d0, d1)
-    assert 0 < again["transfer_bytes"] * 4 < first["transfer_bytes"], (first, again)
+    route, first, again = read_back_from_tiers(router.url, prefill.url, decode.url, want, reusable)
     # and the router predicted both hits from the tiers' KV events
     assert hit(route, "prefix_hit") == reusable and hit(route, "prefill_prefix_hit") == reusable, route
     assert hit(route, "tier_hit") > 0, route

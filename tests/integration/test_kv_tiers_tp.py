@@ -181,17 +181,17 @@ def test_tier_hits_across_the_split_with_two_ranks_on_each_side(  # type: ignore
     router (test_kv_tiers_split.py's first half at TP 2): A, then B (A leaves both pools for the
     tiers), then A again: both services read A back on every rank, so the decode ranks' receivers get
     only the suffix, and every answer is the plain engine's."""
-    from tests.integration.test_kv_tiers_split import BS, FLAGS, POOL_BLOCKS, ask, hits, story
-    from tests.integration.test_kv_tiers_split import MAX_TOKENS as MAX_TOKENS_SPLIT
+    from tests.integration.test_kv_tiers_split import (
+        BS,
+        FLAGS,
+        POOL_BLOCKS,
+        plain_answers,
+        read_back_from_tiers,
+        story,
+    )
     from tests.support.cluster import Cluster
 
-    model, tok = tiny
-    reference = LLMEngine(model, tok, EngineConfig(max_num_seqs=1))
-
-    def want(messages: list[dict[str, str]]) -> str:
-        ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)  # as the router does
-        return reference.generate([ids], SamplingParams(max_tokens=MAX_TOKENS_SPLIT, ignore_eos=True))[0].text
-
+    _, tok = tiny
     a = story("Ada")
     reusable = (len(tok.encode(tok.apply_chat_template(a), add_special_tokens=False)) - 1) // BS
     cluster = Cluster(redis_url, str(tmp_path))
@@ -201,17 +201,7 @@ def test_tier_hits_across_the_split_with_two_ranks_on_each_side(  # type: ignore
         prefill = cluster.start("prefill", *FLAGS, *tp, env=env)
         decode = cluster.start("decode", *FLAGS, *tp, env=env)
         router = cluster.start("router", "--local-prefill-threshold", "1")  # every prompt split
-        text, _, first = ask(router.url, a)
-        assert text == want(a)
-        text, _, _ = ask(router.url, story("Bob"))  # evicts A from both pools into their tiers
-        assert text == want(story("Bob"))
-        p0, d0 = hits(prefill.url), hits(decode.url)
-        text, _, again = ask(router.url, a)
-        p1, d1 = hits(prefill.url), hits(decode.url)
-        assert text == want(a), "read back from the tiers on every rank, the answer is the tiers-off one"
-        assert p1[1] - p0[1] > 0 and (p1[0] - p0[0]) + (p1[1] - p0[1]) == reusable, (p0, p1)
-        assert d1[1] - d0[1] > 0 and (d1[0] - d0[0]) + (d1[1] - d0[1]) == reusable, (d0, d1)
-        assert 0 < again["transfer_bytes"] * 4 < first["transfer_bytes"], (first, again)
+        read_back_from_tiers(router.url, prefill.url, decode.url, plain_answers(tiny), reusable)
         for proc in (prefill, decode):
             h = cluster.wait_blocks_free(proc)
             assert h["free_blocks"] == h["total_blocks"], f"{proc.role} leaked blocks: {h}"

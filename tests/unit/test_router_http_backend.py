@@ -79,7 +79,6 @@ class Server:
                         piece = f"frame-{i};".encode()
                         writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                         await writer.drain()
-                        await asyncio.sleep(0.01)
                     writer.write(b"0\r\n\r\n")
                 elif path == "/cookie":  # sets a cookie; answers with the Cookie header it got, if any
                     got = headers.get("cookie", "").encode()
@@ -94,9 +93,28 @@ class Server:
             writer.close()
 
 
-def client(**kw: Any) -> httpx.AsyncClient:
-    """The router's client as create_app makes it (router/app.py), but for the auth."""
-    make = lambda: service_transport(httpx.Limits(max_connections=None, max_keepalive_connections=8), True)  # noqa: E731
+class Recording(AsyncioBackend):
+    """The router's backend, keeping every stream it opened (a test waits on one's protocol)."""
+
+    def __init__(self) -> None:
+        self.streams: list[Any] = []
+
+    async def connect_tcp(self, *args: Any, **kw: Any) -> Any:
+        stream = await super().connect_tcp(*args, **kw)
+        self.streams.append(stream)
+        return stream
+
+
+def client(backend: AsyncioBackend | None = None, **kw: Any) -> httpx.AsyncClient:
+    """The router's client as create_app makes it (router/app.py), but for the auth; `backend` in place
+    of the one service_transport puts in each pool."""
+
+    def make() -> httpx.AsyncBaseTransport:
+        transport = service_transport(httpx.Limits(max_connections=None, max_keepalive_connections=8), True)
+        if backend is not None:
+            transport._pool._network_backend = backend  # type: ignore[attr-defined]
+        return transport
+
     return httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=2), transport=SettledTransport(PerServiceTransport(make, **kw))
     )
@@ -153,10 +171,14 @@ def test_an_idle_connection_the_server_closed_is_not_used_again(loop: str) -> No
     answered from what the protocol got, the next call goes over a new connection and succeeds."""
 
     async def main() -> tuple[bytes, int]:
-        async with Server() as srv, client() as c:
+        backend = Recording()
+        async with Server() as srv, client(backend) as c:
             await c.post(srv.url + "/echo", content=b"one")
             srv.close_idle()
-            await asyncio.sleep(0.05)  # the FIN reaches the client
+            [stream] = backend.streams
+            async with asyncio.timeout(10):  # until the client's side has seen the server close it
+                while not stream.get_extra_info("is_readable"):
+                    await stream._protocol.wait_data()
             r = await c.post(srv.url + "/echo", content=b"two")
             return r.content, srv.connections
 
