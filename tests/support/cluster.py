@@ -14,6 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.serving import PORT_TRIES, PortTaken
 from common.cluster.state import ClusterState
 from common.security.internal_auth import SignedCalls
 from common.security.secret import InternalSecret
@@ -22,13 +23,6 @@ from common.security.secret import InternalSecret
 # a service's /internal/ API itself sign with `internal_auth` (httpx `auth=`), as the router does.
 INTERNAL_SECRET = "splitserve-tests-internal-secret-3f9a"
 internal_auth = SignedCalls(InternalSecret(INTERNAL_SECRET.encode()))
-
-
-PORT_TRIES = 3  # Cluster.start: ports picked again after another process took one (PortTaken)
-
-
-class PortTaken(RuntimeError):
-    """A child could not bind its port: another process took it after it was found free."""
 
 
 def free_port() -> int:
