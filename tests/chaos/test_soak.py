@@ -9,6 +9,7 @@ figure (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,9 @@ pytestmark = [pytest.mark.services, pytest.mark.chaos]
 def test_a_short_soak_with_faults_loses_and_leaks_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     cmd = [sys.executable, "-m", "splitserve", "bench", "soak", "--requests", "120", "--concurrency", "6",
            "--tiers", "--json", "--out", str(tmp_path)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
+    # its services' logs (a temp folder it keeps for the reader) go under this test's tmp_path
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=560, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert (r["lost"], r["failed"], r["leaked_blocks"], r["leaked_leases"]) == (0, 0, 0, 0), (r["errors"], r)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,10 @@ from bench.goodput import run
 pytestmark = pytest.mark.services
 
 
-def test_goodput_bench_compares_colocated_and_split_on_the_same_gpus(tmp_path: Path) -> None:
+def test_goodput_bench_compares_colocated_and_split_on_the_same_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the logs it keeps: under tmp_path, not /tmp
     args = argparse.Namespace(
         engine="sim", goodput_profile="llama3-8b-h100", goodput_gpus=2, goodput_workload="summarization",
         goodput_splits="", goodput_duration_s=2.0, goodput_min_requests=4, goodput_start_rate=1.0,

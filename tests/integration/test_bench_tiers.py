@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,10 @@ from tests.support.tiny_model import tiny_model_path
 pytestmark = pytest.mark.services
 
 
-def test_tiers_bench_serves_tier_hits_and_the_same_answers(tmp_path: Path) -> None:
+def test_tiers_bench_serves_tier_hits_and_the_same_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the logs it keeps: under tmp_path, not /tmp
     args = argparse.Namespace(
         model=tiny_model_path(), threads=1, kv_cache_mb=1, sessions=3, turns=3, answer_tokens=4,
         system_notes=6, rounds=1, seed=0, tiers_ram_gb=0.25, tiers_disk_ram_gb=None, tiers_disk_gb=0.25,
