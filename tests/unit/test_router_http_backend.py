@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import socket
 import ssl
 import subprocess
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -105,7 +107,7 @@ class Recording(AsyncioBackend):
         return stream
 
 
-def client(backend: AsyncioBackend | None = None, **kw: Any) -> httpx.AsyncClient:
+def client(backend: AsyncioBackend | None = None, connect_timeout: float = 2, **kw: Any) -> httpx.AsyncClient:
     """The router's client as create_app makes it (router/app.py), but for the auth; `backend` in place
     of the one service_transport puts in each pool."""
 
@@ -116,7 +118,8 @@ def client(backend: AsyncioBackend | None = None, **kw: Any) -> httpx.AsyncClien
         return transport
 
     return httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=2), transport=SettledTransport(PerServiceTransport(make, **kw))
+        timeout=httpx.Timeout(None, connect=connect_timeout),
+        transport=SettledTransport(PerServiceTransport(make, **kw)),
     )
 
 
@@ -163,6 +166,25 @@ def test_a_service_that_is_not_there_is_a_connect_error(loop: str) -> None:
                 await c.post(url + "/echo", content=b"x")
 
     run(loop, main)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_service_that_does_not_accept_is_a_connect_timeout(loop: str) -> None:
+    """A listening socket whose accept queue is full (backlog 0, one connection already queued and
+    never accepted): Linux drops the next SYN, so the connect hangs until the client's connect timeout."""
+
+    async def main() -> float:
+        with socket.socket() as listener, socket.socket() as queued:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(0)
+            queued.connect(listener.getsockname())  # fills the queue; nobody accepts it
+            async with client(connect_timeout=0.3) as c:
+                t0 = time.monotonic()
+                with pytest.raises(httpx.ConnectTimeout):
+                    await c.post(f"http://127.0.0.1:{listener.getsockname()[1]}/echo", content=b"x")
+                return time.monotonic() - t0
+
+    assert 0.25 <= run(loop, main) < 5  # given up at the timeout, not at once nor never
 
 
 @pytest.mark.parametrize("loop", LOOPS)
