@@ -25,7 +25,7 @@ import os
 import random
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
 import httpx
@@ -212,6 +212,7 @@ def _point(
     fleet0, cpu0, me0 = _cpu(fleet_pids), _cpu(router_pids), sum(me.cpu_times()[:2])
     sys0 = _system_cpu(router_pids)
     placed0 = [_placement_buckets(url) for url in routers]
+    gc0 = _gc_passes(routers)
     load = asyncio.run(_load(routers, rate, args.fleet_duration_s, args.fleet_output_tokens, args.seed))
     router_cpu = _cpu(router_pids) - cpu0
     router_sys = _system_cpu(router_pids) - sys0
@@ -220,6 +221,9 @@ def _point(
     for url, before in zip(routers, placed0, strict=True):
         placed.update({le: n - before.get(le, 0) for le, n in _placement_buckets(url).items()})
     fleet_cpu = _cpu(fleet_pids) - fleet0
+    gc_passes = _gc_passes(routers)
+    for k, v in gc0.items():
+        gc_passes[k] -= v
     done = len(load["latencies"])
     return {
         "routers": len(routers),
@@ -238,6 +242,13 @@ def _point(
         "queued_to_reserved_p50_ms": _ms(load["placements"], 50),
         "queued_to_reserved_p99_ms": _ms(load["placements"], 99),
         "router_cpu_ms_per_request": round(router_cpu / max(1, done) * 1e3, 3),
+        # the routers' garbage-collector passes meanwhile (common/runtime/gc_pauses.py): full ones, and
+        # the time every pass stopped the router for
+        "router_gc_full_passes": int(gc_passes["count2"]),
+        "router_gc_pause_ms": round(1e3 * sum(gc_passes[f"sum{g}"] for g in range(3)), 1),
+        "router_gc_passes_by_generation": [int(gc_passes[f"count{g}"]) for g in range(3)],
+        "router_gc_pause_ms_by_generation": [round(1e3 * gc_passes[f"sum{g}"], 1) for g in range(3)],
+        "router_gc_full_pause_ms_max_bucket": _gc_full_max_ms(gc_passes),
         "router_cpu_cores": round(router_cpu / load["done_s"], 2),
         "router_cpu_system_share": round(router_sys / router_cpu, 3) if router_cpu > 0 else None,
         "loadgen_cpu_cores": round(me_cpu / load["done_s"], 2),
@@ -354,6 +365,33 @@ def _placement_buckets(url: str) -> dict[float, float]:
             le = key.split('le="', 1)[1].split('"', 1)[0]
             out[float("inf") if le == "+Inf" else float(le)] = value
     return out
+
+
+def _gc_passes(urls: list[str]) -> defaultdict[str | float, float]:
+    """The routers' garbage-collector passes so far, added up: "count<g>" and "sum<g>" (seconds) per
+    generation g, and per bucket edge (seconds, a float; inf last) the full passes' cumulative count."""
+    out: defaultdict[str | float, float] = defaultdict(float)
+    for url in urls:
+        for key, value in scrape(url).items():
+            if not key.startswith("splitserve_gc_pause_seconds"):
+                continue
+            gen = key.split('generation="', 1)[1][0]
+            if key.startswith("splitserve_gc_pause_seconds_count"):
+                out[f"count{gen}"] += value
+            elif key.startswith("splitserve_gc_pause_seconds_sum"):
+                out[f"sum{gen}"] += value
+            elif gen == "2":
+                le = key.split('le="', 1)[1].split('"', 1)[0]
+                out[float("inf") if le == "+Inf" else float(le)] += value
+    return out
+
+
+def _gc_full_max_ms(passes: defaultdict[str | float, float]) -> float | None:
+    """The bucket edge (ms) the longest full pass falls under (None: none; inf: past the last edge)."""
+    if not passes["count2"]:
+        return None
+    edges = sorted(k for k in passes if isinstance(k, float))
+    return next((le * 1e3 for le in edges if passes[le] >= passes["count2"]), None)
 
 
 def _bucket_quantile(cumulative: Counter[float], q: float) -> float | None:

@@ -10,6 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from common.runtime.gc_pauses import GCPauses
 from router.auth.keys import InvalidKey
 
 # Seconds; TTFT spans a queued prefill, ITL a single decode step.
@@ -80,6 +81,7 @@ class RouterMetrics:
 
     def __init__(self, max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        r.register(GCPauses())  # the process's garbage-collector passes (common/runtime/gc_pauses.py)
         p = "splitserve_router_"
         self.requests = Counter(
             p + "requests",

@@ -15,7 +15,8 @@ the body as a stream and stops at its limit.
 Logging is `common.runtime.logs`'s: uvicorn's own logging config and access log are off, and once
 `configure_logging` has run, uvicorn's `log_level` is ignored too (its loggers follow --log-level). An app
 that sets `app.state.on_serving` (a function of the URL) is told once the socket is listening: that is
-where each process logs its "... serving on <url>" line.
+where each process logs its "... serving on <url>" line, and then freezes its startup heap out of the
+garbage collector's reach (common/runtime/gc_pauses.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from common.runtime.gc_pauses import freeze_startup_heap
 from common.runtime.logs import is_configured
 
 
@@ -149,6 +151,7 @@ def _notify_once(on_serving: Callable[[str], None], url: str) -> Callable[[], Aw
         if not done:
             done = True
             on_serving(url)
+            freeze_startup_heap()  # what startup built is never walked by the collector again
 
     return notify
 

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from common.engine.api import EngineLoad
 from common.kv.tiers import LATENCY_BUCKETS, VERIFY_CAUSES, Latency, StoreStats
+from common.runtime.gc_pauses import GCPauses
 
 # Seconds. Queue waits and TTFT span a crowded queue; ITL/TPOT one engine step.
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -55,6 +56,7 @@ class ServiceMetrics:
     def __init__(self, role: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(GCPauses())  # the process's garbage-collector passes (common/runtime/gc_pauses.py)
         self.role = role
         self.requests = Counter("splitserve_requests", "requests by outcome", ["role", "outcome"], registry=r)
 

@@ -33,3 +33,16 @@ def test_fleet_plot_draws_a_png(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "fleet.png"
     plot(points, str(path), "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_longest_full_gc_pass_is_read_from_the_buckets() -> None:
+    from collections import defaultdict
+
+    from bench.fleet import _gc_full_max_ms
+
+    passes: defaultdict[str | float, float] = defaultdict(float)
+    assert _gc_full_max_ms(passes) is None  # no full pass
+    passes.update({"count2": 3, 0.001: 0, 0.005: 2, 0.01: 2, 0.1: 3, float("inf"): 3})
+    assert _gc_full_max_ms(passes) == 100.0  # the third pass fell between 10 and 100 ms
+    passes.update({0.1: 2})
+    assert _gc_full_max_ms(passes) == float("inf")

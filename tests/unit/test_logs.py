@@ -296,7 +296,8 @@ def test_an_unhandled_error_is_logged_with_its_request(stream: io.StringIO) -> N
 
 
 # --- uvicorn and the libraries ------------------------------------------------------------------------
-def test_uvicorn_logs_through_our_handler(stream: io.StringIO) -> None:
+def test_uvicorn_logs_through_our_handler(stream: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPLITSERVE_GC_FREEZE", "0")  # the notify below must not freeze this test process
     configure_logging("info", "json", process="router", stream=stream)
     served: list[str] = []
     app = FastAPI()
