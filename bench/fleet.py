@@ -248,6 +248,8 @@ def _point(
         "router_gc_pause_ms": round(1e3 * sum(gc_passes[f"sum{g}"] for g in range(3)), 1),
         "router_gc_passes_by_generation": [int(gc_passes[f"count{g}"]) for g in range(3)],
         "router_gc_pause_ms_by_generation": [round(1e3 * gc_passes[f"sum{g}"], 1) for g in range(3)],
+        # cyclic garbage: objects only the collector could free, per request served
+        "router_gc_freed_per_request": round(sum(gc_passes[f"freed{g}"] for g in range(3)) / max(1, done), 1),
         "router_gc_full_pause_ms_max_bucket": _gc_full_max_ms(gc_passes),
         "router_cpu_cores": round(router_cpu / load["done_s"], 2),
         "router_cpu_system_share": round(router_sys / router_cpu, 3) if router_cpu > 0 else None,
@@ -369,17 +371,20 @@ def _placement_buckets(url: str) -> dict[float, float]:
 
 def _gc_passes(urls: list[str]) -> defaultdict[str | float, float]:
     """The routers' garbage-collector passes so far, added up: "count<g>" and "sum<g>" (seconds) per
-    generation g, and per bucket edge (seconds, a float; inf last) the full passes' cumulative count."""
+    generation g, "freed<g>" (objects its passes freed), and per bucket edge (seconds, a float; inf last)
+    the full passes' cumulative count."""
     out: defaultdict[str | float, float] = defaultdict(float)
     for url in urls:
         for key, value in scrape(url).items():
-            if not key.startswith("splitserve_gc_pause_seconds"):
+            if not key.startswith(("splitserve_gc_pause_seconds", "splitserve_gc_collected_objects_total")):
                 continue
             gen = key.split('generation="', 1)[1][0]
             if key.startswith("splitserve_gc_pause_seconds_count"):
                 out[f"count{gen}"] += value
             elif key.startswith("splitserve_gc_pause_seconds_sum"):
                 out[f"sum{gen}"] += value
+            elif key.startswith("splitserve_gc_collected_objects_total"):
+                out[f"freed{gen}"] += value
             elif gen == "2":
                 le = key.split('le="', 1)[1].split('"', 1)[0]
                 out[float("inf") if le == "+Inf" else float(le)] += value

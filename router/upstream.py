@@ -13,8 +13,9 @@ import contextlib
 import json
 import logging
 import time
+import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -57,12 +58,41 @@ class SettledTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         try:
-            return await self.inner.handle_async_request(request)
+            response = await self.inner.handle_async_request(request)
         except AttributeError as e:
             raise httpx.ConnectError(f"connection closed as it was made: {e!r}", request=request) from e
+        response.stream = _Unbinding(response)
+        return response
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class _Unbinding(httpx.AsyncByteStream):
+    """A response's stream that, once closed, unhooks the response from the stream httpx's client
+    wrapped around it. The client sets `response.stream` to a stream holding the response (for its
+    `elapsed`): a reference cycle per call, with the request, its headers and URL, and httpcore's stream
+    and pool request (~35 objects) in it, which only the garbage collector could free
+    (common/runtime/gc_pauses.py). Closed, the response keeps an empty stream (its body, when read, is
+    in `content`), and the rest goes by reference counting. The response is held weakly: no new cycle."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._inner = response.stream
+        self._response = weakref.ref(response)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        assert isinstance(self._inner, httpx.AsyncByteStream)
+        async for chunk in self._inner:
+            yield chunk
+
+    async def aclose(self) -> None:
+        try:
+            assert isinstance(self._inner, httpx.AsyncByteStream)
+            await self._inner.aclose()
+        finally:
+            response = self._response()
+            if response is not None:
+                response.stream = httpx.ByteStream(b"")
 
 
 class PerServiceTransport(httpx.AsyncBaseTransport):
@@ -170,6 +200,26 @@ async def until_deadline(aw: Awaitable[T], deadline: float | None) -> T:
         raise APIError(504, "deadline exceeded", code="deadline_exceeded") from None
 
 
+async def _pump_frames(
+    raw: AsyncIterator[bytes], reader: FrameReader, queue: asyncio.Queue[Any], worker: Worker
+) -> None:
+    """DecodeStream's reader: the response's frames into `queue`, then the reason it ended."""
+    try:
+        while True:
+            chunk = await anext(raw, b"")
+            if not chunk:
+                why = f"decode service {worker.id} closed the stream before the request finished"
+                await queue.put(DecodeLost(why, worker=worker))
+                return
+            for frame in reader.feed(chunk):
+                await queue.put(frame)
+    except httpx.HTTPError as e:
+        await queue.put(DecodeLost(f"decode stream from {worker.id} broke: {e!r}", worker=worker))
+    except ProtocolError as e:
+        detail = f"decode stream from {worker.id}: {e}"
+        await queue.put(APIError(502, "the decode service sent an invalid answer", detail=detail))
+
+
 class DecodeStream:
     """An open POST /internal/generate response: length-prefixed frames, read one at a time."""
 
@@ -181,25 +231,11 @@ class DecodeStream:
         # cancelled safely (racing the prefill call, see Legs.prefill): cancelling a read
         # of the HTTP stream itself would close it.
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._pump = asyncio.create_task(self._read_frames())
-
-    async def _read_frames(self) -> None:
-        try:
-            while True:
-                chunk = await anext(self._raw, b"")
-                if not chunk:
-                    why = f"decode service {self.worker.id} closed the stream before the request finished"
-                    await self._queue.put(DecodeLost(why, worker=self.worker))
-                    return
-                for frame in self._reader.feed(chunk):
-                    await self._queue.put(frame)
-        except httpx.HTTPError as e:
-            await self._queue.put(
-                DecodeLost(f"decode stream from {self.worker.id} broke: {e!r}", worker=self.worker)
-            )
-        except ProtocolError as e:
-            detail = f"decode stream from {self.worker.id}: {e}"
-            await self._queue.put(APIError(502, "the decode service sent an invalid answer", detail=detail))
+        # a function of its own, not a method: the task a close cancels keeps its CancelledError, whose
+        # traceback holds the pump's frames; through a `self` among their locals that made a reference
+        # cycle task -> error -> frame -> stream -> task per request, with the whole HTTP read stack in
+        # it, which only the garbage collector could free (common/runtime/gc_pauses.py)
+        self._pump = asyncio.create_task(_pump_frames(self._raw, self._reader, self._queue, worker))
 
     def push_back(self, frame: Any) -> None:
         """Return a frame taken early (while racing the prefill call) to the front of the stream."""

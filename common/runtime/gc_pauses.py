@@ -18,9 +18,10 @@ Reference counting still frees frozen objects; only a reference cycle among them
 
 `GCPauses`, a Prometheus collector: `gc.callbacks` time every pass, per generation, as the histogram
 `splitserve_gc_pause_seconds{generation}` (process-wide: several services in one process, as a
-sim-fleet, each report the same process), with `splitserve_gc_frozen_objects`. The callback only adds
-to plain counters (never a lock: a pass may start inside any code, a metric's own lock held included);
-a scrape reads them.
+sim-fleet, each report the same process), with `splitserve_gc_collected_objects_total{generation}`
+(the cyclic garbage the passes freed: what reference counting could not) and
+`splitserve_gc_frozen_objects`. The callback only adds to plain counters (never a lock: a pass may
+start inside any code, a metric's own lock held included); a scrape reads them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 # Seconds: a young pass takes microseconds, a full one over a large heap tens to hundreds of milliseconds
@@ -55,6 +56,7 @@ class _Pauses:
         # per generation: a count per bucket (the last: above every bound), and the sum of seconds
         self.counts = [[0] * (len(BUCKETS) + 1) for _ in GENERATIONS]
         self.sums = [0.0 for _ in GENERATIONS]
+        self.collected = [0 for _ in GENERATIONS]  # unreachable objects each generation's passes freed
         self._started = 0.0
         gc.callbacks.append(self._callback)
 
@@ -67,6 +69,7 @@ class _Pauses:
         i = next((i for i, b in enumerate(BUCKETS) if took <= b), len(BUCKETS))
         self.counts[gen][i] += 1  # plain ints under the GIL: passes never overlap (module doc)
         self.sums[gen] += took
+        self.collected[gen] += info.get("collected", 0)
 
 
 _PAUSES: _Pauses | None = None
@@ -99,6 +102,15 @@ class GCPauses(Collector):
                 buckets.append((bound, running))
             h.add_metric([str(gen)], buckets, self._record.sums[gen])
         yield h
+        freed = CounterMetricFamily(
+            "splitserve_gc_collected_objects",
+            "Objects the garbage collector's passes freed (cyclic garbage: reference counting could not), "
+            "by generation, process-wide",
+            labels=["generation"],
+        )
+        for gen in GENERATIONS:
+            freed.add_metric([str(gen)], self._record.collected[gen])
+        yield freed
         yield GaugeMetricFamily(
             "splitserve_gc_frozen_objects",
             "Objects in the garbage collector's permanent generation (frozen at startup: never walked)",

@@ -5,6 +5,7 @@ streams in this process), under asyncio's loop and uvloop's (the router's)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 import socket
 import ssl
@@ -21,7 +22,8 @@ import uvloop
 from router.app import create_app
 from router.config import RouterConfig
 from router.http_backend import AsyncioBackend, service_transport
-from router.upstream import PerServiceTransport, SettledTransport
+from router.upstream import DecodeStream, PerServiceTransport, SettledTransport
+from router.workers import Worker
 from tests.support.router_fakes import model_info
 
 LOOPS = ["asyncio", "uvloop"]
@@ -33,11 +35,12 @@ def run(loop: str, main: Callable[[], Awaitable[Any]]) -> Any:
 
 class Server:
     """HTTP/1.1 on 127.0.0.1: GET /stream answers `chunks` chunked pieces (then, with `cut`, closes
-    the connection before the last chunk), anything else echoes its body; keep-alive. Counts the
+    the connection before the last chunk; with `hold`, its head only and then nothing), anything else
+    echoes its body; keep-alive. Counts the
     connections it accepted; `close_idle()` closes every connection it holds."""
 
-    def __init__(self, chunks: int = 5, cut: bool = False) -> None:
-        self.chunks, self.cut = chunks, cut
+    def __init__(self, chunks: int = 5, cut: bool = False, hold: bool = False) -> None:
+        self.chunks, self.cut, self.hold = chunks, cut, hold
         self.connections = 0
         self._writers: list[asyncio.StreamWriter] = []
         self.port = 0
@@ -74,6 +77,10 @@ class Server:
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 if path == "/stream":
                     writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                    if self.hold:  # the head only, then nothing until the client leaves
+                        await writer.drain()
+                        await reader.read()
+                        return
                     for i in range(self.chunks):
                         if self.cut and i == self.chunks - 1:
                             writer.close()
@@ -317,3 +324,59 @@ def test_the_routers_client_keeps_no_cookies() -> None:
 
     sent, kept = asyncio.run(main())
     assert sent == b"" and kept == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_leaves_no_reference_cycle(stream: bool) -> None:
+    """httpx's client ties each response to the stream it wraps around it (a cycle, with the request,
+    its headers and httpcore's stream in it, that only the garbage collector frees); the router's
+    transport (router/upstream.py SettledTransport) unhooks it once the response is closed."""
+
+    async def main() -> list[str]:
+        async with Server() as srv, client() as c:
+            await c.post(srv.url + "/echo", content=b"warm")  # the connection and the pool made
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)  # what a pass finds unreachable stays in gc.garbage
+            try:
+                for _ in range(10):
+                    if stream:
+                        async with c.stream("GET", srv.url + "/stream") as r:
+                            assert b"".join([chunk async for chunk in r.aiter_raw()]).startswith(b"frame-0;")
+                    else:
+                        r = await c.post(srv.url + "/echo", content=b"x" * 10)
+                        assert r.content == b"x" * 10  # the body stays readable after the unhooking
+                    del r
+                gc.collect()
+            finally:
+                gc.set_debug(0)
+            found = [type(o).__module__ + "." + type(o).__qualname__ for o in gc.garbage]
+            gc.garbage.clear()
+            return [t for t in found if t.startswith(("httpx", "httpcore"))]
+
+    assert asyncio.run(main()) == []
+
+
+def test_a_decode_stream_closed_early_leaves_no_reference_cycle() -> None:
+    """The stream's reader task, cancelled by the close while it waits for data, keeps its
+    CancelledError and with it the reader's frames: none of them may hold the DecodeStream."""
+
+    async def main() -> list[str]:
+        async with Server(hold=True) as srv, client() as c:
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                for _ in range(3):
+                    resp = await c.send(c.build_request("GET", srv.url + "/stream"), stream=True)
+                    ds = DecodeStream(Worker("decode-0", srv.url), resp, time.time() + 30)
+                    await asyncio.sleep(0)  # the reader task starts and waits for a chunk
+                    await ds.aclose()
+                    del ds, resp
+                await asyncio.sleep(0)  # the cancelled tasks finish
+                gc.collect()
+            finally:
+                gc.set_debug(0)
+            found = [type(o).__qualname__ for o in gc.garbage]
+            gc.garbage.clear()
+            return [t for t in found if t in ("DecodeStream", "Response", "Task")]
+
+    assert asyncio.run(main()) == []
