@@ -48,7 +48,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from common.cluster.kv_events import DISK, RAM, TierMatch
 from common.prefix_hash import ROOT, cache_root, prefix_chain
@@ -73,9 +73,9 @@ class PrefixIndex(Protocol):
     def matched(self, worker_id: str, chain: list[int]) -> TierMatch: ...
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """A worker with the figures its place in the order came from."""
+class Candidate(NamedTuple):
+    """A worker with the figures its place in the order came from. (A tuple: made for every worker on
+    every placement, and a frozen dataclass's __init__ costs ~1 us a field.)"""
 
     worker: Any  # router.workers.Worker
     hit_blocks: int  # leading prompt blocks the index says the worker would reuse (any tier)
@@ -126,30 +126,40 @@ def rank(
     `root`: the chain root of the request's cache salt (hits count only blocks of its own namespace).
     `in_flight_tokens`: per worker url, prompt tokens of this router's calls it has not answered."""
     chains: dict[int, list[int]] = {}  # block size -> the prompt's chain (workers usually share one)
-    out = []
+    out, keys = [], []
+    n_prompt = len(prompt_ids)
+    # Every request ranks every worker of a role (48 decode services in bench fleet): plain locals, no
+    # object per worker but its Candidate, and the sort on precomputed keys (~2.5x faster than the
+    # same arithmetic through TierMatch totals, generators and a key function calling back in).
     for w in workers:
+        load = w.load
         bs = int(w.capacity.get("block_size", 0) or 0)
-        match = TierMatch()
+        hit, tier, discount = 0, 0, 0.0
         if index is not None and bs > 0:
             chain = chains.get(bs)
             if chain is None:  # an engine leaves the last prompt token to compute: its block is never a hit
-                chain = chains[bs] = prefix_chain(prompt_ids, bs, (len(prompt_ids) - 1) // bs, root)
-            match = index.matched(w.id, chain) if chain else match
-        hit = match.total
-        discount = sum(
-            n * (1 - tier_worth(w.load, t, bs)) for t, n in ((RAM, match.ram), (DISK, match.disk)) if n
-        )
+                chain = chains[bs] = prefix_chain(prompt_ids, bs, (n_prompt - 1) // bs, root)
+            if chain:
+                match = index.matched(w.id, chain)
+                hit = match.device + match.ram + match.disk
+                if match.ram or match.disk:
+                    tier = match.ram + match.disk
+                    for t, n in ((RAM, match.ram), (DISK, match.disk)):
+                        if n:
+                            discount += n * (1 - tier_worth(load, t, bs))
         unit = bs or 16  # a worker that published no block size: count in 16-token blocks
-        uncached = -(-(len(prompt_ids) - hit * bs) // unit) + discount
-        queued = int(w.load.get("queued_tokens", 0))
+        uncached = -(-(n_prompt - hit * bs) // unit) + discount
+        queued = int(load.get("queued_tokens", 0))
         if in_flight_tokens is not None:
-            queued = max(queued, in_flight_tokens[w.url])
-        queued_blocks = queued / unit
-        seqs = max(int(w.load.get("running", 0)) + int(w.load.get("waiting", 0)), in_flight[w.url])
-        cost = prefix_weight * uncached + load_weight * (queued_blocks + seqs)
-        out.append(Candidate(w, hit, bs, cost, match.ram + match.disk, discount))
-    out.sort(key=lambda c: (c.cost, least_loaded_key(c.worker.load, in_flight[c.worker.url])))
-    return out
+            queued = max(queued, in_flight_tokens.get(w.url, 0))
+        busy = int(load.get("running", 0)) + int(load.get("waiting", 0))
+        mine = in_flight.get(w.url, 0)
+        cost = prefix_weight * uncached + load_weight * (queued / unit + max(busy, mine))
+        out.append(Candidate(w, hit, bs, cost, tier, discount))
+        # ties in cost: least_loaded_key's order (fewest queued, most free blocks, fewest of ours)
+        keys.append((cost, busy, -int(load.get("free_blocks", 0)), mine))
+    order = sorted(range(len(out)), key=keys.__getitem__)  # stable: the input order breaks full ties
+    return [out[i] for i in order]
 
 
 # ---- the route -----------------------------------------------------------------------------------
