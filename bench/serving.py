@@ -121,7 +121,14 @@ class Stack:
         for attempt in range(PORT_TRIES):
             base = free_ports(n)
             try:
+                deadline = time.monotonic() + timeout_s
                 self.start(role, *flags, port=base, timeout_s=timeout_s, module=module)
+                # every port, not the first alone: a service of the block that could not bind takes the
+                # process (its one event loop) down after the first already answered
+                proc = self.by_url[f"http://127.0.0.1:{base}"]
+                log_path = os.path.join(self.log_dir, f"{role}-{base}.log")
+                for port in range(base + 1, base + n):
+                    self._wait_healthy(proc, f"http://127.0.0.1:{port}", role, log_path, deadline)
                 return base
             except PortTaken:
                 if attempt == PORT_TRIES - 1:
@@ -137,21 +144,29 @@ class Stack:
         self.procs.append(proc)
         self.by_url[f"http://127.0.0.1:{port}"] = proc
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout_s
+        self._wait_healthy(proc, url, role, log_path, time.monotonic() + timeout_s)
+        return url
+
+    def _wait_healthy(
+        self, proc: subprocess.Popen[bytes], url: str, role: str, log_path: str, deadline: float
+    ) -> None:
+        """Until `url`/health answers. If `proc` exits first it is forgotten, and PortTaken is raised
+        when its log says a port was taken (RuntimeError else); RuntimeError past `deadline`."""
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 self.procs.remove(proc)
-                del self.by_url[url]
+                for u in [u for u, p in self.by_url.items() if p is proc]:
+                    del self.by_url[u]
                 with open(log_path, errors="replace") as f:
                     text = f.read()
                 error = PortTaken if "address already in use" in text else RuntimeError
                 raise error(f"{role} exited with {proc.returncode}:\n{text[-2000:]}")
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2):
-                    return url
+                    return
             except OSError:
                 time.sleep(0.3)
-        raise RuntimeError(f"{role} not healthy after {timeout_s:.0f} s (log: {log_path})")
+        raise RuntimeError(f"{role} at {url} not healthy in time (log: {log_path})")
 
     def stop(self) -> None:
         for p in self.procs:

@@ -49,6 +49,26 @@ def test_a_taken_port_is_port_taken_and_a_picked_one_is_picked_again(
         stack.stop()
 
 
+def test_a_block_whose_later_port_is_taken_starts_again_on_fresh_ports(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A sim-fleet's first service answers while a later one fails to bind (and takes the process
+    down): start_block must wait for every port of the block, see the exit as PortTaken and start again
+    (a bench fleet run once waited 2 minutes on a dead block, then failed)."""
+    stack = Stack(str(tmp_path))
+    first = serving.free_ports(3)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", first + 2))  # the block's last port, taken
+        picks = iter([first])
+        free = serving.free_ports
+        monkeypatch.setattr(serving, "free_ports", lambda n: next(picks, None) or free(n))
+        try:
+            base = stack.start_block(3, "port-server", "--ports", "3", module=SERVER, timeout_s=30)
+            assert base != first and len(stack.procs) == 1  # the first block's process is forgotten
+        finally:
+            stack.stop()
+
+
 def test_the_tests_cluster_picks_a_taken_port_again(
     tmp_path, taken: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
