@@ -129,7 +129,7 @@ def rank(
     out, keys = [], []
     n_prompt = len(prompt_ids)
     # Every request ranks every worker of a role (48 decode services in bench fleet): plain locals, no
-    # object per worker but its Candidate, and the sort on precomputed keys (~2.5x faster than the
+    # object per worker but its Candidate, and the sort on precomputed keys (~1.5x faster than the
     # same arithmetic through TierMatch totals, generators and a key function calling back in).
     for w in workers:
         load = w.load
