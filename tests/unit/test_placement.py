@@ -17,7 +17,7 @@ from common.prefix_hash import prefix_chain
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Route
-from router.placement import DEFAULT_TIER_WORTH, choose_route, rank
+from router.placement import DEFAULT_TIER_WORTH, Candidate, Scores, choose_route, rank
 from router.workers import Worker, WorkerPool
 
 BS = 16
@@ -327,3 +327,21 @@ def test_a_worker_that_could_not_be_reached_is_left_out_until_it_heartbeats_agai
     assert ids() == ["p0"]  # p1 still silent since its failure
     state.registry.infos[1] = info("p1", 104.0)
     assert ids() == ["p0", "p1"]
+
+
+def test_scores_keep_each_rankings_figures_the_latest_first() -> None:
+    """A request's placement figures (Placer.scored) per (role, worker id): a later ranking's win, a
+    worker it no longer ranks (a lost decode service) keeps its earlier figures, roles never mix."""
+    a, b, c = (Worker(f"w{i}", f"http://127.0.0.1:{9000 + i}") for i in range(3))
+    scores = Scores()
+    assert scores.get(("decode", "w0")) is None
+    first = [Candidate(a, 2, 16, 1.5, 1, 0.25), Candidate(b, 0, 16, 3.0)]
+    scores.update("decode", first)
+    scores.update("prefill", [Candidate(a, 5, 32, 0.5)])
+    scores.update("decode", [Candidate(b, 1, 16, 2.0), Candidate(c, 0, 0, 9.0)])
+    scores.update("prefill", [])
+    assert scores.get(("decode", "w0")) == first[0]  # not ranked again: the first ranking's
+    assert scores.get(("decode", "w1")) == Candidate(b, 1, 16, 2.0)  # the latest
+    assert scores.get(("decode", "w2")) == Candidate(c, 0, 0, 9.0)
+    assert scores.get(("prefill", "w0")) == Candidate(a, 5, 32, 0.5)
+    assert scores.get(("prefill", "w1")) is None
