@@ -25,7 +25,9 @@ Every wait is bounded, so the call answers within drain_timeout_s + HANDBACK_WAI
 answers 202 and the switch goes on (GET /health tells the role). What would hold the event loop (joining
 the engine thread, allocating the new pool, starting a KV transport) runs off it, so /health and the
 streams still running keep being served during a switch. A pool whose KV transport did not close in
-time (it may still have the memory registered) is kept, not freed.
+time (it may still have the memory registered) is kept, not freed. The old role's objects, frozen out of
+the garbage collector's reach when the process first served (common/runtime/gc_pauses.py), are put back
+in reach at the stop, so its reference cycles can be freed; the new role's are frozen once it started.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from starlette.types import Receive, Scope, Send
 
 from common.config import EngineConfig, ServiceConfig
 from common.engine.llm_engine import LLMEngine
+from common.runtime.gc_pauses import freeze_startup_heap
 from common.service.base import Service, error_response
 
 log = logging.getLogger(__name__)
@@ -131,6 +134,9 @@ class RoleHost:
             if self._exiting:
                 return error_response(503, f"{old.cfg.worker_name} is exiting", {"Retry-After": "1"})
             engine = old.engine
+            # the old role's objects were frozen out of the collector's reach once it served
+            # (common/runtime/gc_pauses.py): back in reach, so its reference cycles can be freed
+            gc.unfreeze()
             if pool["kv_released"]:  # let the pool's tensors go now: the new pool may need the memory
                 kv = engine.kv_cache
                 kv.k = kv.v = kv.k.new_empty(0)
@@ -148,6 +154,7 @@ class RoleHost:
                 old._engine_failed(f"role switch to {role} failed")
                 raise
             self.app = app  # requests reach the new role only once it has started
+            freeze_startup_heap()  # the new role's long-lived objects, as at a process start
             log.warning(
                 "%s: now %s (incarnation %s -> %s)",
                 new.cfg.worker_name,
