@@ -12,6 +12,7 @@ import pytest
 
 import bench.serving as serving
 import tests.support.cluster as cluster
+import tests.support.up as up_support
 from bench.serving import PortTaken, Stack
 from tests.support.cluster import Cluster
 
@@ -84,3 +85,21 @@ def test_the_tests_cluster_picks_a_taken_port_again(
         assert not proc.url.endswith(f":{taken}") and c.procs == [proc]
     finally:
         c.stop()
+
+
+def test_up_is_started_again_when_it_refuses_a_taken_port(
+    tmp_path, taken: int, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """`splitserve up` checks its ports before it starts anything and refuses a taken one; the tests'
+    start_up (tests/support/up.py) then starts it again on fresh ports."""
+    picks = iter([taken])
+    monkeypatch.setattr(up_support, "free_port", lambda: next(picks, None) or cluster.free_port())
+    args = ["--prefill", "0", "--decode", "1", "--threads-per-service", "1"]
+    proc, port = up_support.start_up(args, tmp_path / "up.log")
+    try:
+        text = (tmp_path / "up.log").read_text()
+        assert port != taken and proc.poll() is None, text  # past the port check on the second ports
+        assert ": starting at " in text or "redis: " in text, text
+    finally:
+        proc.terminate()  # up stops what it started
+        proc.wait(timeout=60)

@@ -44,7 +44,7 @@ from common.model.loader import load_model
 from common.model.packaged import GEMMA3_FILE, FileLock, ModelUnavailable, gemma3_270m
 from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
-from tests.support.cluster import free_port
+from tests.support.up import start_up
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]  # the first run installs and computes
 
@@ -323,15 +323,11 @@ def test_cli_generate_answers(gguf_path: str, reference: dict[str, Any]) -> None
 
 @pytest.mark.services
 def test_up_serves_it(gguf_path: str, tmp_path: Path) -> None:
-    port, base = free_port(), free_port() + 100
     # the question (~10 tokens) goes the split path: prefill service, KV push, decode service
     env = {**os.environ, "SPLITSERVE_MODEL": gguf_path, "SPLITSERVE_ROUTER_LOCAL_PREFILL_THRESHOLD": "4"}
     env.pop("SPLITSERVE_ROUTER_MODEL", None)  # up gives the router the services' model
     log_path = tmp_path / "up.log"
-    log = open(log_path, "w+")  # noqa: SIM115 - read after the process ends
-    cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base),
-           "--threads-per-service", "1", "--kv-cache-mb", "64"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc, port = start_up(["--threads-per-service", "1", "--kv-cache-mb", "64"], log_path, env)
     try:
         deadline = time.monotonic() + 240
         while "splitserve is up" not in log_path.read_text():

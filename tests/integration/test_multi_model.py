@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 from common.cluster.redis_server import RedisServer
 from tests.support.cluster import Cluster, Proc, free_port, get_json, wait_until
 from tests.support.tiny_model import real_model_path, tiny_model_path
+from tests.support.up import start_up
 
 pytestmark = [pytest.mark.services, pytest.mark.real_model]
 FLAGS = ("--threads", "1", "--kv-cache-mb", "64")
@@ -129,17 +129,14 @@ def test_the_openai_client_works_with_both_models(stack: Proc) -> None:
 def test_up_serves_two_models(tmp_path: Path) -> None:
     """`splitserve up --model A --model B`: each model gets its own services (here --prefill 0 --decode
     1 each, to keep it short), and one router serves both names."""
-    port, base = free_port(), free_port() + 100
     env = {**os.environ}
     env.pop("SPLITSERVE_ROUTER_MODEL", None)  # up gives the router the services' models
-    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read after the process ends
-    cmd = [
-        sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base),
+    args = [
         "--threads-per-service", "1", "--kv-cache-mb", "64", "--prefill", "0", "--decode", "1",
         "--model", real_model_path(), "--model", tiny_model_path(),
         "--served-model-name", "smol", "--served-model-name", "tiny",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc, port = start_up(args, tmp_path / "up.log", env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(
@@ -168,5 +165,4 @@ def test_up_serves_two_models(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
     assert proc.returncode == 0, (tmp_path / "up.log").read_text()

@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -19,8 +18,8 @@ import psutil
 import pytest
 import redis
 
-from tests.support.cluster import free_port
 from tests.support.tiny_model import real_model_path
+from tests.support.up import start_up
 
 pytestmark = pytest.mark.services
 
@@ -31,38 +30,24 @@ pytestmark = pytest.mark.services
     ids=["sigterm", "ctrl-c"],
 )
 def test_up_serves_and_shuts_down_cleanly(tmp_path, sig) -> None:  # type: ignore[no-untyped-def]
-    port, base = free_port(), free_port() + 100
     real = sig == signal.SIGTERM
     env = {**os.environ}
     if real:
         env["SPLITSERVE_MODEL"] = env["SPLITSERVE_ROUTER_MODEL"] = real_model_path()
     else:  # a model set for the services only: up must give the router the same one
         del env["SPLITSERVE_ROUTER_MODEL"]
-    log = open(tmp_path / "up.log", "w+")  # noqa: SIM115 - read after the process ends
     children: list[psutil.Process] = []
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "splitserve",
-            "up",
-            "--port",
-            str(port),
-            "--base-port",
-            str(base),
-            "--threads-per-service",
-            "1",
-            "--kv-cache-mb",
-            "64",
-            "--tool-call-parser",  # passed on to the router (its model card says it)
-            "mistral",
-            # GPU placement, checked in the environment each child gets (no GPU here: they run on CPU)
-            *([] if real else ["--devices", "0,1", "--redis-data", str(tmp_path / "redis")]),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    args = [
+        "--threads-per-service",
+        "1",
+        "--kv-cache-mb",
+        "64",
+        "--tool-call-parser",
+        "mistral",
+    ]  # passed on to the router (its model card says it)
+    # GPU placement, checked in the environment each child gets (no GPU here: they run on CPU)
+    args += [] if real else ["--devices", "0,1", "--redis-data", str(tmp_path / "redis")]
+    proc, port = start_up(args, tmp_path / "up.log", env)  # fmt: skip
     try:
         deadline = time.monotonic() + 180
         while "splitserve is up" not in (tmp_path / "up.log").read_text():
@@ -148,27 +133,21 @@ def _children(proc: subprocess.Popen) -> list[psutil.Process]:
 def test_up_stops_with_one_line_when_a_service_cannot_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A model the services refuse (here: 5 ranks cannot shard the tiny model) stops `up` at once: each
     service says why in one line, `up` names the one it waited for, nothing is restarted, no traceback."""
-    port, base = free_port(), free_port() + 100
-    cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
-    cmd += ["--threads-per-service", "1", "--kv-cache-mb", "64", "--tensor-parallel-size", "5"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "error: prefill-0: tensor_parallel_size=5 does not divide" in r.stderr, r.stderr
-    assert "error: prefill-0 exited with code 2 before it was ready" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and "starting it again" not in r.stderr, r.stderr
+    args = ["--threads-per-service", "1", "--kv-cache-mb", "64", "--tensor-parallel-size", "5"]
+    proc, _ = start_up(args, tmp_path / "up.log", cwd=tmp_path)
+    assert proc.wait(timeout=180) == 1, (tmp_path / "up.log").read_text()
+    out = (tmp_path / "up.log").read_text()  # stdout and stderr
+    assert "error: prefill-0: tensor_parallel_size=5 does not divide" in out, out
+    assert "error: prefill-0 exited with code 2 before it was ready" in out, out
+    assert "Traceback" not in out and "starting it again" not in out, out
 
 
 class Up:
     """`splitserve up` with `flags` in a process of its own, logging to tmp_path/up.log."""
 
     def __init__(self, tmp_path, *flags: str) -> None:  # type: ignore[no-untyped-def]
-        port, base = free_port(), free_port() + 100
         self.log_path = tmp_path / "up.log"
-        log = open(self.log_path, "w+")  # noqa: SIM115 - read after the process ends
-        cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
-        self.proc = subprocess.Popen(
-            [*cmd, "--threads-per-service", "1", *flags], stdout=log, stderr=subprocess.STDOUT
-        )
+        self.proc, port = start_up(["--threads-per-service", "1", *flags], self.log_path)
         self.url = f"http://127.0.0.1:{port}"
 
     def text(self) -> str:

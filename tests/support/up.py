@@ -1,0 +1,45 @@
+"""`splitserve up` as a test starts it: on ports found free a moment earlier, and again on fresh ones
+when `up` refused one as taken. `up` checks its router port and every service port before it starts
+anything (splitserve/launch.py `_check_free`), so a refusal costs a second; without this a port another
+process took in between failed a test at random (`--base-port` was once a free port + 100, never
+checked)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.serving import PORT_TRIES, free_ports
+from tests.support.cluster import free_port
+
+PORTS = 16  # service ports after --base-port: more than any test's services, those autoscale adds too
+TAKEN = "is taken"  # up's refusal: "port N on H is taken (...): choose another --port / --base-port"
+PAST_CHECK = ("redis: ", ": starting at ")  # what up prints once its ports passed the check
+
+
+def start_up(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[subprocess.Popen[bytes], int]:
+    """`splitserve up --port P --base-port B <args>` logging (stdout and stderr) to log_path; the process
+    and its router port, once past the port check, or exited for any reason but a taken port."""
+    for attempt in range(PORT_TRIES):
+        port, base = free_port(), free_ports(PORTS + 1)
+        cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
+        with open(log_path, "w") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen([*cmd, *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                proc.wait(timeout=0.2)  # exited
+            except subprocess.TimeoutExpired:
+                if any(m in log_path.read_text() for m in PAST_CHECK):
+                    return proc, port
+                continue
+            if TAKEN in log_path.read_text() and attempt < PORT_TRIES - 1:
+                break  # again, on fresh ports
+            return proc, port
+        else:
+            return proc, port  # slow to start: the test's own wait says so
+    raise AssertionError("unreachable")
