@@ -41,7 +41,7 @@ import httpx
 import psutil
 from tqdm import tqdm
 
-from bench.fleet import PROFILE, healthy, routed, split_evenly, wait_for
+from bench.fleet import PROFILE, routed, split_evenly, wait_for
 from bench.rounds import load_avg
 from bench.serving import Stack, metric_sum, scrape
 from bench.soak import TERMINAL, Outcome, one, quiesce
@@ -59,8 +59,6 @@ def _start_fleet(stack: Stack, redis_url: str, prefill: int, decode: int) -> tup
     flags = ["--prefill", str(prefill), "--decode", str(decode), "--redis-url", redis_url]
     base = stack.start_block(prefill + decode, "sim-fleet", *flags, "--sim-profile", PROFILE, timeout_s=300)
     pid = stack.procs[-1].pid
-    for port in range(base, base + prefill + decode):
-        wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")
     return pid, [f"http://127.0.0.1:{p}" for p in range(base, base + prefill + decode)]
 
 

@@ -289,10 +289,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "--sim-profile",
                 PROFILE,
             ]
-            base = stack.start_block(p + d, "sim-fleet", *flags, timeout_s=300)
+            stack.start_block(p + d, "sim-fleet", *flags, timeout_s=300)
             fleet_pids.append(stack.procs[-1].pid)
-            for port in range(base, base + p + d):
-                wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")
         routers = [stack.start("router", "--redis-url", redis.url) for _ in range(args.fleet_routers)]
         router_pids = [stack.procs[-1 - i].pid for i in reversed(range(args.fleet_routers))]
         for url in routers:
@@ -413,10 +411,3 @@ def _over(cumulative: Counter[float], seconds: float) -> float | None:
     """Share of placements over `seconds` (a bucket edge)."""
     total = cumulative.get(float("inf"), 0)
     return round(1 - cumulative.get(seconds, 0) / total, 4) if total else None
-
-
-def healthy(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -52,7 +52,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.fleet import healthy, routed, wait_for
+from bench.fleet import routed, wait_for
 from bench.loadgen import Result, arrival_offsets, make_specs, run_load, summarize
 from bench.plots import pyplot, save
 from bench.rounds import load_avg
@@ -299,8 +299,6 @@ class Bench:
             self.fleet.append(psutil.Process(self.stack.procs[-1].pid))
             ports += range(base, base + p + d)
         self.services = [f"http://127.0.0.1:{p}" for p in ports]
-        for port in ports:
-            wait_for(lambda port=port: healthy(port), 120, f"the sim service on port {port}")
         threshold = SPLIT_THRESHOLD if lay.prefill else LOCAL_THRESHOLD
         model = ["--model", a.model] if a.model else []
         self.url = self.stack.start(

@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -56,12 +57,32 @@ def metric_sum(samples: dict[str, float], name: str, labels: str = "") -> float:
     return sum(v for k, v in samples.items() if k.split("{", 1)[0] == name and labels in k)
 
 
+T = TypeVar("T")
 PORT_TRIES = 3  # starts on fresh ports after another process took a port found free (PortTaken)
 
 
 class PortTaken(RuntimeError):
     """A child could not bind its port: another process took it between our finding it free and the
     child binding it (a busy machine runs other servers too)."""
+
+
+def exited(role: str, code: int | None, log_text: str) -> RuntimeError:
+    """What to raise for a child that exited before it served: PortTaken when its log says a port was
+    taken (uvicorn's "address already in use", `splitserve up`'s "is taken"), RuntimeError else."""
+    taken = "address already in use" in log_text or "is taken (" in log_text
+    return (PortTaken if taken else RuntimeError)(f"{role} exited with {code}:\n{log_text[-2000:]}")
+
+
+def on_fresh_ports(start: Callable[[], T], given: bool = False) -> T:
+    """start(), which picks its ports itself, again while it raises PortTaken (PORT_TRIES times in all);
+    once when its ports were `given` (the caller's to choose again)."""
+    for attempt in range(1 if given else PORT_TRIES):
+        try:
+            return start()
+        except PortTaken:
+            if given or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def free_ports(n: int) -> int:
@@ -104,13 +125,10 @@ class Stack:
         answers; its URL. Another `module` runs as `python -m <module> <flags>` (`role` names its log).
         A port taken meanwhile by another process: PortTaken for a given `port`; a free one picked here
         is picked again (PORT_TRIES times)."""
-        for attempt in range(1 if port is not None else PORT_TRIES):
-            try:
-                return self._start(role, flags, timeout_s, free_ports(1) if port is None else port, module)
-            except PortTaken:
-                if port is not None or attempt == PORT_TRIES - 1:
-                    raise
-        raise AssertionError("unreachable")
+        return on_fresh_ports(
+            lambda: self._start(role, flags, timeout_s, free_ports(1) if port is None else port, module),
+            given=port is not None,
+        )
 
     def start_block(
         self, n: int, role: str, *flags: str, timeout_s: float = 180.0, module: str = "splitserve"
@@ -118,22 +136,20 @@ class Stack:
         """Start `splitserve <role> --port base <flags>`, a process serving on the n ports from base
         (a sim-fleet), on n consecutive free ports; again on fresh ones when a port was taken meanwhile
         (PORT_TRIES times). Returns base."""
-        for attempt in range(PORT_TRIES):
+
+        def once() -> int:
             base = free_ports(n)
-            try:
-                deadline = time.monotonic() + timeout_s
-                self.start(role, *flags, port=base, timeout_s=timeout_s, module=module)
-                # every port, not the first alone: a service of the block that could not bind takes the
-                # process (its one event loop) down after the first already answered
-                proc = self.by_url[f"http://127.0.0.1:{base}"]
-                log_path = os.path.join(self.log_dir, f"{role}-{base}.log")
-                for port in range(base + 1, base + n):
-                    self._wait_healthy(proc, f"http://127.0.0.1:{port}", role, log_path, deadline)
-                return base
-            except PortTaken:
-                if attempt == PORT_TRIES - 1:
-                    raise
-        raise AssertionError("unreachable")
+            deadline = time.monotonic() + timeout_s
+            self.start(role, *flags, port=base, timeout_s=timeout_s, module=module)
+            # every port, not the first alone: a service of the block that could not bind takes the
+            # process (its one event loop) down after the first already answered
+            proc = self.by_url[f"http://127.0.0.1:{base}"]
+            log_path = os.path.join(self.log_dir, f"{role}-{base}.log")
+            for port in range(base + 1, base + n):
+                self._wait_healthy(proc, f"http://127.0.0.1:{port}", role, log_path, deadline)
+            return base
+
+        return on_fresh_ports(once)
 
     def _start(self, role: str, flags: tuple[str, ...], timeout_s: float, port: int, module: str) -> str:
         log_path = os.path.join(self.log_dir, f"{role}-{port}.log")
@@ -158,9 +174,7 @@ class Stack:
                 for u in [u for u, p in self.by_url.items() if p is proc]:
                     del self.by_url[u]
                 with open(log_path, errors="replace") as f:
-                    text = f.read()
-                error = PortTaken if "address already in use" in text else RuntimeError
-                raise error(f"{role} exited with {proc.returncode}:\n{text[-2000:]}")
+                    raise exited(role, proc.returncode, f.read())
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2):
                     return

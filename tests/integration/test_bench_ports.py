@@ -75,7 +75,7 @@ def test_the_tests_cluster_picks_a_taken_port_again(
 ) -> None:  # type: ignore[no-untyped-def]
     c = Cluster(None, str(tmp_path))
     try:
-        with pytest.raises(cluster.PortTaken, match="address already in use"):
+        with pytest.raises(PortTaken, match="address already in use"):
             c.start("port-server", port=taken, module=SERVER, timeout_s=30)
         assert not c.procs
         picks = iter([taken])

@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.serving import PORT_TRIES, PortTaken
+from bench.serving import exited, on_fresh_ports
 from common.cluster.state import ClusterState
 from common.security.internal_auth import SignedCalls
 from common.security.secret import InternalSecret
@@ -71,13 +71,9 @@ class Cluster:
         `module` runs as `python -m <module> --port P <flags>` (`role` names its log; no Redis flag).
         A port picked here that another process takes before the child binds it (two test workers, and
         everything else on the machine, pick ports at once) is picked again, up to PORT_TRIES times."""
-        for attempt in range(1 if port else PORT_TRIES):
-            try:
-                return self._start(role, flags, timeout_s, env, port or free_port(), module)
-            except PortTaken:
-                if port or attempt == PORT_TRIES - 1:
-                    raise
-        raise AssertionError("unreachable")
+        return on_fresh_ports(
+            lambda: self._start(role, flags, timeout_s, env, port or free_port(), module), given=bool(port)
+        )
 
     def _start(
         self,
@@ -110,9 +106,7 @@ class Cluster:
         while time.monotonic() < deadline:
             if proc.popen.poll() is not None:
                 self.procs.remove(proc)
-                tail = proc.log_tail()
-                error = PortTaken if "address already in use" in tail else RuntimeError
-                raise error(f"{role} exited with {proc.popen.returncode}:\n{tail}")
+                raise exited(role, proc.popen.returncode, proc.log_tail())
             try:
                 get_json(proc.url + "/health")
                 return proc

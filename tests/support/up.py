@@ -11,11 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from bench.serving import PORT_TRIES, free_ports
+from bench.serving import PortTaken, exited, free_ports, on_fresh_ports
 from tests.support.cluster import free_port
 
 PORTS = 16  # service ports after --base-port: more than any test's services, those autoscale adds too
-TAKEN = "is taken"  # up's refusal: "port N on H is taken (...): choose another --port / --base-port"
 PAST_CHECK = ("redis: ", ": starting at ")  # what up prints once its ports passed the check
 
 
@@ -23,8 +22,10 @@ def start_up(
     args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> tuple[subprocess.Popen[bytes], int]:
     """`splitserve up --port P --base-port B <args>` logging (stdout and stderr) to log_path; the process
-    and its router port, once past the port check, or exited for any reason but a taken port."""
-    for attempt in range(PORT_TRIES):
+    and its router port, once past the port check, or exited for any reason but a taken port (PortTaken
+    when up refused a port on every try)."""
+
+    def once() -> tuple[subprocess.Popen[bytes], int]:
         port, base = free_port(), free_ports(PORTS + 1)
         cmd = [sys.executable, "-m", "splitserve", "up", "--port", str(port), "--base-port", str(base)]
         with open(log_path, "w") as log:  # the child keeps its own descriptor
@@ -32,14 +33,15 @@ def start_up(
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
-                proc.wait(timeout=0.2)  # exited
+                code = proc.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
                 if any(m in log_path.read_text() for m in PAST_CHECK):
                     return proc, port
                 continue
-            if TAKEN in log_path.read_text() and attempt < PORT_TRIES - 1:
-                break  # again, on fresh ports
-            return proc, port
-        else:
-            return proc, port  # slow to start: the test's own wait says so
-    raise AssertionError("unreachable")
+            error = exited("up", code, log_path.read_text())
+            if isinstance(error, PortTaken):
+                raise error  # again, on fresh ports
+            return proc, port  # exited for another reason: the test says what it expected
+        return proc, port  # slow to start: the test's own wait says so
+
+    return on_fresh_ports(once)
