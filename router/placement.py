@@ -156,8 +156,7 @@ def rank(
         mine = in_flight.get(w.url, 0)
         cost = prefix_weight * uncached + load_weight * (queued / unit + max(busy, mine))
         out.append(Candidate(w, hit, bs, cost, tier, discount))
-        # ties in cost: least_loaded_key's order (fewest queued, most free blocks, fewest of ours)
-        keys.append((cost, busy, -int(load.get("free_blocks", 0)), mine))
+        keys.append((cost, least_loaded_key(load, mine)))  # ties in cost: the plain order
     order = sorted(range(len(out)), key=keys.__getitem__)  # stable: the input order breaks full ties
     return [out[i] for i in order]
 

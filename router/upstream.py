@@ -51,7 +51,8 @@ class SettledTransport(httpx.AsyncBaseTransport):
     TransportError as "that service is unreachable" (try another, or give up on a best-effort call),
     and an AttributeError would instead end the client's request with a 500. Nothing of ours runs
     inside a transport's request (the signing auth runs in the client), so an AttributeError from
-    there is the library's."""
+    there is the library's. Every response it hands out unhooks itself from httpx's client once closed
+    (`_Unbinding`: no reference cycle per call)."""
 
     def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
         self.inner = inner
