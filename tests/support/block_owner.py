@@ -10,6 +10,9 @@ from typing import Any
 class Owner:
     token_ids: list[int]
     block_table: list[int] = field(default_factory=list)
+    group_tables: list[list[int]] = field(
+        default_factory=list
+    )  # layer groups 1.. (common/kv/layer_groups.py)
     num_cached_tokens: int = 0
     num_hashed_blocks: int = 0
 

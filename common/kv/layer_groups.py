@@ -1,0 +1,348 @@
+"""One page pool for models that mix full-attention and sliding-window layers (gemma2, gemma3): the plan
+of layer groups and the allocator that gives each group its own block table.
+
+Why. With one block table for every layer, a sliding layer holds a whole prompt's blocks although it
+reads only its window: Gemma 3 270M (3 full layers, 15 sliding with a 512-token window) at 32k tokens
+keeps ~6x the KV it needs. Releasing what slid out needs a table per kind of layer; sizing a separate
+pool per kind (a fixed full:sliding ratio) would waste whichever pool the workload leaves idle. So the
+layers are cut into groups of `k` layers of one kind each, `k` dividing every kind's layer count (3
+for Gemma 3 270M: one full group, five sliding groups), and the cache is a pool of *pages* of `k`
+layers (one page: one block of tokens for `k` layers, K and V). Each group has a block table of page
+ids; a sliding group's table releases the pages that slid out of its window (HOLEs, as a model whose
+every layer slides does today: common/kv/block_manager.py), a full group's never does. Every group's
+page for token-block i is taken when block i is first needed, so the tables stay index-aligned.
+
+`plan_layer_groups` makes the plan from the model's per-layer windows; a model whose layers are all of
+one kind is one group of all its layers (k = num_layers, a page is today's block: nothing changes).
+
+`GroupedBlockManager` is the allocator for a plan of more than one group. A sequence's table of group 0
+(a full group: groups are ordered full first) is its `block_table`, those of groups 1.. its
+`group_tables`. Prefix caching is per group, keyed by the same chained block hashes: a prompt's first m
+blocks are a hit when every full group holds pages for blocks 0..m-1 and every sliding group for the
+blocks its window still sees from position m*block_size (earlier ones are holes in its table). The
+hash chain runs through group 0 (it has no holes). KV events (what the router matches prompts against)
+are group 0's: a full group holds a hit's whole prefix; a sliding page evicted before it can make a
+served hit shorter than the router's prediction, never wrong (the hit is checked here).
+
+TODO(issue 28): not wired yet: the engine still builds one table for every layer. What remains is in
+common/kv/kv_cache.py's module doc.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from math import gcd
+from typing import Protocol
+
+from common.kv.block_manager import HOLE, BlockManager, _root
+from common.prefix_hash import DEVICE, block_hash
+
+
+@dataclass(frozen=True)
+class LayerGroups:
+    """Which group and which slot of its pages each layer is: `windows[g]` is group g's sliding window
+    (None: full attention), `group_of[l]` and `slot_of[l]` layer l's group and its index among the
+    group's `layers_per_page` layers (the page's layer slot)."""
+
+    windows: tuple[int | None, ...]
+    group_of: tuple[int, ...]
+    slot_of: tuple[int, ...]
+    layers_per_page: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def layers(self, group: int) -> list[int]:
+        """Group `group`'s layers, in slot order."""
+        return [layer for layer, g in enumerate(self.group_of) if g == group]
+
+    def pages(self, num_blocks: int) -> int:
+        """The pages of a pool as large as `num_blocks` blocks of every layer (the same bytes)."""
+        return num_blocks * len(self.group_of) // self.layers_per_page
+
+
+def plan_layer_groups(layer_windows: Seq[int | None], num_layers: int) -> LayerGroups:
+    """The layer groups of a model whose layer l slides over `layer_windows[l]` tokens (None: full
+    attention; an empty `layer_windows`: no layer slides). One group of every layer unless full and
+    sliding layers mix; then groups of k layers of one kind (one window), k the greatest common
+    divisor of each kind's layer count, full groups first, each kind's layers in model order."""
+    windows = tuple(layer_windows) or (None,) * num_layers
+    if len(windows) != num_layers or num_layers < 1:
+        raise ValueError(f"{len(windows)} layer windows for {num_layers} layers")
+    if any(w is not None and w < 1 for w in windows):
+        raise ValueError(f"a sliding window must be at least 1 token: {windows}")
+    if None not in windows or all(w is None for w in windows):  # one kind: today's single table
+        window = None if windows[0] is None else max(w for w in windows if w is not None)
+        return LayerGroups((window,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+    kinds: dict[int | None, list[int]] = {None: []}  # full first, then each window in order of first use
+    for layer, w in enumerate(windows):
+        kinds.setdefault(w, []).append(layer)
+    k = 0
+    for members in kinds.values():
+        k = gcd(k, len(members))
+    group_windows: list[int | None] = []
+    group_of, slot_of = [0] * num_layers, [0] * num_layers
+    for w, members in kinds.items():
+        for start in range(0, len(members), k):
+            for slot, layer in enumerate(members[start : start + k]):
+                group_of[layer], slot_of[layer] = len(group_windows), slot
+            group_windows.append(w)
+    return LayerGroups(tuple(group_windows), tuple(group_of), tuple(slot_of), k)
+
+
+class GroupOwner(Protocol):
+    """What the grouped allocator needs from a sequence: the block manager's `BlockOwner` and the
+    tables of groups 1.. (group 0's is `block_table`)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    group_tables: list[list[int]]
+    num_cached_tokens: int
+    num_hashed_blocks: int
+
+
+class GroupedBlockManager(BlockManager):
+    """A page pool shared by layer groups, a block table per group (module doc). The scheduler's view is
+    the block manager's: `window` (the largest sliding window: allocation goes a chunk at a time and
+    `release_window` runs after each step), `first_live` (the leading holes every sliding group may
+    have), `blocks_needed` (token-blocks, i.e. table entries), `num_free_blocks` (pages). The offload
+    tiers are not supported here (`tier` must stay None)."""
+
+    def __init__(
+        self, num_pages: int, block_size: int, windows: Seq[int | None], enable_prefix_caching: bool = True
+    ) -> None:
+        windows = tuple(windows)
+        if len(windows) < 2 or windows[0] is not None or all(w is None for w in windows):
+            raise ValueError(
+                f"a grouped pool is for full and sliding groups, full first (plan_layer_groups): {windows}"
+            )
+        super().__init__(num_pages, block_size, enable_prefix_caching, max(w for w in windows if w))
+        self.windows = windows
+        self.group_of_page = [0] * num_pages  # which group's table a used or cached page is in
+        self.index: list[dict[int, int]] = [self.hash_to_block] + [{} for _ in windows[1:]]
+
+    # --- tables ---------------------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def tables(self, seq: GroupOwner) -> list[list[int]]:
+        """seq's block table of each group (group 0's is seq.block_table)."""
+        return [seq.block_table, *seq.group_tables]
+
+    def _first_live_of(self, group: int, num_computed: int) -> int:
+        w = self.windows[group]
+        return 0 if w is None else max(0, num_computed - w + 1) // self.block_size
+
+    def first_live(self, num_computed: int) -> int:
+        """The leading holes every sliding group's table may have for a sequence computed up to
+        `num_computed` tokens: the fewest any sliding group may (full groups have none)."""
+        return min(self._first_live_of(g, num_computed) for g, w in enumerate(self.windows) if w is not None)
+
+    def most_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most pages a sequence of `num_tokens` tokens, computed `max_chunk` at a time, holds at
+        once: every block in a full group, a chunk's and the window before it in a sliding one."""
+        whole = self.blocks_needed(num_tokens)
+        return sum(
+            whole if w is None else min(whole, (w + max_chunk - 1) // self.block_size + 2)
+            for w in self.windows
+        )
+
+    def num_held(self, seq: GroupOwner) -> int:  # type: ignore[override]
+        return sum(1 for t in self.tables(seq) for b in t if b != HOLE)
+
+    # --- prefix hits ----------------------------------------------------------------------------
+    def _chain(self, token_ids: Seq[int], num_tokens: int, root: int) -> list[int]:
+        bs, parent, out = self.block_size, root, []
+        for i in range(num_tokens // bs):
+            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            out.append(parent)
+        return out
+
+    def _cached(self, group: int, h: int, toks: Seq[int]) -> int | None:
+        bid = self.index[group].get(h)
+        return bid if bid is not None and self.blocks[bid].tokens == tuple(toks) else None
+
+    def _grouped_hits(self, seq: GroupOwner, limit: int, first: int) -> tuple[int, list[list[int]]]:
+        """The longest prefix hit m (blocks) of seq's first `limit` tokens and, per group, the pages it
+        reuses: a full group's for blocks 0..m-1, a sliding group's from the later of `first` and the
+        first block its window sees from position m * block_size."""
+        if not self.enable_prefix_caching:
+            return 0, [[] for _ in self.windows]
+        bs, toks = self.block_size, seq.token_ids
+        chain = self._chain(toks, limit, _root(seq))
+        found = [
+            [self._cached(g, h, toks[i * bs : (i + 1) * bs]) for i, h in enumerate(chain)]
+            for g in range(self.num_groups)
+        ]
+        full = [g for g, w in enumerate(self.windows) if w is None]
+        run = 0  # the full groups' common run from block 0
+        while run < len(chain) and all(found[g][run] is not None for g in full):
+            run += 1
+        for m in range(run, 0, -1):  # the longest m whose window blocks every sliding group holds
+            held = [found[g][self._holes(g, first, m) : m] for g in range(self.num_groups)]
+            if all(b is not None for pages in held for b in pages):
+                return m, [[b for b in pages if b is not None] for pages in held]
+        return 0, [[] for _ in self.windows]
+
+    # --- capacity and allocation ----------------------------------------------------------------
+    def _holes(self, group: int, first: int, hit: int) -> int:
+        """Leading holes of `group`'s table for an allocation with `first` holes and a hit of `hit`
+        blocks: none in a full group."""
+        if self.windows[group] is None:
+            return 0
+        return max(first, self._first_live_of(group, hit * self.block_size))
+
+    def can_allocate(  # type: ignore[override]
+        self,
+        seq: GroupOwner,
+        num_tokens: int | None = None,
+        reserve: int = 0,
+        use_prefix_cache: bool = True,
+        first: int = 0,
+        room: int | None = None,
+    ) -> bool:
+        n = len(seq.token_ids) if num_tokens is None else num_tokens
+        first = self._check_first(first, n)
+        limit = min(n, len(seq.token_ids) - 1)
+        m, held = self._grouped_hits(seq, limit, first) if use_prefix_cache else (0, [[]] * self.num_groups)
+        width = self.blocks_needed(self._target(n, m, room))
+        need = reserve
+        evictable = 0
+        for g in range(self.num_groups):
+            holes = min(self._holes(g, first, m), width)
+            need += max(0, width - holes - len(held[g]))
+            evictable += sum(1 for b in held[g] if self.blocks[b].ref_count == 0)
+        return need <= self.num_free_blocks - evictable
+
+    def _take_for(self, group: int) -> int:
+        bid = self._take()
+        self.group_of_page[bid] = group
+        return bid
+
+    def _take(self) -> int:
+        if self.free_ids:
+            return super()._take()
+        bid = next(iter(self.cached_ids))  # the least recently used: evicted from its group's index
+        blk, group = self.blocks[bid], self.group_of_page[bid]
+        if group == 0:
+            return super()._take()  # group 0's index is hash_to_block: its eviction, events and all
+        del self.cached_ids[bid]
+        assert blk.hash is not None, f"cached page {bid} has no hash"
+        del self.index[group][blk.hash]
+        blk.hash, blk.tokens = None, ()
+        blk.ref_count = 1
+        self.num_used += 1
+        return bid
+
+    def allocate(  # type: ignore[override]
+        self,
+        seq: GroupOwner,
+        num_tokens: int | None = None,
+        use_prefix_cache: bool = True,
+        first: int = 0,
+        room: int | None = None,
+    ) -> None:
+        """As BlockManager.allocate, a table per group (module doc); `first`: leading holes of the
+        sliding groups' tables (a decode service's reservation for window-only KV, a swap-in)."""
+        assert self.tier is None, "the offload tiers do not take grouped pages"
+        assert not seq.block_table and not any(seq.group_tables), "sequence already holds pages"
+        n = len(seq.token_ids) if num_tokens is None else num_tokens
+        first = self._check_first(first, n)
+        limit = min(n, len(seq.token_ids) - 1)
+        m, held = self._grouped_hits(seq, limit, first) if use_prefix_cache else (0, [[]] * self.num_groups)
+        self.prefix_queries += len(seq.token_ids) // self.block_size
+        self.prefix_hits += m
+        width = self.blocks_needed(self._target(n, m, room))
+        for pages in held:  # every group's hits first: a fresh page taken below never evicts one
+            for bid in pages:
+                self._ref(bid)
+        tables: list[list[int]] = []
+        for g in range(self.num_groups):
+            holes = min(self._holes(g, first, m), width)
+            fresh = [self._take_for(g) for _ in range(width - holes - len(held[g]))]
+            tables.append([HOLE] * holes + held[g] + fresh)
+        seq.block_table, seq.group_tables = tables[0], tables[1:]
+        seq.num_hashed_blocks = m
+        seq.num_cached_tokens = m * self.block_size
+
+    def can_append(self, seq: GroupOwner, num_new_tokens: int = 1) -> bool:  # type: ignore[override]
+        need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)
+        return need * self.num_groups <= self.num_free_blocks
+
+    def can_grow(self, seq: GroupOwner, num_tokens: int) -> bool:  # type: ignore[override]
+        return (
+            self.blocks_needed(num_tokens) - len(seq.block_table)
+        ) * self.num_groups <= self.num_free_blocks
+
+    def grow(self, seq: GroupOwner, num_tokens: int) -> None:  # type: ignore[override]
+        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+            for g, table in enumerate(self.tables(seq)):
+                table.append(self._take_for(g))
+
+    def append_slots(self, seq: GroupOwner, num_new_tokens: int = 1) -> None:  # type: ignore[override]
+        self.grow(seq, len(seq.token_ids) + num_new_tokens - 1)
+
+    def free(self, seq: GroupOwner) -> None:  # type: ignore[override]
+        for table in self.tables(seq):
+            for bid in reversed(table):  # tail first: evicted before the shared prefix
+                if bid != HOLE:
+                    self._unref(bid)
+        seq.block_table, seq.group_tables = [], [[] for _ in self.windows[1:]]
+        seq.num_hashed_blocks = 0
+
+    def release_window(self, seq: GroupOwner, num_computed: int) -> int:  # type: ignore[override]
+        """Release each sliding group's pages wholly before its window (HOLEs in their place); returns
+        how many. Commit first: a page released unhashed stays so."""
+        released = 0
+        for g, table in enumerate(self.tables(seq)):
+            if self.windows[g] is None:
+                continue
+            i = min(self._first_live_of(g, num_computed), len(table)) - 1
+            while i >= 0 and table[i] != HOLE:
+                self._unref(table[i])
+                table[i] = HOLE
+                released += 1
+                i -= 1
+        return released
+
+    def commit(self, seq: GroupOwner, num_computed_tokens: int) -> list[int]:  # type: ignore[override]
+        """Hash the full blocks whose KV is now computed, in every group's page for them (a released or
+        never-taken page: a hole, skipped); returns group 0's new hashes (its KV events)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, new, tables = self.block_size, [], self.tables(seq)
+        for i in range(seq.num_hashed_blocks, num_computed_tokens // bs):
+            parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else _root(seq)
+            if parent is None:  # the parent's content is owned elsewhere under that hash: stop the chain
+                break
+            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, toks)
+            blk = self.blocks[seq.block_table[i]]
+            if h not in self.hash_to_block and blk.hash is None:
+                blk.hash, blk.tokens = h, toks
+                self.hash_to_block[h] = blk.block_id
+                new.append(h)
+                if self.kv_events is not None:
+                    self.kv_events.append((True, h, DEVICE))
+            elif blk.hash != h:
+                break  # the same content computed twice concurrently: this copy stays private
+            for g in range(1, self.num_groups):
+                page = tables[g][i]
+                if page != HOLE and h not in self.index[g] and self.blocks[page].hash is None:
+                    self.blocks[page].hash, self.blocks[page].tokens = h, toks
+                    self.index[g][h] = page
+            seq.num_hashed_blocks = i + 1
+        return new
+
+    def prefetch(self, seq: GroupOwner) -> bool:  # type: ignore[override]
+        return False  # no offload tiers
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        for g, index in enumerate(self.index):
+            for h, bid in index.items():
+                assert self.blocks[bid].hash == h, f"group {g}'s index points at page {bid} with another hash"
+                assert self.group_of_page[bid] == g, f"group {g}'s index holds page {bid} of another group"
