@@ -47,8 +47,9 @@ from common.engine.sequence import Sequence
 from common.engine.speed import StepSpeed
 from common.engine.static_batching import StaticBatchScheduler
 from common.kv import quant
-from common.kv.block_manager import BlockManager, free_window, live_blocks
+from common.kv.block_manager import BlockManager
 from common.kv.kv_cache import FP8, KVCacheSpec, KVScales, PagedKVCache
+from common.kv.layer_groups import GroupedBlockManager
 from common.kv.offload import KVOffload
 from common.model.calibration import calibration_ids, kv_stats
 from common.model.config import ModelConfig
@@ -180,18 +181,36 @@ class LLMEngine:
             scales = quant.calibrate(kv_stats(self.model, calibration_ids(tokenizer)), kv_dtype)
         self._scales_digest = scales.digest() if scales is not None else ""
 
+        # A model mixing full and sliding layers: pages of a few layers, a block table per layer group
+        # (common/kv/layer_groups.py), unless the offload tiers or the KV transfer take one table only
+        paged = not self._tiers_asked() and (connector or KVConnector).carries_layer_groups
+
         def kv_spec(blocks: int, kv_heads: int) -> KVCacheSpec:
             windows = tuple(mc.window(i) for i in range(mc.num_layers))
             windows = windows if any(w is not None for w in windows) else ()  # the layer groups
             mla = mc.mla_latent  # MLA: the cached latent's (kv_lora_rank, qk_rope_head_dim)
             return KVCacheSpec(
-                mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype, windows, mla
+                mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype, windows, mla, paged
             )
 
         # rank 0 holds the most KV heads (the partition gives the first ranks the larger share), so the
         # KV budget (kv_cache_memory_mb, per rank) sizes the block count every rank uses
         probe = kv_spec(1, len(layouts[0].kv_heads))
-        num_blocks = config.num_kv_blocks or self._kv_blocks(probe.bytes_per_block)
+        if probe.groups.num_groups > 1:
+            log.info(
+                "KV layer groups: %s (%d layers a page, a block table per group: sliding groups release "
+                "what slid out of their window)", probe.layer_groups(), probe.groups.layers_per_page,
+            )  # fmt: skip
+        elif probe.layer_windows and None in probe.layer_windows and mc.mla_latent is None:
+            why = "the offload tiers take" if self._tiers_asked() else "the KV transfer takes"
+            log.warning(
+                "KV: one block table for the full and the sliding layers (%s one table): the sliding "
+                "layers hold every block, as the full ones do", why,
+            )  # fmt: skip
+        if config.num_kv_blocks:  # blocks of every layer: as many pages as that many bytes make
+            num_blocks = probe.groups.pages(config.num_kv_blocks)
+        else:
+            num_blocks = self._kv_blocks(probe.bytes_per_block)
         spec = kv_spec(num_blocks, len(layouts[0].kv_heads))
         self.tp_workers: TPWorkers | None = None
         if tp > 1:
@@ -211,14 +230,23 @@ class LLMEngine:
         scales = _heads_of(scales, layouts[0].kv_heads)  # rank 0's (all of them without TP)
         t0 = time.monotonic()  # one zeroed tensor each for K and V: no progress to show, a line after
         self.kv_cache = PagedKVCache(spec, device=device, compute_dtype=dtype, scales=scales)
+        unit = "blocks" if spec.groups.num_groups == 1 else f"pages of {spec.groups.layers_per_page} layers,"
         log.info(
-            "KV cache: %d blocks of %d tokens (%.0f MiB%s, %s), allocated in %.1f s",
-            num_blocks, config.block_size, num_blocks * spec.bytes_per_block / 2**20,
+            "KV cache: %d %s %d tokens each (%.0f MiB%s, %s), allocated in %.1f s",
+            num_blocks, unit, config.block_size, num_blocks * spec.bytes_per_block / 2**20,
             f" on each of {tp} ranks" if tp > 1 else "", str(kv_dtype).removeprefix("torch."),
             time.monotonic() - t0,
         )  # fmt: skip
-        window = free_window(spec.layer_windows)  # every layer slides: blocks that slid out are freed
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
+        self.block_manager: BlockManager
+        if spec.groups.num_groups > 1:
+            self.block_manager = GroupedBlockManager(
+                num_blocks, config.block_size, spec.groups.windows, config.enable_prefix_caching
+            )
+        else:  # every layer slides: blocks that slid out are freed (the window); else none is
+            window = spec.groups.windows[0]
+            self.block_manager = BlockManager(
+                num_blocks, config.block_size, config.enable_prefix_caching, window
+            )
         self.kv_offload = self._offload_tiers()
         self.block_manager.tier = self.kv_offload
         sched_cfg = SchedulerConfig(
@@ -285,10 +313,13 @@ class LLMEngine:
             if self.tp_workers is not None:
                 self.tp_workers.close()
 
+    def _tiers_asked(self) -> bool:
+        return self.config.kv_offload_ram_gb > 0 or bool(self.config.kv_offload_disk_dir)
+
     def _offload_tiers(self) -> KVOffload | None:
         """The KV offload tiers behind the pool (kv_offload_ram_gb, kv_offload_disk_dir), or None."""
         cfg = self.config
-        if cfg.kv_offload_ram_gb <= 0 and not cfg.kv_offload_disk_dir:
+        if not self._tiers_asked():
             return None
         if not cfg.enable_prefix_caching:
             raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
@@ -609,7 +640,10 @@ class LLMEngine:
                 tpw.swap_out(seq.seq_id, blocks)
         for seq in out.swap_in:
             saved = self._swapped_kv.pop(seq.seq_id)
-            blocks = live_blocks(seq.block_table)[: saved[0].shape[1]]  # holes were not swapped out
+            blocks = self.block_manager.live_pages(seq, seq.swap_width)  # holes were not swapped out
+            assert len(blocks) == saved[0].shape[1], (
+                f"{seq.seq_id}: {len(blocks)} blocks for {saved[0].shape[1]}"
+            )
             self.kv_cache.copy_in(blocks, saved)
             if tpw is not None:
                 tpw.swap_in(seq.seq_id, blocks)

@@ -52,6 +52,9 @@ class StepInputs:
     query_start_loc: list[int] = field(default_factory=lambda: [0])
     context_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
+    # layer groups 1.. (common/kv/layer_groups.py): per group the slots and block tables, as above
+    group_slots: list[list[int]] = field(default_factory=list)
+    group_tables: list[list[list[int]]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     # prompt logprobs: (sequence index in out.scheduled, first row, first position, row count), in slices
     # of at most PROMPT_LOGPROB_ROWS rows (every rank makes the same compute_logits calls, one per slice)
@@ -73,6 +76,7 @@ class ModelRunner:
         self.connector = connector or KVConnector()
         self.kv_cache = kv_cache
         self.block_size = kv_cache.spec.block_size
+        self.extra_groups = range(kv_cache.spec.groups.num_groups - 1)  # layer groups past group 0
         self.sampler = Sampler(eos_token_ids)
         self.device = kv_cache.k.device
         if attention_backend == "triton" and model.config.is_mla:
@@ -91,6 +95,12 @@ class ModelRunner:
         if self.model.config.is_mla:
             log.warning("%s (MLA): no CUDA graphs (they need Triton)", self.model.config.architecture)
             return
+        if self.kv_cache.spec.groups.num_groups > 1:  # the graphs hold one block table per sequence
+            log.warning(
+                "%s: no CUDA graphs with a KV block table per layer group (full and sliding layers)",
+                self.model.config.architecture,
+            )
+            return
         assert self.use_kernels, "CUDA graphs need the Triton attention backend"
         max_blocks = -(-max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.kv_cache, batch_sizes, max_blocks, capture=capture)
@@ -100,6 +110,8 @@ class ModelRunner:
         offsets, context length and block table."""
         bs = self.block_size
         step = StepInputs()
+        groups = self.extra_groups
+        step.group_slots, step.group_tables = [[] for _ in groups], [[] for _ in groups]
         # padding rows (static baseline) recompute their last token in place: same cost, no new KV
         rows = [(seq, seq.num_computed_tokens, n, True) for seq, n in out.scheduled]
         rows += [(seq, seq.num_tokens - 1, 1, False) for seq in out.padding]
@@ -120,6 +132,10 @@ class ModelRunner:
             step.query_start_loc.append(step.query_start_loc[-1] + n)
             step.context_lens.append(end)
             step.block_tables.append(bt[: -(-end // bs)])
+            for g in groups:
+                gt = seq.group_tables[g]
+                step.group_slots[g].extend(gt[p // bs] * bs + p % bs for p in range(start, end))
+                step.group_tables[g].append(gt[: -(-end // bs)])
             if samples and end == seq.num_tokens:
                 step.sample_rows.append(step.query_start_loc[-1] - 1)
         return step
@@ -179,6 +195,12 @@ class ModelRunner:
             # the graph's static buffers take the host tensors directly: no per-step metadata to build
             return self.graphs.run(ids, positions, slots, step.context_lens, step.block_tables)
         meta = self.attention_metadata(step.query_start_loc, step.context_lens, step.block_tables, slots)
+        meta.others = [
+            self.attention_metadata(
+                step.query_start_loc, step.context_lens, t, torch.tensor(s, dtype=torch.long)
+            )
+            for s, t in zip(step.group_slots, step.group_tables, strict=True)
+        ]
         dev = self.device
         hidden: torch.Tensor = self.model(
             ids.to(dev, non_blocking=True),

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from common.engine.policy import QueuePolicy, make_policy
 from common.engine.scheduler_config import SchedulerConfig as SchedulerConfig
 from common.engine.sequence import Sequence, SequenceStatus
-from common.kv.block_manager import BlockManager, live_blocks
+from common.kv.block_manager import BlockManager
 
 log = logging.getLogger("splitserve.scheduler")
 
@@ -253,12 +253,12 @@ class Scheduler:
             first = self.bm.first_live(seq.num_computed_tokens)
             size = seq.num_tokens
             if self.bm.window is not None:
-                had = (first + seq.num_swapped_blocks) * self.bm.block_size
-                size = min(size, max(had, seq.num_computed_tokens + 1))
-            if self.bm.blocks_needed(size) - first > self.bm.num_free_blocks:
+                size = min(size, max(seq.swap_width * self.bm.block_size, seq.num_computed_tokens + 1))
+            if not self.bm.can_allocate(seq, size, use_prefix_cache=False, first=first):
                 break
             self.swapped.popleft()
             self.bm.allocate(seq, size, use_prefix_cache=False, first=first)
+            self.bm.release_window(seq, seq.num_computed_tokens)  # each group's holes as when it left
             self.swap_blocks_used -= seq.num_swapped_blocks
             seq.num_swapped_blocks = 0
             seq.status = SequenceStatus.RUNNING
@@ -374,7 +374,8 @@ class Scheduler:
         self.stats[f"preempt_{kind}"] += 1
         out.preempted.append(seq)
         if kind == "swap":
-            held = live_blocks(seq.block_table)  # holes hold nothing: none is copied out, or back in
+            held = self.bm.live_pages(seq)  # holes hold nothing: none is copied out, or back in
+            seq.swap_width = len(seq.block_table)
             out.swap_out.append((seq, held))
             seq.num_swapped_blocks = len(held)
             self.swap_blocks_used += seq.num_swapped_blocks

@@ -48,11 +48,13 @@ class Sequence:
         self.arrival_order = 0  # set by the scheduler: breaks ties between equal arrival times
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.group_tables: list[list[int]] = []  # layer groups 1.. (common/kv/layer_groups.py)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
         self.num_hashed_blocks = 0
         self.kv_partial = False  # KV received window-only: kept out of the prefix cache (scheduler)
         self.num_swapped_blocks = 0  # blocks of KV held in host memory while SWAPPED
+        self.swap_width = 0  # its block table's length when swapped out (holes and all)
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         # token positions billed to the tenant (common/engine/scheduler.py): each position once, however

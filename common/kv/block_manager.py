@@ -386,6 +386,11 @@ class BlockManager:
             i -= 1
         return released
 
+    def live_pages(self, seq: BlockOwner, width: int | None = None) -> list[int]:
+        """The blocks seq's table holds among its first `width` entries (all: None), holes left out, in
+        table order: what a swap copies out, and back into the same places."""
+        return [b for b in seq.block_table[:width] if b != HOLE]
+
     def num_held(self, seq: BlockOwner) -> int:
         """Blocks seq holds: its table less the holes."""
         return sum(1 for b in seq.block_table if b != HOLE)

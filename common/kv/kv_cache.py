@@ -54,8 +54,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from common.kv.layer_groups import LayerGroups, one_group, plan_layer_groups
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,9 @@ class KVCacheSpec:
     # caches instead of K and V: one "head" per token, its first half in K and its second in V
     # (num_kv_heads 1, head_dim = half the latent); None for K/V caches
     mla: tuple[int, int] | None = None
+    # Full and sliding layers mixed: a pool of pages of a few layers and a block table per layer group
+    # (common/kv/layer_groups.py); `num_blocks` then counts pages. False: one table for every layer.
+    paged_groups: bool = False
 
     def __post_init__(self) -> None:
         if self.mla is not None:
@@ -82,6 +88,21 @@ class KVCacheSpec:
                     f"every layer full: not {self.num_kv_heads} heads of {self.head_dim}, windows "
                     f"{self.layer_windows}"
                 )
+
+    @cached_property
+    def groups(self) -> LayerGroups:
+        """The layer groups the cache is laid out by: one group of every layer unless `paged_groups`
+        and the model mixes full and sliding layers (common/kv/layer_groups.py)."""
+        if self.paged_groups and self.mla is None:
+            return plan_layer_groups(self.layer_windows, self.num_layers)
+        return one_group(self.layer_windows, self.num_layers)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """The K (and the V) tensor's shape: (layers per page, pages, block_size, KV heads, head_dim);
+        with one group, (num_layers, num_blocks, ...): a page is a block of every layer."""
+        k = self.groups.layers_per_page
+        return (k, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def first_needed_block(self, layer: int, num_tokens: int) -> int:
         """The first block of a `num_tokens`-token prompt that decoding it still reads in `layer`: 0 for
@@ -105,9 +126,11 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across all layers, K and V (MLA: the latent, once)."""
+        """Bytes of one block (of `num_blocks`) across its layers, K and V (MLA: the latent, once): every
+        layer's, or with layer groups one page's."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        k = self.groups.layers_per_page
+        return 2 * k * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -215,9 +238,11 @@ class PagedKVCache:
         self.quantized = spec.dtype in FP8
         if self.quantized and scales is None:
             raise ValueError(f"a {spec.dtype} KV cache needs scales (common/kv/quant.py calibrates them)")
-        shape = (spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.k = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        self.v = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
+        # layer l's K is self.k[slot_of[l]] (num_blocks, block_size, n_kv, hd), read through the block
+        # table of group group_of[l]; with one group slot_of[l] == l and group_of[l] == 0
+        self.slot_of, self.group_of = spec.groups.slot_of, spec.groups.group_of
         self.scales: KVScales | None = None
         if scales is not None:
             full = scales.per_channel(spec.head_dim)
@@ -270,11 +295,19 @@ class PagedKVCache:
         y = x.float() * getattr(self.scales, which)[layer] + getattr(self.scales, which + "_off")[layer]
         return (y if rotated else y @ self.rotation).to(self.compute_dtype)
 
+    def layer_k(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s K blocks: (num_blocks, block_size, n_kv, hd), contiguous, indexed by the block
+        ids of its group's table."""
+        return self.k[self.slot_of[layer]]
+
+    def layer_v(self, layer: int) -> torch.Tensor:
+        return self.v[self.slot_of[layer]]
+
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V. slot = block_id * block_size + offset.  k, v: (T, n_kv, hd)."""
         n_kv, hd = self.spec.num_kv_heads, self.spec.head_dim
-        self.k[layer].view(-1, n_kv, hd)[slot_mapping] = self.quantize(k, layer, "k")
-        self.v[layer].view(-1, n_kv, hd)[slot_mapping] = self.quantize(v, layer, "v")
+        self.layer_k(layer).view(-1, n_kv, hd)[slot_mapping] = self.quantize(k, layer, "k")
+        self.layer_v(layer).view(-1, n_kv, hd)[slot_mapping] = self.quantize(v, layer, "v")
 
     def gather(
         self, layer: int, block_table: torch.Tensor, length: int, rotated: bool = False
@@ -294,13 +327,14 @@ class PagedKVCache:
         blocks: on the CPU about 2x faster than advanced indexing (`k[layer][blocks]`) for a decode
         batch's blocks."""
         flat, shape = blocks.reshape(-1), (*blocks.shape, *self.k.shape[2:])
-        k = self.k[layer].index_select(0, flat).view(shape)
-        v = self.v[layer].index_select(0, flat).view(shape)
+        k = self.layer_k(layer).index_select(0, flat).view(shape)
+        v = self.layer_v(layer).index_select(0, flat).view(shape)
         return self._load(k, layer, "k", rotated), self._load(v, layer, "v", rotated)
 
     # --- swap (preemption by copying blocks to host memory) ---------------------------------------
     def copy_out(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy blocks (all layers) to host memory; returns (k, v) each (L, n, bs, n_kv, hd)."""
+        """Copy blocks (all layers; with layer groups, pages: all their layers) to host memory; returns
+        (k, v) each (L, n, bs, n_kv, hd)."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
         return self.k[:, idx].to("cpu", copy=True), self.v[:, idx].to("cpu", copy=True)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from math import gcd
 from typing import Protocol
 
-from common.kv.block_manager import HOLE, BlockManager, _root
+from common.kv.block_manager import HOLE, BlockManager, _root, free_window
 from common.prefix_hash import DEVICE, block_hash
 
 
@@ -74,8 +74,7 @@ def plan_layer_groups(layer_windows: Seq[int | None], num_layers: int) -> LayerG
     if any(w is not None and w < 1 for w in windows):
         raise ValueError(f"a sliding window must be at least 1 token: {windows}")
     if None not in windows or all(w is None for w in windows):  # one kind: today's single table
-        window = None if windows[0] is None else max(w for w in windows if w is not None)
-        return LayerGroups((window,), (0,) * num_layers, tuple(range(num_layers)), num_layers)
+        return one_group(windows, num_layers)
     kinds: dict[int | None, list[int]] = {None: []}  # full first, then each window in order of first use
     for layer, w in enumerate(windows):
         kinds.setdefault(w, []).append(layer)
@@ -90,6 +89,12 @@ def plan_layer_groups(layer_windows: Seq[int | None], num_layers: int) -> LayerG
                 group_of[layer], slot_of[layer] = len(group_windows), slot
             group_windows.append(w)
     return LayerGroups(tuple(group_windows), tuple(group_of), tuple(slot_of), k)
+
+
+def one_group(layer_windows: Seq[int | None], num_layers: int) -> LayerGroups:
+    """Every layer in one group, one table (a page is a block of every layer): its window is the one
+    outside which no layer reads (`free_window`: the largest when every layer slides, else None)."""
+    return LayerGroups((free_window(layer_windows),), (0,) * num_layers, tuple(range(num_layers)), num_layers)
 
 
 class GroupOwner(Protocol):
@@ -149,6 +154,10 @@ class GroupedBlockManager(BlockManager):
             whole if w is None else min(whole, (w + max_chunk - 1) // self.block_size + 2)
             for w in self.windows
         )
+
+    def live_pages(self, seq: GroupOwner, width: int | None = None) -> list[int]:  # type: ignore[override]
+        """Every group's live pages among its table's first `width` entries, group by group."""
+        return [b for t in self.tables(seq) for b in t[:width] if b != HOLE]
 
     def num_held(self, seq: GroupOwner) -> int:  # type: ignore[override]
         return sum(1 for t in self.tables(seq) for b in t if b != HOLE)

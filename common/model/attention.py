@@ -86,7 +86,14 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]
     slot_mapping: torch.Tensor
     kernel: KernelMetadata | None = field(default=None)
+    # layer groups 1.. (common/kv/layer_groups.py): the same step through each group's block tables and
+    # slots; this metadata is group 0's. Empty with one group.
+    others: list[AttentionMetadata] = field(default_factory=list)
     _decodes: DecodeBatch | None = field(default=None, repr=False)  # built at the first layer
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of layer group `group` attends through."""
+        return self.others[group - 1] if group else self
 
     @property
     def num_seqs(self) -> int:
@@ -153,6 +160,8 @@ def paged_attention(
     window: int | None = None,  # sliding window: each query sees its last `window` positions only
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # (T, n_heads, hd)
+    if meta.others:  # layer groups: this layer's block tables and slots
+        meta = meta.for_group(kv_cache.group_of[layer])
     if meta.kernel is not None:
         return _triton_paged_attention(
             q, k, v, layer, kv_cache, meta.kernel, meta.slot_mapping, scale, window, softcap
@@ -262,7 +271,7 @@ def _triton_paged_attention(
 ) -> torch.Tensor:
     from common.kernels.paged_attention import paged_attention_launch, store_kv
 
-    kc, vc = kv_cache.k[layer], kv_cache.v[layer]
+    kc, vc = kv_cache.layer_k(layer), kv_cache.layer_v(layer)
     sc = kv_cache.scales  # an fp8 cache's scales and offsets of this layer: (n_kv, hd) each, per channel
     ks, vs = (None, None) if sc is None else (sc.k[layer], sc.v[layer])
     ko = vo = None

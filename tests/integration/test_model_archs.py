@@ -28,6 +28,7 @@ import torch
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.kv.layer_groups import GroupedBlockManager
 from common.model.attention import AttentionMetadata
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
@@ -342,6 +343,10 @@ def test_greedy_tokens_match_transformers(built: Built, request: pytest.FixtureR
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0)
     out = engine.generate([IDS.tolist()], params)[0]
     assert out.token_ids == hf_out
+    c = built.ours.config
+    windows = [c.window(i) for i in range(c.num_layers)]
+    if None in windows and any(w is not None for w in windows):  # full and sliding layers: grouped
+        held_while_decoding(engine, params)
     if request.node.callspec.id in TRITON:
         pytest.importorskip("triton")
         triton_cfg = cfg.model_copy(update={"attention_backend": "triton"})
@@ -365,6 +370,25 @@ def test_greedy_tokens_match_transformers(built: Built, request: pytest.FixtureR
         assert engine.kv_cache.quantized and not engine.kv_cache.offsets
         assert engine.kv_compat().dtype == "float8_e4m3fn" and engine.kv_compat().kv_scales
         assert len(engine.generate([IDS.tolist()], params)[0].token_ids) == NEW_TOKENS
+
+
+def held_while_decoding(engine: LLMEngine, params: SamplingParams) -> None:
+    """A model mixing full and sliding layers: a block table per layer group, the sliding groups'
+    holding only the pages of their window once it decodes past it (common/kv/layer_groups.py)."""
+    bm = engine.block_manager
+    assert isinstance(bm, GroupedBlockManager) and engine.kv_cache.spec.groups.num_groups > 1
+    engine.add_request(IDS.tolist(), params)
+    held = 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            computed, blocks = seq.num_computed_tokens, len(seq.block_table)
+            held = bm.num_held(seq)
+            sliding = [g for g, w in enumerate(bm.windows) if w is not None]
+            want = bm.num_groups * blocks - sum(bm._first_live_of(g, computed) for g in sliding)  # noqa: SLF001
+            assert held == want, f"{held} pages held at {computed} tokens, want {want}"
+    assert held < bm.num_groups * -(-(PROMPT + NEW_TOKENS) // BLOCK)  # a table per group: less
+    bm.check_integrity()
 
 
 @torch.inference_mode()

@@ -1,17 +1,21 @@
-"""A model whose every layer slides frees the KV blocks that slid out of the window (issue 28, point 3).
+"""A model with sliding layers frees the KV blocks that slid out of the window (issue 28, point 3).
 
-A tiny random-weight mistral (window 16, blocks of 4; built with transformers as
-tests/integration/test_model_archs.py builds its models) generates 48 tokens after a 40-token prompt,
-well past the window, in the real engine (fp32):
+Two tiny random-weight models (window 16, blocks of 4; built with transformers as
+tests/integration/test_model_archs.py builds its models): a mistral, whose every layer slides (one
+block table, its head released), and a gemma3 mixing 2 full and 4 sliding layers (pages of 2 layers,
+one full and two sliding layer groups, each with its table: common/kv/layer_groups.py). Each generates
+48 tokens after a 40-token prompt, well past the window, in the real engine (fp32):
 
 * greedy tokens equal transformers' `generate`, through the torch path and the Triton kernels
   (interpreted on a CPU), with the prefix cache on and off;
-* between steps a decoding sequence holds at most ceil(16 / 4) + 1 blocks, its released blocks are HOLEs
-  at the head of its table, and at the end every block is back (free or cached): nothing leaks;
+* between steps a decoding sequence's sliding tables hold at most ceil(16 / 4) + 1 blocks, their
+  released blocks are HOLEs at the head of the table, a full group's table holds every block, and at
+  the end every block is back (free or cached): nothing leaks;
 * a hole's contents never matter: before every step every block no sequence holds is filled with NaN
   (a hole's -1 would be refused by the torch path's index_select, and would read another layer's memory
   in the kernel), and two sequences decoding together still give transformers' tokens;
-* preemption under a small pool, by swap and by recompute, gives the same tokens.
+* preemption under a small pool, by swap and by recompute, gives the same tokens;
+* a sequence longer than the pool would hold with every layer's blocks runs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import torch
 
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
-from common.kv.block_manager import HOLE, live_blocks
+from common.kv.block_manager import HOLE
+from common.kv.layer_groups import GroupedBlockManager
 from common.model.llama import LlamaForCausalLM
 from common.model.loader import load_model
 from common.sampling_params import SamplingParams
@@ -41,17 +46,31 @@ BOUND = -(-WINDOW // BLOCK) + 1  # blocks a decoding sequence holds between step
 
 
 @dataclass
-class Mistral:
+class Model:
+    name: str
     model: LlamaForCausalLM
     tokenizer: Tokenizer
     expected: list[list[int]]  # transformers' greedy tokens for each of PROMPTS
+    pool: int  # the smallest num_kv_blocks a 40 + 48-token sequence runs in
 
 
-@pytest.fixture(scope="module")
-def mistral(tmp_path_factory: pytest.TempPathFactory) -> Mistral:
+MODELS = {
+    "mistral": (Arch("mistral", {"sliding_window": WINDOW}), 9),  # a 16-token chunk and its window
+    # 2 full layers (every block: 22 pages of 2 layers) and 4 sliding (2 groups, 9 pages each): 40
+    # pages, the bytes of 14 blocks of every layer (3 pages a block); one table would need 22 blocks
+    "gemma3": (
+        Arch("gemma3_text", {"sliding_window": WINDOW, "num_hidden_layers": 6, "sliding_window_pattern": 3}),
+        14,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def mistral(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
     from transformers import AutoModelForCausalLM
 
-    folder = build(tmp_path_factory.mktemp("mistral-window"), Arch("mistral", {"sliding_window": WINDOW}))
+    arch, pool = MODELS[request.param]
+    folder = build(tmp_path_factory.mktemp(f"{request.param}-window"), arch)
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     expected = []
     with torch.inference_mode():
@@ -62,16 +81,25 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> Mistral:
             expected.append(out[0, len(p) :].tolist())
     model, tokenizer = load_model(str(folder))
     assert model.config.sliding_window == WINDOW
-    return Mistral(model, tokenizer, expected)
+    return Model(request.param, model, tokenizer, expected, pool)
 
 
-def engine(m: Mistral, **update: Any) -> LLMEngine:
+def engine(m: Model, **update: Any) -> LLMEngine:
     cfg = EngineConfig(max_num_batched_tokens=16, num_kv_blocks=64, block_size=BLOCK, dtype="float32")
     e = LLMEngine(m.model, m.tokenizer, cfg.model_copy(update=update))
-    assert e.block_manager.window == WINDOW  # every layer slides: blocks are released
+    assert e.block_manager.window == WINDOW  # sliding layers: blocks are released
+    assert isinstance(e.block_manager, GroupedBlockManager) == (m.name == "gemma3")
     if update.get("attention_backend") == "triton":
         assert e.runner.use_kernels
     return e
+
+
+def tables(e: LLMEngine, seq: Any) -> list[tuple[int | None, list[int]]]:
+    """(window, table) of each of seq's block tables: one per layer group."""
+    bm = e.block_manager
+    if isinstance(bm, GroupedBlockManager):
+        return list(zip(bm.windows, bm.tables(seq), strict=True))
+    return [(bm.window, seq.block_table)]
 
 
 PARAMS = SamplingParams(max_tokens=NEW, ignore_eos=True, temperature=0.0)
@@ -111,23 +139,29 @@ def _has_triton() -> bool:
 @pytest.mark.parametrize("backend", backends())
 @torch.inference_mode()
 def test_greedy_equals_transformers_and_blocks_stay_bounded(
-    mistral: Mistral, backend: str, caching: bool
+    mistral: Model, backend: str, caching: bool
 ) -> None:
     e = engine(mistral, attention_backend=backend, enable_prefix_caching=caching)
     bm = e.block_manager
     rid = e.add_request(PROMPTS[0], PARAMS)
     seq = e._seqs[rid]
     tokens: list[int] = []
-    most = 0
+    most = holes = 0
     while e.has_unfinished():
         tokens += [t for o in e.step().outputs for t in o.token_ids]
         if seq.is_finished or seq.num_computed_tokens < seq.num_prompt_tokens:
             continue
-        holes = seq.block_table.count(HOLE)
-        assert seq.block_table[:holes] == [HOLE] * holes, "holes are the head of the table"
-        assert holes == bm.first_live(seq.num_computed_tokens)  # each released once it slid out
-        most = max(most, bm.num_held(seq))
-        assert bm.num_held(seq) <= BOUND, seq.block_table
+        for window, table in tables(e, seq):
+            n = table.count(HOLE)
+            assert table[:n] == [HOLE] * n, "holes are the head of the table"
+            if window is None:
+                assert n == 0 and len(table) * BLOCK >= seq.num_computed_tokens  # every block
+                continue
+            first = max(0, seq.num_computed_tokens - window + 1) // BLOCK
+            assert n == first  # each released once it slid out
+            held = len(table) - n
+            most, holes = max(most, held), n
+            assert held <= BOUND, table
         bm.check_integrity()
     assert tokens == mistral.expected[0]
     assert most == BOUND  # the bound is reached: a window straddling a block boundary
@@ -139,7 +173,7 @@ def test_greedy_equals_transformers_and_blocks_stay_bounded(
 
 @pytest.mark.parametrize("backend", backends())
 @torch.inference_mode()
-def test_a_holes_contents_never_matter(mistral: Mistral, backend: str) -> None:
+def test_a_holes_contents_never_matter(mistral: Model, backend: str) -> None:
     """Before every step each block a sequence released (the block its hole stood for) is NaN, and so is
     the pool's last block (what index -1 names): any read of one turns the logits NaN and the tokens
     wrong. (The pool is large enough that no released block is handed out again: a fresh block's
@@ -151,7 +185,7 @@ def test_a_holes_contents_never_matter(mistral: Mistral, backend: str) -> None:
     poisoned: set[int] = {last}
 
     def poison(e: LLMEngine) -> None:
-        held = {b for s in e.scheduler.running for b in live_blocks(s.block_table)}
+        held = {b for s in e.scheduler.running for b in e.block_manager.live_pages(s)}
         assert not held & poisoned, "a released block was handed out again: make the pool larger"
         ever.update(held)
         poisoned.update(ever - held)
@@ -166,7 +200,7 @@ def test_a_holes_contents_never_matter(mistral: Mistral, backend: str) -> None:
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 @torch.inference_mode()
-def test_preemption_under_a_small_pool_gives_the_same_tokens(mistral: Mistral, mode: str) -> None:
+def test_preemption_under_a_small_pool_gives_the_same_tokens(mistral: Model, mode: str) -> None:
     # 14 blocks: the 10-block prompt and two decoding sequences (up to 5 each) do not fit together
     e = engine(mistral, num_kv_blocks=14, preemption_mode=mode, enable_prefix_caching=False)
     assert run(e, PROMPTS) == mistral.expected
@@ -177,12 +211,13 @@ def test_preemption_under_a_small_pool_gives_the_same_tokens(mistral: Mistral, m
 
 
 @torch.inference_mode()
-def test_a_sequence_longer_than_the_pool_runs(mistral: Mistral) -> None:
-    """88 tokens are 22 blocks; a pool of 9 holds a 16-token chunk and the window before it. Before
-    blocks were released such a request was refused (it needed more blocks than the cache has)."""
-    e = engine(mistral, num_kv_blocks=9)
-    assert e.block_manager.most_held(len(PROMPTS[0]) + NEW, 16) == 9
+def test_a_sequence_longer_than_the_pool_runs(mistral: Model) -> None:
+    """88 tokens are 22 blocks; the smallest pool that runs them holds a 16-token chunk and the window
+    before it in each sliding table (and every block in a full group's). Before blocks were released
+    such a request was refused (it needed more blocks than the cache has)."""
+    e = engine(mistral, num_kv_blocks=mistral.pool)
+    assert e.block_manager.most_held(len(PROMPTS[0]) + NEW, 16) <= e.block_manager.num_blocks
     assert run(e, PROMPTS[:1]) == mistral.expected[:1]
     check_all_back(e)
     with pytest.raises(ValueError, match="more KV blocks than the cache has"):
-        engine(mistral, num_kv_blocks=8).add_request(PROMPTS[0], PARAMS)
+        engine(mistral, num_kv_blocks=mistral.pool - 1).add_request(PROMPTS[0], PARAMS)

@@ -76,6 +76,7 @@ def test_the_slices_cover_each_chunk_exactly() -> None:
 
     runner = object.__new__(model_runner.ModelRunner)
     runner.block_size = 16
+    runner.extra_groups = range(0)  # one block table
 
     class Seq:
         prompt_logprobs: list[Any] = [None]

@@ -149,7 +149,8 @@ class FairShare(Priority):
         now = self.clock()
         held: Counter[str] = Counter()
         for s in view.running:
-            held[s.tenant] += len(live_blocks(s.block_table))  # a windowed sequence's holes hold nothing
+            # a windowed sequence's holes hold nothing; a grouped one holds a page per layer group
+            held[s.tenant] += sum(len(live_blocks(t)) for t in (s.block_table, *s.group_tables))
         w, served = self.config.weight, view.tenant_served
         worst = max(held, key=lambda t: (held[t] / w(t), served[t] / w(t)))
         return max((s for s in view.running if s.tenant == worst), key=lambda s: self.urgency(s, now))
