@@ -165,6 +165,9 @@ class Reserved(Message, tag="reserved"):
     num_cached_tokens: int  # prompt tokens whose KV the decode service already holds (prefix cache)
     kv_endpoint: str
     decode_id: str
+    # a model mixing full and sliding layers (common/kv/layer_groups.py): the blocks of layer groups
+    # 1.. (block_ids are group 0's); the KV preflight has checked both sides lay their cache out alike
+    group_block_ids: list[list[int]] = []
 
 
 class TokenFrame(Message, tag="tokens"):
@@ -213,6 +216,7 @@ class PrefillRequest(Message, tag="prefill"):
     tenant: str = ""  # as in GenerateRequest
     priority: int = 0
     cache_salt: str = ""  # as in GenerateRequest
+    group_block_ids: list[list[int]] = []  # as in Reserved: layer groups 1..'s destination blocks
 
 
 class PrefillResult(Message, tag="prefill_result"):

@@ -220,7 +220,10 @@ class DecodeService(Service):
             return Reserved(rid, [], 0, ev.num_cached_tokens, "", self.cfg.worker_name)
         job.rkv = rkv = await self.connector.reserve(ev)
         worker = self.cfg.worker_name
-        return Reserved(rid, rkv.block_ids, rkv.fence, rkv.num_cached_tokens, self.kv_endpoint, worker)
+        return Reserved(
+            rid, rkv.block_ids, rkv.fence, rkv.num_cached_tokens, self.kv_endpoint, worker,
+            group_block_ids=rkv.group_block_ids,
+        )  # fmt: skip
 
     async def _end(self, job: Stream) -> None:
         """The stream is over (finished, failed, or the reader went away): let go of everything it

@@ -61,7 +61,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
 def layer_views(kv: PagedKVCache, layer: int, ids: list[int]) -> list[memoryview]:
     """Byte views of layer `layer` of blocks `ids` in wire order: K runs, then V runs (host caches only)."""
     spans = runs(ids)
-    return [byte_view(t[layer, b : b + n]) for t in (kv.k, kv.v) for b, n in spans]
+    slot = kv.slot_of[layer]  # its slot in the pages (common/kv/layer_groups.py); `layer` with one group
+    return [byte_view(t[slot, b : b + n]) for t in (kv.k, kv.v) for b, n in spans]
 
 
 def pack_heads(
@@ -75,7 +76,7 @@ def pack_heads(
         out = torch.empty((2, len(ids), k.shape[2], count, k.shape[4]), dtype=k.dtype, device=k.device)
     idx = torch.tensor(ids, dtype=torch.long, device=k.device)
     for i, t in enumerate((kv.k, kv.v)):
-        heads = t[layer, :, :, start : start + count]  # (num_blocks, bs, count, hd), strided
+        heads = t[kv.slot_of[layer], :, :, start : start + count]  # (num_blocks, bs, count, hd), strided
         if out.device == t.device:
             torch.index_select(heads, 0, idx, out=out[i])
         else:  # a device cache packed on the host: gather there, then one copy over
@@ -89,7 +90,7 @@ def unpack_heads(kv: PagedKVCache, layer: int, ids: list[int], start: int, stage
     count = staged.shape[3]
     idx = torch.tensor(ids, dtype=torch.long, device=kv.k.device)
     for i, t in enumerate((kv.k, kv.v)):
-        t[layer, :, :, start : start + count].index_copy_(0, idx, staged[i].to(t.device))
+        t[kv.slot_of[layer], :, :, start : start + count].index_copy_(0, idx, staged[i].to(t.device))
 
 
 def check_layer_header(h: KVLayerHeader, kv: PagedKVCache) -> str | None:

@@ -167,7 +167,9 @@ class RankAgent:
         for it in items:
             if it.request_id in self._stopped:
                 continue
-            src, dst = layer_pairs(it.src, it.dst, it.skip, layer)
+            src, dst = layer_pairs(
+                it.src, it.dst, it.skip, layer, self.kv.group_of[layer], it.group_src, it.group_dst
+            )
             if not dst:
                 continue  # out of this layer's sliding window: rank 0 skips it alike
             writes = self._writes.setdefault(it.request_id, [])

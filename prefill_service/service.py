@@ -126,6 +126,15 @@ class PrefillService(Service):
                 f"{len(req.token_ids)} prompt tokens need {-(-len(req.token_ids) // bs)} "
                 f"blocks of {bs}, got {len(req.block_ids)} destination blocks",
             )
+        groups = self.engine.kv_cache.spec.groups.num_groups - 1  # layer groups past group 0
+        if len(req.group_block_ids) != groups or any(
+            len(t) != len(req.block_ids) for t in req.group_block_ids
+        ):
+            return error_response(
+                400,
+                f"{groups} more layer groups' destination blocks wanted (each as many as block_ids), got "
+                f"{[len(t) for t in req.group_block_ids]}",
+            )
         # One token here (after the output a migrated request already has); stop rules are the decode
         # side's. min_tokens is capped to stay valid, which keeps EOS masked for token 0 exactly when the
         # decode service would mask it; everything else the sampler reads is the request's own.

@@ -172,6 +172,7 @@ class Legs:
                     self.id, out.tokens, out.next_sampling(), r.kv_endpoint, r.block_ids, r.fence,
                     r.num_cached_tokens, self.deadline, traceparent(), len(out.ids),
                     tenant=self.tenant, priority=self.priority, cache_salt=self.cache_salt,
+                    group_block_ids=r.group_block_ids,
                 )  # fmt: skip
                 first = await self._prefill_or_decode_error(call_prefill(self.client, w, req))
         finally:

@@ -19,9 +19,6 @@ R = TypeVar("R", bound=RemoteKV)
 
 class RemoteKVConnector(KVConnector, Generic[R]):
     peer_gone = ""  # the reason a request fails when the peer's lease expired
-    # the transfer protocol names one block table per request: a mixed full/sliding model keeps one
-    # table for all its layers on a prefill or decode service (TODO(issue 28): a table per group)
-    carries_layer_groups = False
 
     def __init__(self, on_failed: Callable[[R, str], None]) -> None:
         self.on_failed = on_failed  # the transfer cannot complete: the service ends the request

@@ -48,7 +48,9 @@ class DecodeConnector(RemoteKVConnector[IncomingKV]):
     async def reserve(self, a: Admission) -> IncomingKV:
         """The engine reserved blocks for a remote request: a new fence, a lease, and the request is
         open for writes under that fence."""
-        rkv = IncomingKV(a.request_id, next(self._fences), a.block_ids, S.RESERVED)
+        rkv = IncomingKV(
+            a.request_id, next(self._fences), a.block_ids, S.RESERVED, group_block_ids=a.group_block_ids
+        )
         rkv.num_cached_tokens = a.num_cached_tokens
         self.requests[a.request_id] = rkv
         if self.ranks is not None:  # every rank accepts the writes before the prefill can know where

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry import trace
@@ -79,6 +79,9 @@ class LayerWrite:
     dst: list[int]
     tokens: int  # tokens of the request this step computes
     skip: tuple[int, ...] = ()  # per layer, leading pairs left out: out of that layer's sliding window
+    # layer groups 1.. (common/kv/layer_groups.py): their pages for the same blocks as src/dst
+    group_src: list[list[int]] = field(default_factory=list)
+    group_dst: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
         s = self.spec = kv.spec
         self.block_size, self.num_layers = s.block_size, s.num_layers
         self.head_bytes = 2 * s.block_size * s.head_dim * kv.k.element_size()  # one KV head's K and V
+        self.group_of = kv.group_of  # each layer's layer group (common/kv/layer_groups.py)
+        self.group_layers = [s.groups.layers(g) for g in range(s.groups.num_groups)]
         self._heads = (s.num_kv_heads, 1)  # (the model's KV heads, ranks): one rank until bind_ranks
 
     def bind_ranks(self, ranks: TPWorkers | None, compat: KVCompat) -> None:
@@ -126,7 +131,9 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
         self._loop = asyncio.get_running_loop()
         if self.ranks is not None:
             self.ranks.attach(lambda rank, msg: None)  # a prefill agent only answers calls
-        rkv = OutgoingKV(req.request_id, req.fence, req.block_ids, S.HELD)
+        rkv = OutgoingKV(
+            req.request_id, req.fence, req.block_ids, S.HELD, group_block_ids=req.group_block_ids
+        )
         rkv.endpoint, rkv.skip_blocks = req.kv_endpoint, req.num_cached_tokens // self.block_size
         if self.spec is not None and self.spec.layer_windows:  # sliding layers: only their windows move
             n = len(req.token_ids)
@@ -195,16 +202,20 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
                 # per layer, the leading blocks of this write before the layer's window: not sent
                 skip = tuple(max(0, min(f - first, last - first)) for f in rkv.first_needed)
                 skip = skip if any(skip) else ()
-                src, dst = seq.block_table[first:last], rkv.block_ids[first:last]
-                # a HOLE (a block released before every layer's window, here or in the decode
-                # service's reservation) may only be where no layer sends anything
-                lo = min(skip) if skip else 0
-                if HOLE in src[lo:] or HOLE in dst[lo:]:
-                    raise ValueError(
-                        f"request {seq.seq_id}: a released block (HOLE) among the blocks a layer sends "
-                        f"(blocks {first + lo}..{last - 1}: source {src[lo:]}, destination {dst[lo:]})"
-                    )
-                writes.append(LayerWrite(rkv, src, dst, n, skip))
+                # per layer group, the source and destination blocks (one group: every layer's)
+                srcs = [t[first:last] for t in (seq.block_table, *seq.group_tables)]
+                dsts = [t[first:last] for t in (rkv.block_ids, *rkv.group_block_ids)]
+                for g, (src, dst) in enumerate(zip(srcs, dsts, strict=True)):
+                    # a HOLE (a block released before its layers' windows, here or in the decode
+                    # service's reservation) may only be where none of the group's layers sends
+                    lo = min(skip[layer] for layer in self.group_layers[g]) if skip else 0
+                    if HOLE in src[lo:] or HOLE in dst[lo:]:
+                        raise ValueError(
+                            f"request {seq.seq_id}: a released block (HOLE) among the blocks a layer sends "
+                            f"(layer group {g}, blocks {first + lo}..{last - 1}: source {src[lo:]}, "
+                            f"destination {dst[lo:]})"
+                        )
+                writes.append(LayerWrite(rkv, srcs[0], dsts[0], n, skip, srcs[1:], dsts[1:]))
         return SaveMeta(writes, self.num_layers - 1) if writes else None
 
     def rank_meta(self, meta: SaveMeta) -> list[SaveItem] | None:
@@ -216,7 +227,17 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
             rkv = w.rkv
             self._start_span(rkv)  # the ranks' writes carry the kv.transfer span too
             items.append(
-                SaveItem(rkv.request_id, rkv.fence, rkv.endpoint, w.src, w.dst, rkv.traceparent, w.skip)
+                SaveItem(
+                    rkv.request_id,
+                    rkv.fence,
+                    rkv.endpoint,
+                    w.src,
+                    w.dst,
+                    rkv.traceparent,
+                    w.skip,
+                    w.group_src,
+                    w.group_dst,
+                )  # fmt: skip
             )
         return items
 
@@ -240,7 +261,9 @@ class PrefillConnector(RemoteKVConnector[OutgoingKV]):
                 rkv.chunks[-1][1] = now
             if rkv.state is not S.HELD:
                 continue  # stopped meanwhile
-            src, dst = layer_pairs(w.src, w.dst, w.skip, layer)
+            src, dst = layer_pairs(
+                w.src, w.dst, w.skip, layer, self.group_of[layer], w.group_src, w.group_dst
+            )
             if not dst:
                 continue  # this layer's window starts after these blocks: nothing of them is read
             self._start_span(rkv)

@@ -39,6 +39,8 @@ class RemoteKV:
     block_ids: list[int]  # decode: the reserved blocks; prefill: where they go on the decode service
     state: TransferState
     lease: LeaseTerm = field(default_factory=LeaseTerm)
+    # layer groups 1.. (common/kv/layer_groups.py): their pages for the same blocks as block_ids
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def open(self) -> bool:

@@ -63,6 +63,8 @@ class Admission:
     request_id: str
     block_ids: list[int]
     num_cached_tokens: int  # prompt tokens found in the prefix cache
+    # layer groups 1.. (common/kv/layer_groups.py): their block tables, as long as block_ids
+    group_block_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

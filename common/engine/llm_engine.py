@@ -108,6 +108,8 @@ def kv_compat(
         weights_hash=model_config.weights_hash,
         architecture=model_config.architecture,
         layer_groups=spec.layer_groups(),
+        # pages of a few layers and a block table per layer group, or one block of every layer
+        layout="LBSHD" if spec.groups.num_groups == 1 else f"LBSHD, pages of {spec.shape[0]} layers",
         dtype=str(spec.dtype).removeprefix("torch."),  # torch.bfloat16 -> "bfloat16"
         num_layers=model_config.num_layers,
         num_kv_heads=model_config.num_kv_heads,
@@ -534,7 +536,12 @@ class LLMEngine:
             self.kv_offload.flush()
         self._move_swapped(out)
         result = StepResult(
-            admitted=[Admission(s.seq_id, list(s.block_table), s.num_cached_tokens) for s in out.admitted],
+            admitted=[
+                Admission(
+                    s.seq_id, list(s.block_table), s.num_cached_tokens, [list(t) for t in s.group_tables]
+                )
+                for s in out.admitted
+            ],
             preempted=[s.seq_id for s in out.preempted],
             num_scheduled=len(out.scheduled) + len(out.padding),
             num_padding=len(out.padding),

@@ -13,7 +13,7 @@ on both sides, so each (prefill rank, decode rank) pair is one `HeadSlice` of ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -52,13 +52,26 @@ class SaveItem:
     dst: list[int]
     traceparent: str | None = None
     skip: tuple[int, ...] = ()  # per layer, leading pairs of src/dst not sent (out of the layer's window)
+    # layer groups 1.. (common/kv/layer_groups.py): their pages for the same blocks as src/dst
+    group_src: list[list[int]] = field(default_factory=list)
+    group_dst: list[list[int]] = field(default_factory=list)
 
 
 def layer_pairs(
-    src: list[int], dst: list[int], skip: tuple[int, ...], layer: int
+    src: list[int],
+    dst: list[int],
+    skip: tuple[int, ...],
+    layer: int,
+    group: int = 0,
+    group_src: list[list[int]] | None = None,
+    group_dst: list[list[int]] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """The (src, dst) blocks a layer write sends: all of them, less the leading ones the layer's sliding
-    window has left behind (`skip`, per layer; () for none)."""
+    """The (src, dst) blocks a layer write sends: all of them (a layer of layer group `group` > 0: that
+    group's pages, `group_src`/`group_dst`), less the leading ones the layer's sliding window has left
+    behind (`skip`, per layer; () for none)."""
+    if group:
+        assert group_src is not None and group_dst is not None, f"layer {layer} is of group {group}"
+        src, dst = group_src[group - 1], group_dst[group - 1]
     n = skip[layer] if skip else 0
     return (src, dst) if n == 0 else (src[n:], dst[n:])
 

@@ -14,8 +14,9 @@ slides, window 8) and gemma3 (sliding and full layers interleaved). For a prompt
   only the window's blocks (the ones before it are holes, common/kv/block_manager.py) and releases each
   block as it slides out while decoding, so the split request runs there (a whole reservation never
   could), and so does the local path's chunked prefill (16-token chunks); every block comes back;
-* heterogeneous tensor parallelism (prefill on 1 rank, decode on 2, and 2 -> 1: each rank moves its
-  own KV head, window-only): the greedy tokens equal the local path's, every block free on both sides.
+* heterogeneous tensor parallelism (prefill on 1 rank, decode on 2 over tcp, and 2 -> 1 over NIXL: each
+  rank moves its own KV head, window-only, into each layer group's pages): the greedy tokens equal the
+  local path's, every block free on both sides.
 """
 
 from __future__ import annotations
@@ -126,10 +127,21 @@ def test_the_kv_preflight_names_the_layer_groups(stack: dict) -> None:
         assert groups == f"window8:{cfg.num_layers}"
     else:
         assert "full:" in groups
+    # both services lay a model mixing full and sliding layers out by layer group (pages of 2 layers,
+    # a block table per group: common/kv/layer_groups.py) and say so; one table for mistral
+    for proc in (stack["prefill"], stack["decode"]):
+        with open(proc.log_path) as f:
+            log = f.read()
+        said = "KV layer groups: " in log and "pages of 2 layers" in log
+        assert said == (cfg.architecture != "mistral"), proc.log_tail()
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
-def test_window_only_kv_across_tensor_parallel_sizes(stack: dict, prefill_tp: int, decode_tp: int) -> None:
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "backend"), [(1, 2, "tcp"), (2, 1, "nixl")])
+def test_window_only_kv_across_tensor_parallel_sizes(
+    stack: dict, prefill_tp: int, decode_tp: int, backend: str
+) -> None:
+    """Each rank's KV heads, window-only, into the other side's pages of each layer group: over tcp, and
+    over NIXL (its descriptors address a layer's slot in the pages)."""
     if stack["config"].architecture == "mistral":  # ~50 s of services per model: gemma3 has both groups
         pytest.skip("gemma3 covers both layer groups (full and sliding) at TP 1->2 and 2->1")
     tmp = stack["tmp"] / f"tp{prefill_tp}{decode_tp}"
@@ -138,7 +150,7 @@ def test_window_only_kv_across_tensor_parallel_sizes(stack: dict, prefill_tp: in
     c = Cluster(redis.url, str(tmp), model=str(stack["folder"]))
     env = {"SPLITSERVE_BLOCK_SIZE": str(BLOCK), "SPLITSERVE_DTYPE": "float32"}
     try:
-        flags = ("--threads", "1", "--kv-backend", "tcp")
+        flags = ("--threads", "1", "--kv-backend", backend)
         prefill = c.start("prefill", *flags, "--tensor-parallel-size", str(prefill_tp), env=env)
         decode = c.start("decode", *flags, "--tensor-parallel-size", str(decode_tp), env=env)
         split = c.start("router", env={"SPLITSERVE_ROUTER_LOCAL_PREFILL_THRESHOLD": "16"})

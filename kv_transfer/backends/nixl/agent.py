@@ -79,7 +79,7 @@ def row_indices(num_layers: int, num_blocks: int, layer: int, block_ids: list[in
 
 def local_rows(kv: PagedKVCache) -> np.ndarray:
     s = kv.spec
-    return block_rows(regions(kv), s.num_layers, s.num_blocks, block_bytes(kv))
+    return block_rows(regions(kv), s.shape[0], s.num_blocks, block_bytes(kv))  # s.shape[0]: layers a page
 
 
 def slice_rows(
@@ -121,5 +121,6 @@ def local_slice_rows(
     kv: PagedKVCache, layer: int, block_ids: list[int], start: int, count: int
 ) -> np.ndarray:
     s = kv.spec
-    shape = (s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads)
-    return slice_rows(regions(kv), shape, s.head_dim * kv.k.element_size(), layer, block_ids, start, count)
+    shape = (s.shape[0], s.num_blocks, s.block_size, s.num_kv_heads)  # s.shape[0]: layers a page
+    head_bytes = s.head_dim * kv.k.element_size()
+    return slice_rows(regions(kv), shape, head_bytes, kv.slot_of[layer], block_ids, start, count)

@@ -126,9 +126,9 @@ class NixlSender(PreflightSender[_Peer]):
             handle = self._agent.make_prepped_xfer(
                 "WRITE",
                 self._local(),
-                row_indices(s.num_layers, s.num_blocks, layer, src_block_ids),
+                row_indices(s.shape[0], s.num_blocks, self.kv.slot_of[layer], src_block_ids),
                 peer.remote_dlist,
-                row_indices(s.num_layers, peer.num_blocks, layer, dst_block_ids),
+                row_indices(s.shape[0], peer.num_blocks, self.kv.slot_of[layer], dst_block_ids),
                 notif_msg=notif,
             )
         else:  # every slot of every block: one descriptor each side, made for this WRITE only
@@ -238,10 +238,12 @@ class NixlSender(PreflightSender[_Peer]):
         a list over every slot of the cache would be millions of rows."""
         s = self.kv.spec
         mine = local_slice_rows(self.kv, layer, src_block_ids, heads.src_start, heads.count)
-        shape = (s.num_layers, peer.num_blocks, s.block_size, peer.kv_heads)
+        # (the KV preflight checked the receiver lays its layers out in pages as we do: s.shape[0] a page)
+        shape = (s.shape[0], peer.num_blocks, s.block_size, peer.kv_heads)
         head_bytes = s.head_dim * self.kv.k.element_size()
+        slot = self.kv.slot_of[layer]
         theirs = slice_rows(
-            peer.regions, shape, head_bytes, layer, dst_block_ids, heads.dst_start, heads.count
+            peer.regions, shape, head_bytes, slot, dst_block_ids, heads.dst_start, heads.count
         )
         return mine, theirs
 
@@ -278,7 +280,7 @@ class NixlSender(PreflightSender[_Peer]):
         if reply.kv_heads < 1:
             raise TransferError(f"the receiver says {reply.kv_heads} KV heads per block")
         regions = [list(r) for r in reply.regions]
-        rows = block_rows(regions, s.num_layers, reply.num_blocks, slice_bytes(self.kv, reply.kv_heads))
+        rows = block_rows(regions, s.shape[0], reply.num_blocks, slice_bytes(self.kv, reply.kv_heads))
         name = self._agent.add_remote_agent(reply.agent_metadata)
         name = name.decode() if isinstance(name, bytes) else str(name)
         try:

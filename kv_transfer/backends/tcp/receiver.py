@@ -152,8 +152,8 @@ class TcpReceiver(PreflightReceiver):
                 staged = _staged(self.kv, len(h.block_ids))  # (2, n, bs, n_kv, hd)
                 await recv_views(loop, conn, [byte_view(staged)])
                 idx = torch.tensor(h.block_ids, dtype=torch.long, device=self.kv.k.device)
-                self.kv.k[h.layer, idx] = staged[0].to(self.kv.k.device)
-                self.kv.v[h.layer, idx] = staged[1].to(self.kv.v.device)
+                self.kv.layer_k(h.layer)[idx] = staged[0].to(self.kv.k.device)
+                self.kv.layer_v(h.layer)[idx] = staged[1].to(self.kv.v.device)
             self._arrived(h.request_id, h.fence, h.layer, h.nbytes)
         finally:
             self._writing[h.request_id] -= 1

@@ -64,7 +64,9 @@ class TcpSender(PreflightSender[_Peer]):
             payload = layer_views(self.kv, layer, src_block_ids)
         else:
             idx = torch.tensor(src_block_ids, dtype=torch.long, device=self.kv.k.device)
-            payload = [byte_view(torch.stack([self.kv.k[layer, idx], self.kv.v[layer, idx]]).cpu())]
+            payload = [
+                byte_view(torch.stack([self.kv.layer_k(layer)[idx], self.kv.layer_v(layer)[idx]]).cpu())
+            ]
         await self._send(endpoint, [memoryview(frame(header)), *payload])
         self.stats.layers_sent += 1
         self.stats.bytes_sent += nbytes

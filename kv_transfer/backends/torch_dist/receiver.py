@@ -228,8 +228,8 @@ class TorchDistReceiver(PreflightReceiver):
         else:  # every head of our shard: the plain block layout
             staged = buf.view(k.dtype).view(2, len(h.block_ids), *k.shape[2:])  # (2, n, bs, n_kv, hd)
             idx = torch.tensor(h.block_ids, dtype=torch.long, device=k.device)
-            k[h.layer].index_copy_(0, idx, staged[0].to(k.device))
-            v[h.layer].index_copy_(0, idx, staged[1].to(v.device))
+            self.kv.layer_k(h.layer).index_copy_(0, idx, staged[0].to(k.device))
+            self.kv.layer_v(h.layer).index_copy_(0, idx, staged[1].to(v.device))
         sync(k.device)
 
     def _landed(self, pair: _Pair, h: KVLayerHeader, write: bool, fut: asyncio.Future[Any]) -> None:

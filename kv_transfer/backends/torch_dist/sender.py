@@ -130,7 +130,7 @@ class TorchDistSender(PreflightSender[_Peer]):
         """Gather layer `layer` of the source blocks (only `heads` of each, when given) into buf in wire
         order: (2, n, bs, n_kv or heads.count, hd). Returns the CUDA event that marks the gather done when
         it runs on a device stream, else None."""
-        k, v = self.kv.k, self.kv.v
+        k = self.kv.k
         n = len(src_block_ids)
         if heads is not None:  # pack_heads copies synchronously to a host buffer from a CUDA cache
             bs, _, hd = k.shape[2:]
@@ -141,11 +141,11 @@ class TorchDistSender(PreflightSender[_Peer]):
             staged = buf[: n * 2 * block_bytes(self.kv)].view(k.dtype).view(2, n, *k.shape[2:])
             idx = torch.tensor(src_block_ids, dtype=torch.long, device=k.device)
             if staged.device != k.device:  # a CUDA cache over gloo: a synchronous copy to host
-                staged[0].copy_(k[layer, idx])
-                staged[1].copy_(v[layer, idx])
+                staged[0].copy_(self.kv.layer_k(layer)[idx])
+                staged[1].copy_(self.kv.layer_v(layer)[idx])
                 return None
-            torch.index_select(k[layer], 0, idx, out=staged[0])
-            torch.index_select(v[layer], 0, idx, out=staged[1])
+            torch.index_select(self.kv.layer_k(layer), 0, idx, out=staged[0])
+            torch.index_select(self.kv.layer_v(layer), 0, idx, out=staged[1])
         if k.device.type != "cuda" or buf.device != k.device:
             return None
         event = torch.cuda.Event()
