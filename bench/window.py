@@ -13,12 +13,19 @@ itself).
                             position prompt - window + 1; full layers: all)
     bytes_match_layer_groups  the bytes moved are exactly that arithmetic's
     greedy_equal            the split path's tokens equal the local path's
+    kv_held_bytes           the most KV the decode service held for the split request (its KV blocks in
+                            use, sampled every 20 ms while it ran, times the bytes of one: a page of a
+                            few layers, common/kv/layer_groups.py)
+    kv_held_fraction        kv_held_bytes / every layer's blocks of the prompt and answer (one block
+                            table for all layers would hold 1.0; the sliding groups release what slid
+                            out of their window)
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -34,6 +41,25 @@ from common.model.packaged import ModelUnavailable, gemma3_270m
 
 BLOCK = 16
 ELEM = 4  # the services run fp32: a K or V value is 4 bytes
+
+
+class _Peak(threading.Thread):
+    """The most KV blocks a service holds in use (/health: total - free), polled until `stop`."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.most, self.done = url, 0, threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self.done.wait(0.02):
+                h = client.get(self.url + "/health").json()
+                self.most = max(self.most, h["total_blocks"] - h["free_blocks"])
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join()
+        return self.most
 
 
 def _moved(prefill: str) -> float:
@@ -66,6 +92,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layer_block = 2 * BLOCK * cfg.num_kv_heads * cfg.head_dim * ELEM
     sent_blocks = sum(blocks - spec.first_needed_block(i, n) for i in range(cfg.num_layers))
     every_layer = cfg.num_layers * blocks * layer_block
+    # what the decode service's KV blocks are (pages of a few layers when full and sliding layers mix)
+    paged = KVCacheSpec(
+        cfg.num_layers, 1, BLOCK, cfg.num_kv_heads, cfg.head_dim, layer_windows=windows, paged_groups=True
+    )
+    page_bytes = paged.groups.layers_per_page * layer_block
+    every_layer_answer = cfg.num_layers * -(-(n + args.answer_tokens) // BLOCK) * layer_block
 
     redis = RedisServer().start()
     stack = Stack(tempfile.mkdtemp(prefix="splitserve-window-"))
@@ -74,14 +106,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env_flags = ["--redis-url", redis.url, "--model", path, "--threads", str(args.threads),
                      "--kv-backend", "tcp", "--kv-cache-mb", "1024", "--dtype", "float32"]  # fmt: skip
         prefill = stack.start("prefill", *env_flags, timeout_s=600)
-        stack.start("decode", *env_flags, timeout_s=600)
+        decode = stack.start("decode", *env_flags, timeout_s=600)
         split = stack.start("router", "--redis-url", redis.url, "--model", path)
         local = stack.start(
             "router", "--redis-url", redis.url, "--model", path, "--local-prefill-threshold", "1000000"
         )
         time.sleep(1.5)  # the routers' registry caches see both services
         before = _moved(prefill)
+        peak = _Peak(decode)
+        peak.start()
         split_text, split_route, split_s = _complete(split, ids, args.answer_tokens)
+        held_blocks = peak.stop()
         moved = _moved(prefill) - before
         local_text, local_route, local_s = _complete(local, ids, args.answer_tokens)
     finally:
@@ -98,6 +133,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "expected_fraction": round(sent_blocks / (cfg.num_layers * blocks), 4),
         "bytes_match_layer_groups": int(moved) == sent_blocks * layer_block,
         "greedy_equal": split_text == local_text,
+        "kv_held_bytes": held_blocks * page_bytes,
+        "kv_held_fraction": round(held_blocks * page_bytes / every_layer_answer, 4),
         "split_route": split_route,
         "local_route": local_route,
         "split_s": round(split_s, 1),

@@ -40,14 +40,14 @@ V; their offsets are 0). The MLA attention reads the latent dequantized and rota
 `read_blocks`), so it needs nothing else (the MLA Triton decode kernel takes non-fp8 caches only).
 
 Sliding windows (`layer_windows`): the transfer sends a sliding layer only the blocks still inside its
-window (`first_needed_block`), and when every layer slides the block manager releases the blocks that
-fell out of the window (common/kv/block_manager.py, HOLEs). A model that mixes full and sliding layers
-(gemma2, gemma3) keeps one block table for all layers, so its sliding layers hold a full prompt's blocks
-in memory: correct (attention masks them out), not compact.
-TODO(issue 28): a per-group allocator for those: pages of k layers (k dividing both group sizes, e.g. 3
-for gemma3's 3 full + 15 sliding layers), one shared page pool, a block table per group (the sliding
-groups' releasing what slid out, prefix hits capped where a group lacks the window before them), the
-per-layer tables chosen in attention and in the transfer, swap and tiers per group.
+window (`first_needed_block`), and the block manager releases the blocks that fell out of the window
+(common/kv/block_manager.py, HOLEs). A model that mixes full and sliding layers (gemma2, gemma3), with
+`paged_groups`, is laid out by layer group (common/kv/layer_groups.py): the tensors are
+(layers per page, pages, block_size, n_kv, hd), layer l lives in slot `slot_of[l]` (`layer_k`,
+`layer_v`) and is read through the block table of group `group_of[l]`; `num_blocks` counts pages.
+With one group (every other model, or a mixed one whose offload tiers need one table) a page is a
+block of every layer and slot_of[l] == l: the layout above.
+TODO(issue 28): the offload tiers per layer group (their chunks hold a block of every layer).
 """
 
 from __future__ import annotations

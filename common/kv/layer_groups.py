@@ -24,8 +24,9 @@ hash chain runs through group 0 (it has no holes). KV events (what the router ma
 are group 0's: a full group holds a hit's whole prefix; a sliding page evicted before it can make a
 served hit shorter than the router's prediction, never wrong (the hit is checked here).
 
-TODO(issue 28): not wired yet: the engine still builds one table for every layer. What remains is in
-common/kv/kv_cache.py's module doc.
+The engine uses it for such a model (common/engine/llm_engine.py), on the local path and across the
+split; with offload tiers on it keeps one table for all layers (TODO(issue 28) in
+common/kv/kv_cache.py's module doc).
 """
 
 from __future__ import annotations
