@@ -232,9 +232,9 @@ class LLMEngine:
         scales = _heads_of(scales, layouts[0].kv_heads)  # rank 0's (all of them without TP)
         t0 = time.monotonic()  # one zeroed tensor each for K and V: no progress to show, a line after
         self.kv_cache = PagedKVCache(spec, device=device, compute_dtype=dtype, scales=scales)
-        unit = "blocks" if spec.groups.num_groups == 1 else f"pages of {spec.groups.layers_per_page} layers,"
+        unit = "blocks" if spec.groups.num_groups == 1 else f"pages ({spec.groups.layers_per_page} layers)"
         log.info(
-            "KV cache: %d %s %d tokens each (%.0f MiB%s, %s), allocated in %.1f s",
+            "KV cache: %d %s of %d tokens (%.0f MiB%s, %s), allocated in %.1f s",
             num_blocks, unit, config.block_size, num_blocks * spec.bytes_per_block / 2**20,
             f" on each of {tp} ranks" if tp > 1 else "", str(kv_dtype).removeprefix("torch."),
             time.monotonic() - t0,

@@ -231,7 +231,14 @@ class Scheduler:
         del self.parked[seq.seq_id]
         seq.num_computed_tokens = seq.num_tokens
         w = self.config.kv_window
-        if w is not None and seq.num_tokens - w + 1 >= self.bm.block_size:
+        if self.bm.hits_need_windows_only:
+            # layer groups (common/kv/layer_groups.py): a sliding group's pages the transfer did not
+            # write go now, unhashed (a larger window's group may have been reserved more than its
+            # window); what stays is whole, and a prefix hit takes a sliding page only for the window
+            # it reads, so the prompt joins the prefix cache as it is (a later turn's hit)
+            self.bm.release_window(seq, seq.num_computed_tokens)
+            self.bm.commit(seq, seq.num_computed_tokens)
+        elif w is not None and seq.num_tokens - w + 1 >= self.bm.block_size:
             # the sliding layers of the blocks before their window were not sent: correct for this
             # sequence (it never reads them), wrong for another that shares the prefix and would
             seq.kv_partial = True

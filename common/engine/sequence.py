@@ -52,7 +52,8 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, found in the prefix cache at admission
         self.num_hashed_blocks = 0
-        self.kv_partial = False  # KV received window-only: kept out of the prefix cache (scheduler)
+        # KV received window-only: kept out of the prefix cache (scheduler; not with layer groups)
+        self.kv_partial = False
         self.num_swapped_blocks = 0  # blocks of KV held in host memory while SWAPPED
         self.swap_width = 0  # its block table's length when swapped out (holes and all)
         self.finish_reason: str | None = None

@@ -106,6 +106,10 @@ class Block:
 
 
 class BlockManager:
+    # Whether a prefix hit checks each layer's window only (common/kv/layer_groups.py): then KV that
+    # arrived window-only may be hashed; here a hit takes every block of the prefix, so it may not.
+    hits_need_windows_only = False
+
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int | None = None
     ) -> None:

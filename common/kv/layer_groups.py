@@ -21,8 +21,10 @@ one kind is one group of all its layers (k = num_layers, a page is today's block
 blocks are a hit when every full group holds pages for blocks 0..m-1 and every sliding group for the
 blocks its window still sees from position m*block_size (earlier ones are holes in its table). The
 hash chain runs through group 0 (it has no holes). KV events (what the router matches prompts against)
-are group 0's: a full group holds a hit's whole prefix; a sliding page evicted before it can make a
-served hit shorter than the router's prediction, never wrong (the hit is checked here).
+name a hash only while every group holds a page for its block (`published`): a prefix of such blocks
+is a hit whatever the windows, so the router never counts on a hit this pool cannot serve; it may see
+less than is served (a prompt whose old sliding pages were released still hits up to the window
+before its end, which the router does not predict).
 
 The engine uses it for such a model (common/engine/llm_engine.py), on the local path and across the
 split; with offload tiers on it keeps one table for all layers (TODO(issue 28) in
@@ -36,8 +38,8 @@ from dataclasses import dataclass
 from math import gcd
 from typing import Protocol
 
-from common.kv.block_manager import HOLE, BlockManager, _root, free_window
-from common.prefix_hash import DEVICE, block_hash
+from common.kv.block_manager import HOLE, SNAPSHOT_TRIES, BlockManager, _root, free_window
+from common.prefix_hash import DEVICE, KVHeld, block_hash
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class GroupedBlockManager(BlockManager):
     have), `blocks_needed` (token-blocks, i.e. table entries), `num_free_blocks` (pages). The offload
     tiers are not supported here (`tier` must stay None)."""
 
+    hits_need_windows_only = True  # a hit takes a sliding group's pages for its window only
+
     def __init__(
         self, num_pages: int, block_size: int, windows: Seq[int | None], enable_prefix_caching: bool = True
     ) -> None:
@@ -128,6 +132,7 @@ class GroupedBlockManager(BlockManager):
         self.windows = windows
         self.group_of_page = [0] * num_pages  # which group's table a used or cached page is in
         self.index: list[dict[int, int]] = [self.hash_to_block] + [{} for _ in windows[1:]]
+        self.published: set[int] = set()  # hashes every group holds: the KV events' (module doc)
 
     # --- tables ---------------------------------------------------------------------------------
     @property
@@ -234,18 +239,42 @@ class GroupedBlockManager(BlockManager):
 
     def _take(self) -> int:
         if self.free_ids:
-            return super()._take()
-        bid = next(iter(self.cached_ids))  # the least recently used: evicted from its group's index
-        blk, group = self.blocks[bid], self.group_of_page[bid]
-        if group == 0:
-            return super()._take()  # group 0's index is hash_to_block: its eviction, events and all
-        del self.cached_ids[bid]
-        assert blk.hash is not None, f"cached page {bid} has no hash"
-        del self.index[group][blk.hash]
-        blk.hash, blk.tokens = None, ()
-        blk.ref_count = 1
+            bid = self.free_ids.popleft()
+        else:
+            bid, _ = self.cached_ids.popitem(last=False)  # the least recently used, from its group's index
+            blk = self.blocks[bid]
+            assert blk.hash is not None, f"cached page {bid} has no hash"
+            del self.index[self.group_of_page[bid]][blk.hash]
+            self._unpublish(blk.hash)
+            blk.hash, blk.tokens = None, ()
+        self.blocks[bid].ref_count = 1
         self.num_used += 1
         return bid
+
+    # --- KV events: a hash is published once every group holds a page for it -----------------------
+    def _publish(self, h: int) -> None:
+        """h's block is now in every group's index: a prefix of such blocks is a hit whatever the
+        windows (module doc), so the router may count on it."""
+        if h not in self.published and all(h in index for index in self.index):
+            self.published.add(h)
+            if self.kv_events is not None:
+                self.kv_events.append((True, h, DEVICE))
+
+    def _unpublish(self, h: int) -> None:
+        if h in self.published:
+            self.published.discard(h)
+            if self.kv_events is not None:
+                self.kv_events.append((False, h, DEVICE))
+
+    def cached_hashes(self) -> list[KVHeld]:
+        """The published hashes (every group holds their block), for a snapshot; safe from another
+        thread as the block manager's is."""
+        for _ in range(SNAPSHOT_TRIES - 1):
+            try:
+                return [(h, DEVICE) for h in self.published]
+            except RuntimeError:  # "set changed size during iteration"
+                continue
+        return [(h, DEVICE) for h in self.published]
 
     def allocate(  # type: ignore[override]
         self,
@@ -320,7 +349,7 @@ class GroupedBlockManager(BlockManager):
 
     def commit(self, seq: GroupOwner, num_computed_tokens: int) -> list[int]:  # type: ignore[override]
         """Hash the full blocks whose KV is now computed, in every group's page for them (a released or
-        never-taken page: a hole, skipped); returns group 0's new hashes (its KV events)."""
+        never-taken page: a hole, skipped); returns the hashes published (module doc: KV events)."""
         if not self.enable_prefix_caching:
             return []
         bs, new, tables = self.block_size, [], self.tables(seq)
@@ -334,9 +363,6 @@ class GroupedBlockManager(BlockManager):
             if h not in self.hash_to_block and blk.hash is None:
                 blk.hash, blk.tokens = h, toks
                 self.hash_to_block[h] = blk.block_id
-                new.append(h)
-                if self.kv_events is not None:
-                    self.kv_events.append((True, h, DEVICE))
             elif blk.hash != h:
                 break  # the same content computed twice concurrently: this copy stays private
             for g in range(1, self.num_groups):
@@ -344,6 +370,10 @@ class GroupedBlockManager(BlockManager):
                 if page != HOLE and h not in self.index[g] and self.blocks[page].hash is None:
                     self.blocks[page].hash, self.blocks[page].tokens = h, toks
                     self.index[g][h] = page
+            if h not in self.published:
+                self._publish(h)
+                if h in self.published:
+                    new.append(h)
             seq.num_hashed_blocks = i + 1
         return new
 
@@ -356,3 +386,5 @@ class GroupedBlockManager(BlockManager):
             for h, bid in index.items():
                 assert self.blocks[bid].hash == h, f"group {g}'s index points at page {bid} with another hash"
                 assert self.group_of_page[bid] == g, f"group {g}'s index holds page {bid} of another group"
+        for h in self.published:
+            assert all(h in index for index in self.index), f"published hash {h} is not in every group"

@@ -9,7 +9,9 @@ slides, window 8) and gemma3 (sliding and full layers interleaved). For a prompt
 * the greedy tokens of the split path equal the local path's (the decode service computing the prompt
   itself: every layer's KV, whole), request after request;
 * a second prompt sharing the first one's prefix is not served from the decode service's window-only
-  blocks (they are kept out of its prefix cache) and still equals the local path;
+  blocks where they lack the window its hit would read (mistral: kept out of its prefix cache; gemma3,
+  laid out by layer group: in it, a hit taking a sliding page only for its window) and still equals
+  the local path; for gemma3 a prompt extending a split one is a decode-side hit of its whole prefix;
 * mistral's decode service has a pool of DECODE_BLOCKS, fewer than the prompt's 11 blocks: it reserves
   only the window's blocks (the ones before it are holes, common/kv/block_manager.py) and releases each
   block as it slides out while decoding, so the split request runs there (a whole reservation never
@@ -111,6 +113,30 @@ def test_only_the_window_moves_and_the_tokens_equal_the_local_path(stack: dict) 
     text, route = _complete(stack["split"], ids)
     assert route.startswith("split") and "; prefix_hit" not in route, route  # no decode-side hit
     assert text == _complete(stack["local"], ids)[0]
+    if cfg.architecture != "mistral":
+        # layer groups: the decode service keeps a window-only prompt in its prefix cache (a hit takes a
+        # sliding page only for the window it reads), so a later prompt extending it by 8 tokens is
+        # served 11 blocks from there (`cached_tokens`) and the prefill service sends only the 2 blocks
+        # after them, every layer. The router did not predict it (its KV events name only blocks every
+        # layer group holds: the sliding ones before the window are gone), so it split the request.
+        earlier = _ids(7)
+        assert _complete(stack["split"], earlier)[1].startswith("split")
+        ids = earlier + _ids(8, 8)
+        before = _moved_bytes(stack["prefill"])
+        body = {
+            "model": "default",
+            "prompt": ids,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = httpx.post(stack["split"].url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-splitserve-route"].startswith("split"), r.headers["x-splitserve-route"]
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == PROMPT
+        moved = _moved_bytes(stack["prefill"]) - before
+        assert moved == 2 * cfg.num_layers * layer_block, (moved, 2 * cfg.num_layers * layer_block)
+        assert r.json()["choices"][0]["text"] == _complete(stack["local"], ids)[0]
     if cfg.architecture == "mistral":  # the decode service's pool is smaller than one prompt
         metrics = scrape(stack["decode"].url)
         assert metric_sum(metrics, "splitserve_kv_blocks_total") == DECODE_BLOCKS < blocks
@@ -132,7 +158,7 @@ def test_the_kv_preflight_names_the_layer_groups(stack: dict) -> None:
     for proc in (stack["prefill"], stack["decode"]):
         with open(proc.log_path) as f:
             log = f.read()
-        said = "KV layer groups: " in log and "pages of 2 layers" in log
+        said = "KV layer groups: " in log and "pages (2 layers) of 4 tokens" in log
         assert said == (cfg.architecture != "mistral"), proc.log_tail()
 
 

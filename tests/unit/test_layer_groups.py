@@ -151,6 +151,29 @@ def test_leading_holes_count_only_in_the_sliding_groups() -> None:
     bm.check_integrity()
 
 
+def test_a_window_only_reservation_hashes_only_the_pages_its_transfer_wrote() -> None:
+    """What the scheduler does when KV arrives window-only (kv_arrived): release, then commit. A group
+    with a smaller window than the largest was reserved pages its transfer never wrote: released, never
+    hashed; every page kept is hashed, and a later prompt extending this one hits its full blocks."""
+    bm = GroupedBlockManager(num_pages=64, block_size=4, windows=(None, 8, 16))
+    a = owner(list(range(40)))
+    first = bm.first_live(40)  # the larger window's: (40 - 16 + 1) // 4 = 6
+    bm.allocate(a, first=first)
+    assert [t.count(HOLE) for t in bm.tables(a)] == [0, 6, 6]
+    bm.release_window(a, 40)  # the window-8 group reads from block (40 - 8 + 1) // 4 = 8 only
+    bm.commit(a, 40)
+    assert [t.count(HOLE) for t in bm.tables(a)] == [0, 8, 6]
+    for g, table in enumerate(bm.tables(a)):
+        assert all(bm.blocks[p].hash is not None for p in table if p != HOLE), f"group {g}"
+    assert bm.num_free_blocks == 64 - (10 + 2 + 4)  # the two unwritten pages went back free
+    bm.free(a)
+    b = owner(list(range(40)) + [7] * 8)
+    bm.allocate(b, first=bm.first_live(48))  # decodes from 48: reads blocks 8.. (window 16)
+    assert b.num_cached_tokens == 40
+    bm.free(b)
+    bm.check_integrity()
+
+
 def test_growth_takes_a_page_per_group_and_is_refused_when_short() -> None:
     bm = GroupedBlockManager(num_pages=5, block_size=4, windows=(None, 8, 8))
     a = owner(list(range(4)))
