@@ -26,9 +26,6 @@ class KVConnector:
     # With tensor parallelism: what each worker rank runs to move its own KV shard (a service's
     # kv_transfer.ranks.RankTransfer, set before the engine starts); None: no remote KV.
     rank_transfer: Any = None
-    # Whether it moves KV laid out by layer groups (pages and a block table per group:
-    # common/kv/layer_groups.py); the engine lays a mixed full/sliding model out so only then.
-    carries_layer_groups = True
 
     def bind(self, kv: PagedKVCache) -> None:
         """The engine's KV cache, once it is allocated (block size, layers, bytes per block)."""

@@ -183,17 +183,14 @@ class LLMEngine:
             scales = quant.calibrate(kv_stats(self.model, calibration_ids(tokenizer)), kv_dtype)
         self._scales_digest = scales.digest() if scales is not None else ""
 
-        # A model mixing full and sliding layers: pages of a few layers, a block table per layer group
-        # (common/kv/layer_groups.py), unless the offload tiers or the KV transfer take one table only
-        paged = not self._tiers_asked() and (connector or KVConnector).carries_layer_groups
-
         def kv_spec(blocks: int, kv_heads: int) -> KVCacheSpec:
             windows = tuple(mc.window(i) for i in range(mc.num_layers))
             windows = windows if any(w is not None for w in windows) else ()  # the layer groups
             mla = mc.mla_latent  # MLA: the cached latent's (kv_lora_rank, qk_rope_head_dim)
             return KVCacheSpec(
-                mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype, windows, mla, paged
-            )
+                mc.num_layers, blocks, config.block_size, kv_heads, mc.head_dim, kv_dtype, windows, mla,
+                paged_groups=True,  # full and sliding layers mixed: a table per layer group (layer_groups.py)
+            )  # fmt: skip
 
         # rank 0 holds the most KV heads (the partition gives the first ranks the larger share), so the
         # KV budget (kv_cache_memory_mb, per rank) sizes the block count every rank uses
@@ -202,12 +199,6 @@ class LLMEngine:
             log.info(
                 "KV layer groups: %s (%d layers a page, a block table per group: sliding groups release "
                 "what slid out of their window)", probe.layer_groups(), probe.groups.layers_per_page,
-            )  # fmt: skip
-        elif probe.layer_windows and None in probe.layer_windows and mc.mla_latent is None:
-            why = "the offload tiers take" if self._tiers_asked() else "the KV transfer takes"
-            log.warning(
-                "KV: one block table for the full and the sliding layers (%s one table): the sliding "
-                "layers hold every block, as the full ones do", why,
             )  # fmt: skip
         if config.num_kv_blocks:  # blocks of every layer: as many pages as that many bytes make
             num_blocks = probe.groups.pages(config.num_kv_blocks)

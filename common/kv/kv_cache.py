@@ -45,9 +45,8 @@ window (`first_needed_block`), and the block manager releases the blocks that fe
 `paged_groups`, is laid out by layer group (common/kv/layer_groups.py): the tensors are
 (layers per page, pages, block_size, n_kv, hd), layer l lives in slot `slot_of[l]` (`layer_k`,
 `layer_v`) and is read through the block table of group `group_of[l]`; `num_blocks` counts pages.
-With one group (every other model, or a mixed one whose offload tiers need one table) a page is a
-block of every layer and slot_of[l] == l: the layout above.
-TODO(issue 28): the offload tiers per layer group (their chunks hold a block of every layer).
+With one group (every other model) a page is a block of every layer and slot_of[l] == l: the layout
+above.
 """
 
 from __future__ import annotations

@@ -24,15 +24,17 @@ hash chain runs through group 0 (it has no holes). KV events (what the router ma
 name a hash only while every group holds a page for its block (`published`): a prefix of such blocks
 is a hit whatever the windows, so the router never counts on a hit this pool cannot serve; it may see
 less than is served (a prompt whose old sliding pages were released still hits up to the window
-before its end, which the router does not predict).
+before its end, which the router does not predict). The offload tiers' events are per record: group
+0's key is the block hash, so the router may count on a tier hit whose sliding pages the tier lost
+(then the load is a miss, recomputed: shorter, never wrong).
 
-The engine uses it for such a model (common/engine/llm_engine.py), on the local path and across the
-split; with offload tiers on it keeps one table for all layers (TODO(issue 28) in
-common/kv/kv_cache.py's module doc).
+The engine uses it for such a model (common/engine/llm_engine.py), on the local path, across the
+split and with the offload tiers (each group's pages are their records, under `group_key`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from math import gcd
@@ -94,6 +96,19 @@ def plan_layer_groups(layer_windows: Seq[int | None], num_layers: int) -> LayerG
     return LayerGroups(tuple(group_windows), tuple(group_of), tuple(slot_of), k)
 
 
+def group_key(block_hash_: int, group: int) -> int:
+    """The offload tiers' key of layer group `group`'s page for a block: the block hash itself for group
+    0 (what the router matches, through the tiers' KV events), a hash of it and the group for the
+    others (their records are other bytes: another page of the same block)."""
+    if group == 0:
+        return block_hash_
+    h = hashlib.blake2b(
+        block_hash_.to_bytes(8, "little", signed=True), digest_size=8, person=b"splitserve-lgrp"
+    )
+    h.update(group.to_bytes(4, "little"))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
 def one_group(layer_windows: Seq[int | None], num_layers: int) -> LayerGroups:
     """Every layer in one group, one table (a page is a block of every layer): its window is the one
     outside which no layer reads (`free_window`: the largest when every layer slides, else None)."""
@@ -116,7 +131,8 @@ class GroupedBlockManager(BlockManager):
     the block manager's: `window` (the largest sliding window: allocation goes a chunk at a time and
     `release_window` runs after each step), `first_live` (the leading holes every sliding group may
     have), `blocks_needed` (token-blocks, i.e. table entries), `num_free_blocks` (pages). The offload
-    tiers are not supported here (`tier` must stay None)."""
+    tiers hold each group's evicted pages under `group_key`; a load continues a pool hit with every
+    full group's pages, then each sliding group's for the window the longer hit reads (`_load_groups`)."""
 
     hits_need_windows_only = True  # a hit takes a sliding group's pages for its window only
 
@@ -242,9 +258,11 @@ class GroupedBlockManager(BlockManager):
             bid = self.free_ids.popleft()
         else:
             bid, _ = self.cached_ids.popitem(last=False)  # the least recently used, from its group's index
-            blk = self.blocks[bid]
+            blk, group = self.blocks[bid], self.group_of_page[bid]
             assert blk.hash is not None, f"cached page {bid} has no hash"
-            del self.index[self.group_of_page[bid]][blk.hash]
+            if self.tier is not None:  # its KV is still in the page: the tier copies it before a write
+                self.tier.evicted(bid, group_key(blk.hash, group), blk.tokens)
+            del self.index[group][blk.hash]
             self._unpublish(blk.hash)
             blk.hash, blk.tokens = None, ()
         self.blocks[bid].ref_count = 1
@@ -267,14 +285,16 @@ class GroupedBlockManager(BlockManager):
                 self.kv_events.append((False, h, DEVICE))
 
     def cached_hashes(self) -> list[KVHeld]:
-        """The published hashes (every group holds their block), for a snapshot; safe from another
+        """The published hashes (every group holds their block), then the offload tiers' (their keys of
+        groups 1.. among them: `group_key`, matching no prompt), for a snapshot; safe from another
         thread as the block manager's is."""
+        held = self.tier.held_hashes() if self.tier is not None else []
         for _ in range(SNAPSHOT_TRIES - 1):
             try:
-                return [(h, DEVICE) for h in self.published]
+                return [(h, DEVICE) for h in self.published] + held
             except RuntimeError:  # "set changed size during iteration"
                 continue
-        return [(h, DEVICE) for h in self.published]
+        return [(h, DEVICE) for h in self.published] + held
 
     def allocate(  # type: ignore[override]
         self,
@@ -286,7 +306,6 @@ class GroupedBlockManager(BlockManager):
     ) -> None:
         """As BlockManager.allocate, a table per group (module doc); `first`: leading holes of the
         sliding groups' tables (a decode service's reservation for window-only KV, a swap-in)."""
-        assert self.tier is None, "the offload tiers do not take grouped pages"
         assert not seq.block_table and not any(seq.group_tables), "sequence already holds pages"
         n = len(seq.token_ids) if num_tokens is None else num_tokens
         first = self._check_first(first, n)
@@ -304,8 +323,62 @@ class GroupedBlockManager(BlockManager):
             fresh = [self._take_for(g) for _ in range(width - holes - len(held[g]))]
             tables.append([HOLE] * holes + held[g] + fresh)
         seq.block_table, seq.group_tables = tables[0], tables[1:]
-        seq.num_hashed_blocks = m
-        seq.num_cached_tokens = m * self.block_size
+        loaded = 0
+        if use_prefix_cache and self.tier is not None and self.enable_prefix_caching:
+            # short of the prompt: the last block is left for the chunk to compute into
+            loaded = self._load_groups(
+                seq, tables, m, min(limit // self.block_size, width - (width * self.block_size < n))
+            )
+        seq.num_hashed_blocks = m + loaded
+        seq.num_cached_tokens = (m + loaded) * self.block_size
+
+    def _load_groups(self, seq: GroupOwner, tables: list[list[int]], m: int, end: int) -> int:
+        """Continue seq's pool hit of `m` blocks with what the offload tiers return, up to block `end`:
+        every full group's pages for the blocks m.., then each sliding group's for the window the
+        longer hit reads (all of them, or the tiers' pages count for nothing: a hit needs each window
+        whole). The pages read are hashed; returns how many blocks the hit grew by. Each group's pages
+        are the tier's records under `group_key`."""
+        assert self.tier is not None
+        bs = self.block_size
+        parent = self.blocks[tables[0][m - 1]].hash if m else _root(seq)
+        assert parent is not None, "a prefix hit has a hash"
+        hashes: list[int] = []
+        tokens: list[tuple[int, ...]] = []
+        for i in range(m, end):
+            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, toks)
+            if parent in self.hash_to_block:
+                break  # the pool's copy of that block stays the one in the index
+            hashes.append(parent)
+            tokens.append(toks)
+        run = len(hashes)
+        for g, w in enumerate(self.windows):  # the full groups: the longest run every one returns
+            if w is None and run:
+                keys = [group_key(h, g) for h in hashes[:run]]
+                run = min(run, self.tier.load(keys, tokens[:run], tables[g][m : m + run]))
+        if not run:
+            return 0
+        starts = []
+        for g, w in enumerate(self.windows):  # the sliding groups: the window before block m + run
+            if w is None:
+                starts.append(m)
+                continue
+            table = tables[g]
+            start = max(m, self._first_live_of(g, (m + run) * bs), table.count(HOLE))
+            keys = [group_key(h, g) for h in hashes[start - m : run]]
+            if keys and self.tier.load(keys, tokens[start - m : run], table[start : m + run]) < len(keys):
+                return 0  # a window not whole: the pages read are fresh pages to compute into
+            starts.append(start)
+        for i in range(m, m + run):  # the blocks read, hashed as a commit would (a group's index holding
+            h, toks = hashes[i - m], tokens[i - m]  # that hash already keeps its own page)
+            for g, table in enumerate(tables):
+                page = table[i]
+                if i >= starts[g] and h not in self.index[g]:
+                    self.blocks[page].hash, self.blocks[page].tokens = h, toks
+                    self.index[g][h] = page
+            self._publish(h)
+        self.tier_hits += run
+        return run
 
     def can_append(self, seq: GroupOwner, num_new_tokens: int = 1) -> bool:  # type: ignore[override]
         need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)
@@ -378,7 +451,7 @@ class GroupedBlockManager(BlockManager):
         return new
 
     def prefetch(self, seq: GroupOwner) -> bool:  # type: ignore[override]
-        return False  # no offload tiers
+        return False  # not for layer groups: a load reads each group's pages at admission
 
     def check_integrity(self) -> None:
         super().check_integrity()

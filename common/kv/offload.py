@@ -32,9 +32,9 @@ KV events: what the store comes to hold and lets go of (common/kv/tiers.py) is t
 drain with its own (`drain_events`, `held_hashes`), so a service publishes one stream naming each hash's tier.
 
 A chunk's payload is block-major: block i is one contiguous run of (2, layers, block_size, kv_heads,
-head_dim) values of the cache's dtype, K then V (kv_heads: all the model's): any subset of blocks is a
-byte slice. One rank's share (`gather_blocks`, `scatter_blocks`) is laid out the same way with only its
-heads.
+head_dim) values of the cache's dtype, K then V (kv_heads: all the model's; layers: every layer, or with
+layer groups a page's few, common/kv/layer_groups.py): any subset of blocks is a byte slice. One
+rank's share (`gather_blocks`, `scatter_blocks`) is laid out the same way with only its heads.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def layout_digest(compat: str, cache: PagedKVCache | KVCacheSpec) -> bytes:
     engine's KVCompat record, fp8 scales' digest included), the cache's shape and dtype (with tensor
     parallelism: the whole model's, every KV head), and the payload layout."""
     s = cache.spec if isinstance(cache, PagedKVCache) else cache
-    shape = (s.num_layers, s.block_size, s.num_kv_heads, s.head_dim, str(s.dtype))
+    # a block of every layer, or with layer groups a page of a few (common/kv/layer_groups.py)
+    shape = (s.shape[0], s.block_size, s.num_kv_heads, s.head_dim, str(s.dtype))
     h = hashlib.blake2b(digest_size=16, person=b"splitserve-kvtr")
     h.update(f"{compat}|{shape}|{PAYLOAD_LAYOUT}".encode())
     return h.digest()
@@ -84,7 +85,7 @@ def scatter_blocks(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Te
     whose last dimension is dense) into the blocks."""
     s = cache.spec
     elem = cache.k.element_size()
-    want = (len(block_ids), 2, s.num_layers, s.block_size, s.num_kv_heads, s.head_dim * elem)
+    want = (len(block_ids), 2, s.shape[0], s.block_size, s.num_kv_heads, s.head_dim * elem)
     if tuple(data.shape) != want or data.dtype != torch.uint8:
         raise ValueError(f"KV blocks {tuple(data.shape)} {data.dtype}: this cache needs {want} uint8")
     kv = data.view(s.dtype)  # (n, 2, L, bs, kv_heads, hd)
@@ -150,7 +151,8 @@ class KVOffload:
                 raise ValueError(f"KV offload: head ranges {self.head_ranges} are not contiguous")
         if covered != self.num_kv_heads:
             raise ValueError(f"KV offload: head ranges {self.head_ranges} leave heads out")
-        self.block_shape = (2, s.num_layers, s.block_size, self.num_kv_heads, s.head_dim)
+        # a block's layers: every layer, or with layer groups a page's (common/kv/layer_groups.py)
+        self.block_shape = (2, s.shape[0], s.block_size, self.num_kv_heads, s.head_dim)
         self._block_bytes = s.bytes_per_block * self.num_kv_heads // s.num_kv_heads
         assert store.block_bytes == self._block_bytes, "the store's blocks hold every KV head"
         self._pending: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens), evicted
@@ -243,7 +245,7 @@ class KVOffload:
         whole = torch.empty((len(got), self._block_bytes), dtype=torch.uint8)
         for i, buf in enumerate(got):
             whole[i] = torch.frombuffer(buf, dtype=torch.uint8)
-        whole = whole.view(len(got), 2, s.num_layers, s.block_size, self.num_kv_heads, s.head_dim * elem)
+        whole = whole.view(len(got), 2, s.shape[0], s.block_size, self.num_kv_heads, s.head_dim * elem)
         shards = [whole[..., h.start : h.stop, :].contiguous() for h in self.head_ranges[1:]]
         self.peers.tier_in(block_ids, shards)  # the workers write theirs while rank 0 writes its own
         own = self.head_ranges[0]

@@ -221,3 +221,19 @@ def test_a_sequence_longer_than_the_pool_runs(mistral: Model) -> None:
     check_all_back(e)
     with pytest.raises(ValueError, match="more KV blocks than the cache has"):
         engine(mistral, num_kv_blocks=mistral.pool - 1).add_request(PROMPTS[0], PARAMS)
+
+
+@torch.inference_mode()
+def test_offload_tier_hits_give_the_same_tokens(mistral: Model) -> None:
+    """A RAM offload tier behind a pool that holds about one sequence: the three prompts run twice, one
+    at a time, so each repeat finds its prefix evicted and reads it back (with layer groups, each group's
+    pages under its own key: every full group's for the blocks, each sliding group's for the window
+    the hit reads). The tokens equal transformers' both times; nothing leaks."""
+    e = engine(mistral, num_kv_blocks=mistral.pool + 2, kv_offload_ram_gb=0.05)
+    assert e.kv_offload is not None
+    for _ in range(2):
+        for prompt, want in zip(PROMPTS, mistral.expected, strict=True):
+            assert run(e, [prompt]) == [want]
+    assert e.block_manager.tier_hits > 0
+    e.kv_offload.flush()
+    check_all_back(e)
