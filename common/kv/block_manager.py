@@ -188,9 +188,7 @@ class BlockManager:
         """Room for `num_tokens` (default: all of seq's tokens) plus `reserve` spare blocks? `first`
         and `room` as in allocate: holes need no block, and with `room` only the blocks up to the
         cached prefix plus `room` tokens count."""
-        n = len(seq.token_ids) if num_tokens is None else num_tokens
-        first = self._check_first(first, n)
-        limit = min(n, len(seq.token_ids) - 1)
+        n, first, limit = self._span(seq, num_tokens, first)
         hits = self._prefix_hits(seq.token_ids, limit, _root(seq)) if use_prefix_cache else []
         held = hits[first:]
         evictable_hits = sum(1 for b in held if self.blocks[b].ref_count == 0)
@@ -204,6 +202,13 @@ class BlockManager:
             return num_tokens
         assert room > 0, f"room for {room} tokens"
         return min(num_tokens, num_hits * self.block_size + room)
+
+    def _span(self, seq: BlockOwner, num_tokens: int | None, first: int) -> tuple[int, int, int]:
+        """An allocation's tokens (`num_tokens`, default all of seq's), its leading holes (checked), and
+        the tokens a prefix hit may cover: all but the last token, which the step computing it samples
+        from."""
+        n = len(seq.token_ids) if num_tokens is None else num_tokens
+        return n, self._check_first(first, n), min(n, len(seq.token_ids) - 1)
 
     def _check_first(self, first: int, num_tokens: int) -> int:
         if first == 0:
@@ -266,9 +271,7 @@ class BlockManager:
         of its own: a reused block is never written (another sequence may be reading it).
         """
         assert not seq.block_table, "sequence already holds blocks"
-        n = len(seq.token_ids) if num_tokens is None else num_tokens
-        first = self._check_first(first, n)
-        limit = min(n, len(seq.token_ids) - 1)
+        n, first, limit = self._span(seq, num_tokens, first)
         hits = self._prefix_hits(seq.token_ids, limit, _root(seq)) if use_prefix_cache else []
         self.prefix_queries += len(seq.token_ids) // self.block_size
         self.prefix_hits += len(hits)

@@ -235,9 +235,7 @@ class GroupedBlockManager(BlockManager):
         first: int = 0,
         room: int | None = None,
     ) -> bool:
-        n = len(seq.token_ids) if num_tokens is None else num_tokens
-        first = self._check_first(first, n)
-        limit = min(n, len(seq.token_ids) - 1)
+        n, first, limit = self._span(seq, num_tokens, first)
         m, held = self._grouped_hits(seq, limit, first) if use_prefix_cache else (0, [[]] * self.num_groups)
         width = self.blocks_needed(self._target(n, m, room))
         need = reserve
@@ -307,9 +305,7 @@ class GroupedBlockManager(BlockManager):
         """As BlockManager.allocate, a table per group (module doc); `first`: leading holes of the
         sliding groups' tables (a decode service's reservation for window-only KV, a swap-in)."""
         assert not seq.block_table and not any(seq.group_tables), "sequence already holds pages"
-        n = len(seq.token_ids) if num_tokens is None else num_tokens
-        first = self._check_first(first, n)
-        limit = min(n, len(seq.token_ids) - 1)
+        n, first, limit = self._span(seq, num_tokens, first)
         m, held = self._grouped_hits(seq, limit, first) if use_prefix_cache else (0, [[]] * self.num_groups)
         self.prefix_queries += len(seq.token_ids) // self.block_size
         self.prefix_hits += m
