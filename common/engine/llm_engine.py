@@ -306,13 +306,10 @@ class LLMEngine:
             if self.tp_workers is not None:
                 self.tp_workers.close()
 
-    def _tiers_asked(self) -> bool:
-        return self.config.kv_offload_ram_gb > 0 or bool(self.config.kv_offload_disk_dir)
-
     def _offload_tiers(self) -> KVOffload | None:
         """The KV offload tiers behind the pool (kv_offload_ram_gb, kv_offload_disk_dir), or None."""
         cfg = self.config
-        if not self._tiers_asked():
+        if cfg.kv_offload_ram_gb <= 0 and not cfg.kv_offload_disk_dir:
             return None
         if not cfg.enable_prefix_caching:
             raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
