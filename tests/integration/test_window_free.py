@@ -2,7 +2,7 @@
 
 Two tiny random-weight models (window 16, blocks of 4; built with transformers as
 tests/integration/test_model_archs.py builds its models): a mistral, whose every layer slides (one
-block table, its head released), and a gemma3 mixing 2 full and 4 sliding layers (pages of 2 layers,
+block table, its head released), and a gemma3 of 2 sliding layers and 1 full one (pages of 1 layer,
 one full and two sliding layer groups, each with its table: common/kv/layer_groups.py). Each generates
 48 tokens after a 40-token prompt, well past the window, in the real engine (fp32):
 
@@ -56,10 +56,10 @@ class Model:
 
 MODELS = {
     "mistral": (Arch("mistral", {"sliding_window": WINDOW}), 9),  # a 16-token chunk and its window
-    # 2 full layers (every block: 22 pages of 2 layers) and 4 sliding (2 groups, 9 pages each): 40
-    # pages, the bytes of 14 blocks of every layer (3 pages a block); one table would need 22 blocks
+    # 1 full layer (every block: 22 pages) and 2 sliding (2 groups, 9 pages each): 40 pages, the bytes
+    # of 14 blocks of every layer (3 pages a block); one table would need 22 blocks
     "gemma3": (
-        Arch("gemma3_text", {"sliding_window": WINDOW, "num_hidden_layers": 6, "sliding_window_pattern": 3}),
+        Arch("gemma3_text", {"sliding_window": WINDOW, "num_hidden_layers": 3, "sliding_window_pattern": 3}),
         14,
     ),
 }
