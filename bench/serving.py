@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import os
 import random
 import re
@@ -37,6 +38,11 @@ from common.text.model_info import load_model_info
 from common.text.tokenizer import Tokenizer
 
 PLOT = os.path.join("docs", "img", "serving_latency.png")
+# What a health check of a port nobody listens on yet may raise: OSError (refused), or, when the kernel
+# connects the check to itself (TCP self-connect: its ephemeral source port is the port polled, which a
+# port picked free a moment ago can be), its own request line read back as the answer
+# (http.client.BadStatusLine). Either way: not up yet (the child then finds the port taken, and exits).
+NOT_UP = (OSError, http.client.HTTPException)
 SPLIT_THRESHOLD, LOCAL_THRESHOLD = 1, 100_000  # every prompt split / none
 
 
@@ -178,7 +184,7 @@ class Stack:
             try:
                 with urllib.request.urlopen(url + "/health", timeout=2):
                     return
-            except OSError:
+            except NOT_UP:
                 time.sleep(0.3)
         raise RuntimeError(f"{role} at {url} not healthy in time (log: {log_path})")
 

@@ -6,6 +6,7 @@ or a test at random. Real processes and real binds (tests/support/port_server.py
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -103,3 +104,49 @@ def test_up_is_started_again_when_it_refuses_a_taken_port(
     finally:
         proc.terminate()  # up stops what it started
         proc.wait(timeout=60)
+
+
+@pytest.fixture
+def echo() -> Iterator[int]:
+    """A port whose listener reads a request and sends its first line back: what a health check gets
+    when the kernel connects it to itself (TCP self-connect: a check of a port nobody listens on yet,
+    from an ephemeral source port equal to it), and the port is then held (the child cannot bind it)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(conn.recv(4096).split(b"\r\n", 1)[0] + b"\r\n")
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        t.join()
+        server.close()
+
+
+def test_a_health_check_answered_with_its_own_request_is_not_up(tmp_path, echo: int) -> None:  # type: ignore[no-untyped-def]
+    """A fresh-clone run failed `bench soak` with http.client.BadStatusLine: GET /health HTTP/1.1 (a
+    health check connected to itself). It is a port not listened on yet: the child exits on the taken
+    port and the start is PortTaken (picked again when the port was not given), never that error."""
+    stack = Stack(str(tmp_path))
+    try:
+        with pytest.raises(PortTaken, match="address already in use"):
+            stack.start("port-server", port=echo, module=SERVER, timeout_s=30)
+    finally:
+        stack.stop()
+    c = Cluster(None, str(tmp_path))
+    try:
+        with pytest.raises(PortTaken, match="address already in use"):
+            c.start("port-server", port=echo, module=SERVER, timeout_s=30)
+    finally:
+        c.stop()

@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.serving import exited, on_fresh_ports
+from bench.serving import NOT_UP, exited, on_fresh_ports
 from common.cluster.state import ClusterState
 from common.security.internal_auth import SignedCalls
 from common.security.secret import InternalSecret
@@ -110,7 +110,7 @@ class Cluster:
             try:
                 get_json(proc.url + "/health")
                 return proc
-            except OSError:
+            except NOT_UP:  # refused, or a check connected to itself (bench/serving.py)
                 time.sleep(0.3)
         raise RuntimeError(f"{role} not healthy after {timeout_s} s:\n{proc.log_tail()}")
 
