@@ -377,8 +377,7 @@ class GroupedBlockManager(BlockManager):
         return run
 
     def can_append(self, seq: GroupOwner, num_new_tokens: int = 1) -> bool:  # type: ignore[override]
-        need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)
-        return need * self.num_groups <= self.num_free_blocks
+        return self.can_grow(seq, len(seq.token_ids) + num_new_tokens - 1)
 
     def can_grow(self, seq: GroupOwner, num_tokens: int) -> bool:  # type: ignore[override]
         return (
