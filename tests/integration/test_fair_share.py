@@ -45,7 +45,7 @@ def test_a_light_tenant_starts_at_once_and_the_preempted_request_still_answers_i
         async with httpx.AsyncClient(timeout=300) as client:
             heavy = [
                 asyncio.ensure_future(
-                    complete(client, router.url, "heavy", f"Story {i}: once upon a time", 60)
+                    complete(client, router.url, "heavy", f"Story {i}: once upon a time", 150)
                 )
                 for i in range(4)
             ]
@@ -60,7 +60,7 @@ def test_a_light_tenant_starts_at_once_and_the_preempted_request_still_answers_i
         assert not all(heavy_done), "the light request finished before heavy's: it did not wait for them"
         # every heavy request answers in full, the preempted one included (its output continues where
         # it was: one Reserved frame, tokens in order)
-        assert [a["usage"]["completion_tokens"] for _, a in answers] == [60] * 4
+        assert [a["usage"]["completion_tokens"] for _, a in answers] == [150] * 4
         assert light_s < min(s for s, _ in answers)
 
     asyncio.run(main())
@@ -80,7 +80,7 @@ def _recomputes(url: str) -> float:
 def test_a_sparse_tenant_with_a_burst_allowance_runs_over_its_share(stack) -> None:  # type: ignore[no-untyped-def]
     # "sparse" sends one request, then nothing for 2.5 s: it earns the share of the 2-slot batch it
     # leaves unused (--fair-burst-s, default 2 s of the batch). "flood" then takes both slots and sparse
-    # sends two requests at once. Their demands are alike (~100 and ~140 tokens asked: neither is 4x
+    # sends two requests at once. Their demands are alike (~500 and ~600 tokens asked: neither is 4x
     # lighter), so by its share sparse gets one slot and its second request would wait for its first;
     # with the allowance both start, each in place of one of flood's (two recomputes, not one).
     decode, router = stack
@@ -91,7 +91,7 @@ def test_a_sparse_tenant_with_a_burst_allowance_runs_over_its_share(stack) -> No
             await asyncio.sleep(2.5)
             before = _recomputes(decode.url)
             flood = [
-                asyncio.ensure_future(complete(client, router.url, "flood", f"Tale {i}: long ago", 60))
+                asyncio.ensure_future(complete(client, router.url, "flood", f"Tale {i}: long ago", 300))
                 for i in range(2)
             ]
             deadline = time.monotonic() + 60
@@ -100,14 +100,14 @@ def test_a_sparse_tenant_with_a_burst_allowance_runs_over_its_share(stack) -> No
                 await asyncio.sleep(0.05)
             sparse = await asyncio.gather(
                 *(
-                    complete(client, router.url, "sparse", f"Question {i}: why is the sky", 40)
+                    complete(client, router.url, "sparse", f"Question {i}: why is the sky", 240)
                     for i in range(2)
                 )
             )
             taken = _recomputes(decode.url) - before
             answers = await asyncio.gather(*flood)
-        assert [a["usage"]["completion_tokens"] for _, a in sparse] == [40, 40]
-        assert [a["usage"]["completion_tokens"] for _, a in answers] == [60, 60]
+        assert [a["usage"]["completion_tokens"] for _, a in sparse] == [240, 240]
+        assert [a["usage"]["completion_tokens"] for _, a in answers] == [300, 300]
         assert taken >= 2, f"sparse's two requests made {taken} recompute preemption(s): one waited"
 
     asyncio.run(main())
