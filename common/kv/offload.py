@@ -4,15 +4,21 @@ Out: when the prefix cache evicts a hashed block (its KV complete: a block is ha
 is computed, or once every layer of a transfer has arrived) the block manager calls `evicted` before
 handing the block to anyone. Its id is noted; `flush` — the engine calls it after each schedule(),
 before anything writes into the pool — copies the noted blocks out of the pool in one gather and
-offers them to the store as one chunk. A write into the pool never comes between an eviction and its
-copy: `load` copies them out first too, and offers them once its own read is done.
+offers them to the store as one chunk (from a GPU pool: into pinned host memory, `gather_blocks`).
+A write into the pool never comes between an eviction and its copy: `load` copies them out first
+too, and offers them once its own read is done.
 
 In: at admission the block manager asks `load` for the blocks that continue a prompt's pool prefix;
 what the store returns (verified) is copied into the freshly allocated blocks before the block manager
-hashes them, so a block is in the prefix cache only once its KV is there. Earlier, when the request
-arrived, `prefetch` handed the store the same hashes: its prefetch worker brings the disk-only ones
-into RAM meanwhile (common/kv/tiers.py, "Prefetch on arrival"), so `load` reads them from RAM when the
-prefetch finished first, and from the disk as before when not.
+hashes them, so a block is in the prefix cache only once its KV is there. (`put_blocks`: on a GPU one
+pinned buffer, one copy, one `index_copy_` each for K and V.) Both copies are done when they return,
+on a GPU too: a block evicted now may go to a KV receiver at once, which writes into it outside the
+compute stream's order, and a loaded block may be pushed by a prefill's KV sender, which reads outside
+it; an asynchronous copy would need a fence at each of those hand-overs (not built: no GPU here to
+test one). Earlier, when the request arrived, `prefetch` handed the store the same hashes: its
+prefetch worker brings the disk-only ones into RAM meanwhile (common/kv/tiers.py, "Prefetch on
+arrival"), so `load` reads them from RAM when the prefetch finished first, and from the disk as
+before when not.
 
 Tensor parallelism (`peers`: the worker ranks, common/engine/tp_workers.py). Every rank's pool has
 the same blocks, each with only its own KV heads; rank 0 (this object) holds the one store, and a
@@ -73,11 +79,48 @@ def layout_digest(compat: str, cache: PagedKVCache | KVCacheSpec) -> bytes:
 def gather_blocks(cache: PagedKVCache, block_ids: Sequence[int], contiguous: bool = True) -> torch.Tensor:
     """The blocks' KV as host bytes, block-major: uint8 (n, 2, layers, block_size, kv_heads,
     head_dim * element size) (this cache's heads); contiguous=False: a block-major view of a copy
-    (to be copied on)."""
+    (to be copied on). From a GPU pool the bytes land in pinned host memory (a direct DMA, not staged
+    through a driver buffer), and are all there on return: a block evicted now may be handed to a KV
+    receiver right after, which writes into it outside the compute stream's order."""
     idx = torch.tensor(list(block_ids), dtype=torch.long, device=cache.k.device)
-    # (n, 2, L, bs, kv_heads, hd): block-major, K then V within a block
-    kv = torch.stack((cache.k[:, idx], cache.v[:, idx])).permute(2, 0, 1, 3, 4, 5)
-    return (kv.contiguous() if contiguous else kv).to("cpu").view(torch.uint8)
+    if not cache.k.is_cuda:
+        # (n, 2, L, bs, kv_heads, hd): block-major, K then V within a block
+        kv = torch.stack((cache.k[:, idx], cache.v[:, idx])).permute(2, 0, 1, 3, 4, 5)
+        return (kv.contiguous() if contiguous else kv).to("cpu").view(torch.uint8)
+    # as bytes: the same layout, and no kernel needs to know the dtype (fp8 included)
+    k, v = cache.k.view(torch.uint8), cache.v.view(torch.uint8)
+    kv = torch.stack((k[:, idx], v[:, idx])).permute(2, 0, 1, 3, 4, 5).contiguous()
+    host = torch.empty(kv.shape, dtype=torch.uint8, pin_memory=True)
+    host.copy_(kv, non_blocking=True)
+    torch.cuda.current_stream(kv.device).synchronize()
+    return host
+
+
+def put_blocks(cache: PagedKVCache, block_ids: Sequence[int], bufs: Sequence[memoryview]) -> None:
+    """Write blocks read from a tier (each buffer one block of this cache's heads, block-major: one
+    `gather_blocks` block) into the pool's blocks `block_ids`; done on return. On the CPU each block
+    is copied from its buffer in place. On a GPU the blocks are gathered in one pinned host buffer and
+    sent in one copy, then put in place by one `index_copy_` for K and one for V (a copy per block from
+    pageable memory would wait for the device twice per block); the call waits for them, because other
+    readers than the step's kernels (a prefill's KV sender pushing a tier hit) read the blocks outside
+    the compute stream's order."""
+    s = cache.spec
+    if not cache.k.is_cuda:
+        shape = (2, s.shape[0], s.block_size, s.num_kv_heads, s.head_dim)
+        for buf, bid in zip(bufs, block_ids, strict=True):
+            kv = torch.frombuffer(buf, dtype=torch.uint8).view(s.dtype).view(shape)
+            cache.k[:, bid].copy_(kv[0])
+            cache.v[:, bid].copy_(kv[1])
+        return
+    staged = torch.empty((len(bufs), s.bytes_per_block), dtype=torch.uint8, pin_memory=True)
+    for i, buf in enumerate(bufs):
+        staged[i] = torch.frombuffer(buf, dtype=torch.uint8)
+    k, v = cache.k.view(torch.uint8), cache.v.view(torch.uint8)  # as bytes, as in gather_blocks
+    kv = staged.to(cache.k.device, non_blocking=True).view(len(bufs), 2, *k.shape[:1], *k.shape[2:])
+    idx = torch.tensor(list(block_ids), dtype=torch.long).to(cache.k.device, non_blocking=True)
+    k.index_copy_(1, idx, kv[:, 0].transpose(0, 1))
+    v.index_copy_(1, idx, kv[:, 1].transpose(0, 1))
+    torch.cuda.current_stream(cache.k.device).synchronize()
 
 
 def scatter_blocks(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Tensor) -> None:
@@ -151,8 +194,6 @@ class KVOffload:
                 raise ValueError(f"KV offload: head ranges {self.head_ranges} are not contiguous")
         if covered != self.num_kv_heads:
             raise ValueError(f"KV offload: head ranges {self.head_ranges} leave heads out")
-        # a block's layers: every layer, or with layer groups a page's (common/kv/layer_groups.py)
-        self.block_shape = (2, s.shape[0], s.block_size, self.num_kv_heads, s.head_dim)
         self._block_bytes = s.bytes_per_block * self.num_kv_heads // s.num_kv_heads
         assert store.block_bytes == self._block_bytes, "the store's blocks hold every KV head"
         self._pending: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens), evicted
@@ -229,11 +270,7 @@ class KVOffload:
     def _copy_in(self, got: list[memoryview], ids: list[int]) -> int:
         """The read blocks into the pool's blocks `ids`; how many count as loaded (all, or 0)."""
         if self.peers is None:
-            for buf, bid in zip(got, ids, strict=True):
-                kv = torch.frombuffer(buf, dtype=torch.uint8).view(self.cache.spec.dtype)
-                kv = kv.view(self.block_shape)
-                self.cache.k[:, bid].copy_(kv[0])
-                self.cache.v[:, bid].copy_(kv[1])
+            put_blocks(self.cache, ids, got)
             return len(got)
         return len(got) if self._load_shards(got, ids) else 0
 

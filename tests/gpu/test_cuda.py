@@ -109,3 +109,24 @@ def test_transports_move_vram_blocks_byte_exact(backend: str) -> None:
     asyncio.run(main())
     torch.cuda.synchronize()
     assert torch.equal(dst.k[:, DST], src.k[:, SRC]) and torch.equal(dst.v[:, DST], src.v[:, SRC])
+
+
+def test_tier_copies_out_of_and_into_vram_are_pinned_batched_and_byte_exact() -> None:
+    """The offload tiers' side of a VRAM pool (common/kv/offload.py): evicted blocks come out into
+    pinned host memory, read blocks go back in one copy and an index_copy_ per K and V; both are done
+    on return. The bytes equal a plain copy's, the blocks the source's, and no other block is touched."""
+    from common.kv.offload import gather_blocks, put_blocks
+    from tests.support.kv_helpers import DST, SPEC, SRC
+
+    src = _filled_cuda(SPEC, 2)
+    data = gather_blocks(src, SRC).reshape(-1)
+    assert data.is_pinned() and data.device.type == "cpu"
+    plain = torch.stack((src.k[:, SRC], src.v[:, SRC])).permute(2, 0, 1, 3, 4, 5).cpu().contiguous()
+    assert torch.equal(data, plain.view(torch.uint8).reshape(-1))
+    per = data.numel() // len(SRC)
+    bufs = [memoryview(data[i * per : (i + 1) * per].numpy().data) for i in range(len(SRC))]
+    dst = PagedKVCache(SPEC, device="cuda")
+    put_blocks(dst, DST, bufs)
+    assert torch.equal(dst.k[:, DST], src.k[:, SRC]) and torch.equal(dst.v[:, DST], src.v[:, SRC])
+    untouched = [b for b in range(SPEC.num_blocks) if b not in DST]
+    assert not dst.k[:, untouched].any() and not dst.v[:, untouched].any()
