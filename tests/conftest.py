@@ -96,11 +96,11 @@ def redis_url() -> Iterator[str]:
 
 # ---- a pytest-xdist worker that dies: how its process ended ----
 # Twice in full `.ci/run`s a worker went down with "Not properly terminated" and nothing on stderr: no
-# Python traceback (faulthandler prints one for SIGSEGV, SIGABRT, SIGBUS, SIGFPE and SIGILL), no pytest-
-# timeout dump, no OOM kill in the kernel log, and the test it was running passes alone. These say more next
-# time: a worker prints every thread's stack on SIGTERM, SIGHUP or SIGINT before it goes on as it would
-# have, and the controller says whether the process exited (its status), was killed (the signal) or still
-# runs (its channel to pytest broke, e.g. a file descriptor closed under it).
+# Python traceback (faulthandler prints one for SIGSEGV, SIGABRT, SIGBUS, SIGFPE and SIGILL), no
+# pytest-timeout dump, no OOM kill in the kernel log, and the test it was running passes alone. These say
+# more next time: a worker prints every thread's stack on SIGTERM, SIGHUP or SIGINT before it goes on as
+# it would have, and the controller says whether the process exited (its status), was killed (the signal)
+# or still runs (its channel to pytest broke, e.g. a file descriptor closed under it).
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import faulthandler
