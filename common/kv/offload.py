@@ -10,15 +10,15 @@ too, and offers them once its own read is done.
 
 In: at admission the block manager asks `load` for the blocks that continue a prompt's pool prefix;
 what the store returns (verified) is copied into the freshly allocated blocks before the block manager
-hashes them, so a block is in the prefix cache only once its KV is there. (`put_blocks`: on a GPU one
-pinned buffer, one copy, one `index_copy_` each for K and V.) Both copies are done when they return,
-on a GPU too: a block evicted now may go to a KV receiver at once, which writes into it outside the
-compute stream's order, and a loaded block may be pushed by a prefill's KV sender, which reads outside
-it; an asynchronous copy would need a fence at each of those hand-overs (not built: no GPU here to
-test one). Earlier, when the request arrived, `prefetch` handed the store the same hashes: its
-prefetch worker brings the disk-only ones into RAM meanwhile (common/kv/tiers.py, "Prefetch on
-arrival"), so `load` reads them from RAM when the prefetch finished first, and from the disk as
-before when not.
+hashes them, so a block is in the prefix cache only once its KV is there (`put_blocks`, then
+`scatter_blocks`: into a GPU pool one copy, one `index_copy_` each for K and V). Both copies are done
+when they return, on a GPU too: a block evicted now may go to a KV receiver at once, which writes into
+it outside the compute stream's order, and a loaded block may be pushed by a prefill's KV sender, which
+reads outside it; an asynchronous copy would need a fence at each of those hand-overs (not built: no
+GPU here to test one). Earlier, when the request arrived, `prefetch` handed the store the same hashes:
+its prefetch worker brings the disk-only ones into RAM meanwhile (common/kv/tiers.py, "Prefetch on
+arrival"), so `load` reads them from RAM when the prefetch finished first, and from the disk as before
+when not.
 
 Tensor parallelism (`peers`: the worker ranks, common/engine/tp_workers.py). Every rank's pool has
 the same blocks, each with only its own KV heads; rank 0 (this object) holds the one store, and a
@@ -96,45 +96,58 @@ def gather_blocks(cache: PagedKVCache, block_ids: Sequence[int], contiguous: boo
     return host
 
 
+def stage_blocks(bufs: Sequence[memoryview], shape: tuple[int, ...], pin: bool = False) -> torch.Tensor:
+    """Blocks' bytes (one buffer a block) gathered in one uint8 host tensor of (len(bufs), *shape);
+    `pin`: in pinned memory, for one copy to a GPU."""
+    out = torch.empty((len(bufs), *shape), dtype=torch.uint8, pin_memory=pin)
+    for i, buf in enumerate(bufs):
+        out[i] = torch.frombuffer(buf, dtype=torch.uint8).view(shape)
+    return out
+
+
 def put_blocks(cache: PagedKVCache, block_ids: Sequence[int], bufs: Sequence[memoryview]) -> None:
     """Write blocks read from a tier (each buffer one block of this cache's heads, block-major: one
-    `gather_blocks` block) into the pool's blocks `block_ids`; done on return. On the CPU each block
-    is copied from its buffer in place. On a GPU the blocks are gathered in one pinned host buffer and
-    sent in one copy, then put in place by one `index_copy_` for K and one for V (a copy per block from
-    pageable memory would wait for the device twice per block); the call waits for them, because other
-    readers than the step's kernels (a prefill's KV sender pushing a tier hit) read the blocks outside
-    the compute stream's order."""
+    `gather_blocks` block) into the pool's blocks `block_ids`; done on return (`scatter_blocks`). On
+    the CPU each block is written from its own buffer (staging them first took 4x as long here); for a
+    GPU they are staged in one pinned buffer, for one copy to the device."""
     s = cache.spec
+    shape = (2, s.shape[0], s.block_size, s.num_kv_heads, s.head_dim * cache.k.element_size())
     if not cache.k.is_cuda:
-        shape = (2, s.shape[0], s.block_size, s.num_kv_heads, s.head_dim)
         for buf, bid in zip(bufs, block_ids, strict=True):
-            kv = torch.frombuffer(buf, dtype=torch.uint8).view(s.dtype).view(shape)
-            cache.k[:, bid].copy_(kv[0])
-            cache.v[:, bid].copy_(kv[1])
+            _scatter(cache, [bid], torch.frombuffer(buf, dtype=torch.uint8).view(1, *shape))
         return
-    staged = torch.empty((len(bufs), s.bytes_per_block), dtype=torch.uint8, pin_memory=True)
-    for i, buf in enumerate(bufs):
-        staged[i] = torch.frombuffer(buf, dtype=torch.uint8)
-    k, v = cache.k.view(torch.uint8), cache.v.view(torch.uint8)  # as bytes, as in gather_blocks
-    kv = staged.to(cache.k.device, non_blocking=True).view(len(bufs), 2, *k.shape[:1], *k.shape[2:])
-    idx = torch.tensor(list(block_ids), dtype=torch.long).to(cache.k.device, non_blocking=True)
-    k.index_copy_(1, idx, kv[:, 0].transpose(0, 1))
-    v.index_copy_(1, idx, kv[:, 1].transpose(0, 1))
-    torch.cuda.current_stream(cache.k.device).synchronize()
+    scatter_blocks(cache, block_ids, stage_blocks(bufs, shape, pin=True))
 
 
 def scatter_blocks(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Tensor) -> None:
     """Write block-major bytes (uint8, `gather_blocks`' shape for this cache's heads, any strides
-    whose last dimension is dense) into the blocks."""
+    whose last dimension is dense) into the blocks; done on return. Into a GPU pool: one copy of
+    `data` (asynchronous from pinned memory) and one `index_copy_` for K and one for V, on byte views
+    (no kernel needs the dtype, fp8 included), then a wait for them (a copy per block from pageable
+    memory would wait for the device twice per block): other readers than the step's kernels (a
+    prefill's KV sender pushing a tier hit) read the blocks outside the compute stream's order."""
     s = cache.spec
     elem = cache.k.element_size()
     want = (len(block_ids), 2, s.shape[0], s.block_size, s.num_kv_heads, s.head_dim * elem)
     if tuple(data.shape) != want or data.dtype != torch.uint8:
         raise ValueError(f"KV blocks {tuple(data.shape)} {data.dtype}: this cache needs {want} uint8")
-    kv = data.view(s.dtype)  # (n, 2, L, bs, kv_heads, hd)
-    for i, bid in enumerate(block_ids):
-        cache.k[:, bid].copy_(kv[i, 0])
-        cache.v[:, bid].copy_(kv[i, 1])
+    _scatter(cache, block_ids, data)
+
+
+def _scatter(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Tensor) -> None:
+    """`scatter_blocks` without the shape check (data is known to be the shape)."""
+    if not cache.k.is_cuda:
+        kv = data.view(cache.spec.dtype)  # (n, 2, L, bs, kv_heads, hd)
+        for i, bid in enumerate(block_ids):
+            cache.k[:, bid].copy_(kv[i, 0])
+            cache.v[:, bid].copy_(kv[i, 1])
+        return
+    dev = cache.k.device
+    kv = data.to(dev, non_blocking=True)
+    idx = torch.tensor(list(block_ids), dtype=torch.long).to(dev, non_blocking=True)
+    cache.k.view(torch.uint8).index_copy_(1, idx, kv[:, 0].transpose(0, 1))
+    cache.v.view(torch.uint8).index_copy_(1, idx, kv[:, 1].transpose(0, 1))
+    torch.cuda.current_stream(dev).synchronize()
 
 
 class ShardPeers(Protocol):
@@ -279,10 +292,7 @@ class KVOffload:
         assert self.peers is not None
         s = self.cache.spec
         elem = self.cache.k.element_size()
-        whole = torch.empty((len(got), self._block_bytes), dtype=torch.uint8)
-        for i, buf in enumerate(got):
-            whole[i] = torch.frombuffer(buf, dtype=torch.uint8)
-        whole = whole.view(len(got), 2, s.shape[0], s.block_size, self.num_kv_heads, s.head_dim * elem)
+        whole = stage_blocks(got, (2, s.shape[0], s.block_size, self.num_kv_heads, s.head_dim * elem))
         shards = [whole[..., h.start : h.stop, :].contiguous() for h in self.head_ranges[1:]]
         self.peers.tier_in(block_ids, shards)  # the workers write theirs while rank 0 writes its own
         own = self.head_ranges[0]
