@@ -6,7 +6,7 @@ handing the block to anyone. Its id is noted; `flush` — the engine calls it af
 before anything writes into the pool — copies the noted blocks out of the pool in one gather and
 offers them to the store as one chunk (from a GPU pool: into pinned host memory, `gather_blocks`).
 A write into the pool never comes between an eviction and its copy: `load` copies them out first
-too, and offers them once its own read is done.
+too, and leaves their offer to the next `flush`, after every read of the schedule.
 
 In: at admission the block manager asks `load` for the blocks that continue a prompt's pool prefix;
 what the store returns (verified) is copied into the freshly allocated blocks before the block manager
@@ -262,23 +262,21 @@ class KVOffload:
                 self._copy_out()
 
     def load(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> int:
-        # The evicted blocks' KV out before anything is written into the pool, but offered only after
-        # the read: the blocks this allocation evicted must not push what it reads out of a full tier
-        # (the router predicted the read from what the tiers held; a tier as small as the pool would
-        # otherwise lose the prompt's own blocks to its eviction while the read runs).
+        # The evicted blocks' KV out before anything is written into the pool, but offered only at the
+        # next flush (after the schedule): the blocks the schedule's allocations evicted must not push
+        # what they read out of a full tier (the router predicted the reads from what the tiers held; a
+        # tier as small as the pool would otherwise lose a prompt's own blocks to its eviction while the
+        # reads run, and a grouped pool's first group's read would push out the next group's pages).
         self._copy_out()
-        try:
-            got = self.store.read(hashes, tokens)
-            if not got:
-                return 0
-            ids = list(block_ids[: len(got)])
-            t0 = time.perf_counter()
-            loaded = self._copy_in(got, ids)
-            self.copy_in_s += time.perf_counter() - t0
-            self.copy_in_blocks += loaded
-            return loaded
-        finally:
-            self._offer()
+        got = self.store.read(hashes, tokens)
+        if not got:
+            return 0
+        ids = list(block_ids[: len(got)])
+        t0 = time.perf_counter()
+        loaded = self._copy_in(got, ids)
+        self.copy_in_s += time.perf_counter() - t0
+        self.copy_in_blocks += loaded
+        return loaded
 
     def _copy_in(self, got: list[memoryview], ids: list[int]) -> int:
         """The read blocks into the pool's blocks `ids`; how many count as loaded (all, or 0)."""
@@ -303,8 +301,8 @@ class KVOffload:
             return False
         return True
 
-    def prefetch(self, hashes: Sequence[int]) -> bool:
-        return self.store.prefetch(hashes)
+    def prefetch(self, *runs: Sequence[int]) -> bool:
+        return self.store.prefetch(*runs)
 
     def enable_events(self) -> None:
         self.store.enable_events()
