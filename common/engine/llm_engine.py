@@ -444,7 +444,8 @@ class LLMEngine:
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         if self.kv_offload is not None and seq.prompt_logprobs is None:  # (prompt logprobs: no reuse)
-            self.block_manager.prefetch(seq)  # the tiers start reading its disk blocks into RAM now
+            # the tiers start reading its disk blocks into RAM now (with a window: its first chunk's)
+            self.block_manager.prefetch(seq, self.config.max_num_batched_tokens)
         return seq.seq_id
 
     @property

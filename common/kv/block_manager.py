@@ -23,7 +23,8 @@ Offload tiers (`tier`, an `OffloadTier`: common/kv/offload.py): an evicted hashe
 the tier before the block is reused, and `allocate` continues a prompt's pool prefix with the blocks the
 tier can return, read into the freshly taken blocks and hashed only once their KV is there (tier hits
 count as cached tokens, like pool hits). `prefetch` (the engine calls it when a request arrives) hands
-the tier the hashes `allocate` would ask it for, so it can bring disk blocks into RAM before admission.
+the tier the hashes `allocate` would ask it for, so it can bring disk blocks into RAM before admission
+(with a window, those of the first chunk: `allocate(room=...)` loads into no other block).
 
 Sliding windows (`window`, set for models whose every layer slides: the largest window; None
 otherwise): a block that lies wholly before the window of every query a sequence will still make is
@@ -71,9 +72,10 @@ class OffloadTier(Protocol):
         """Write the KV of the longest run of leading `hashes` the tier returns (verified) into
         `block_ids`; returns how many blocks it wrote."""
 
-    def prefetch(self, hashes: Seq[int]) -> bool:
-        """A request arrived whose admission will ask `load` for these hashes (a prefix of them): start
-        bringing them nearer (off the caller's thread; never waits). Whether a prefetch started."""
+    def prefetch(self, *runs: Seq[int]) -> bool:
+        """A request arrived whose admission will ask `load` for these keys (a leading part of each
+        run; with layer groups a run per group): start bringing them nearer (off the caller's thread;
+        never waits). Whether a prefetch started."""
         ...
 
     def enable_events(self) -> None:
@@ -319,26 +321,31 @@ class BlockManager:
         self.tier_hits += loaded
         return loaded
 
-    def prefetch(self, seq: BlockOwner) -> bool:
+    def prefetch(self, seq: BlockOwner, max_chunk: int | None = None) -> bool:
         """A sequence arrived: hand the offload tier the hashes its admission would ask the tier for if
         the pool stayed as it is now (the full prompt blocks after the pool's prefix, up to a hash the
-        pool holds), so it can start reading them (common/kv/tiers.py, "Prefetch on arrival"). Not for
-        a windowed model (its admission loads the first chunk's blocks only, or none into holes).
-        Whether the tier started a prefetch."""
-        if self.tier is None or not self.enable_prefix_caching or self.window is not None:
+        pool holds), so it can start reading them (common/kv/tiers.py, "Prefetch on arrival"). With a
+        window the admission takes blocks for its first chunk only (`room`), so only the blocks of a
+        chunk of `max_chunk` tokens (the most a step computes; None: no bound) after the prefix. Whether
+        the tier started a prefetch."""
+        if self.tier is None or not self.enable_prefix_caching:
             return False
-        bs, hashes = self.block_size, []
-        parent, in_pool = _root(seq), True
-        for i in range((len(seq.token_ids) - 1) // bs):
+        bs, n = self.block_size, len(seq.token_ids)
+        hashes: list[int] = []
+        room = None if self.window is None else max_chunk
+        parent, most = _root(seq), -1  # most: the blocks the admission would load (-1: not known yet)
+        for i in range((n - 1) // bs):
             toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             parent = block_hash(parent, toks)
             bid = self.hash_to_block.get(parent)
             pooled = bid is not None and self.blocks[bid].tokens == toks
-            if pooled and in_pool:
+            if pooled and most < 0:
                 continue  # the pool's prefix: a hit, not a tier read
-            if pooled:
-                break  # the tier's run stops at a hash the pool holds (_load_from_tier)
-            in_pool = False
+            if most < 0:  # the prefix ends at block i: allocate's fresh blocks, less one for the chunk
+                target = self._target(n, i, room)
+                most = self.blocks_needed(target) - i - (target < n)
+            if pooled or len(hashes) == most:
+                break  # the tier's run stops at a hash the pool holds (_load_from_tier), or the chunk's
             hashes.append(parent)
         return bool(hashes) and self.tier.prefetch(hashes)
 

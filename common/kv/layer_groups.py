@@ -445,8 +445,29 @@ class GroupedBlockManager(BlockManager):
             seq.num_hashed_blocks = i + 1
         return new
 
-    def prefetch(self, seq: GroupOwner) -> bool:  # type: ignore[override]
-        return False  # not for layer groups: a load reads each group's pages at admission
+    def prefetch(self, seq: GroupOwner, max_chunk: int | None = None) -> bool:  # type: ignore[override]
+        """As BlockManager.prefetch, the keys `_load_groups` would ask the tiers for if the pool stayed
+        as it is and the tiers returned every block: each full group's for the blocks after the pool's
+        hit, each sliding group's for the window before the hit's end; one run per group."""
+        if self.tier is None or not self.enable_prefix_caching:
+            return False
+        bs, n = self.block_size, len(seq.token_ids)
+        limit = n - 1
+        m, _ = self._grouped_hits(seq, limit, 0)
+        width = self.blocks_needed(self._target(n, m, max_chunk))
+        end = min(limit // bs, width - (width * bs < n))
+        hashes = []
+        for h in self._chain(seq.token_ids, end * bs, _root(seq))[m:]:
+            if h in self.hash_to_block:
+                break  # the pool's copy of that block stays the one in the index (_load_groups)
+            hashes.append(h)
+        if not hashes:
+            return False
+        runs = []
+        for g, w in enumerate(self.windows):
+            start = m if w is None else max(m, self._first_live_of(g, (m + len(hashes)) * bs))
+            runs.append([group_key(h, g) for h in hashes[start - m :]])
+        return self.tier.prefetch(*runs)
 
     def check_integrity(self) -> None:
         super().check_integrity()

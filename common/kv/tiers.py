@@ -45,22 +45,24 @@ Reads run on the caller's thread (the engine's, at admission; TODO(issue 32): re
 compute, layer by layer). The index is guarded by one lock, held for index changes only, never across
 I/O.
 
-Prefetch on arrival. When a request reaches the engine (`add_request`), `prefetch(hashes)` is handed
-the prompt's leading block hashes past the pool's prefix; the leading run the tiers hold (what a read
-would return), less what RAM holds already, is one *prefetch*: a worker thread of its own (never the
-engine's) reads the disk chunks holding those blocks, verifies them as a read does (a failure is
-counted in `verify_failures` and the chunk forgotten: a miss, exactly as a read's) and inserts their
-records into RAM, where the admission's read then finds them. The insert is one index change under
-the lock, of a record complete in memory, so a reader sees the whole chunk or none of it, and the
-block's (held, hash, "ram") event is recorded only then. A promotion evicts RAM's LRU chunks as any
-RAM write does, except those an admission's read is reading now (pinned for the read's length); it is
-given up when only pinned chunks could make room. Bounded: at most `prefetch_jobs` prefetches queued
-or running; an arrival past that is dropped (counted). A block already covered by a pending prefetch
-is not asked for twice. The admission never waits for a prefetch: one that has not finished when the
-read comes is *late* — the read goes to the disk as before, and a late prefetch reads no further chunk
-(the chunk it is reading is still promoted; one that has not started is skipped). `PrefetchStats`:
-started, dropped, completed, in time (an admission read a block it promoted from RAM), late, and the
-blocks promoted. Prefetch reads stay out of `read_latency` (the router's read cost per block returned).
+Prefetch on arrival. When a request reaches the engine (`add_request`), `prefetch(*runs)` is handed the
+keys its admission's reads will ask for: the prompt's leading block hashes past the pool's prefix (with
+layer groups, one run of keys per group: common/kv/layer_groups.py); the leading run of each the tiers
+hold (what a read would return), less what RAM holds already, is one *prefetch*: a worker thread of its
+own (never the engine's) reads the disk chunks holding those blocks, verifies them as a read does (a
+failure is counted in `verify_failures` and the chunk forgotten: a miss, exactly as a read's) and
+inserts the blocks asked for into RAM (a chunk's others stay on the disk only), where the admission's
+read then finds them. The insert is one index change under the lock, of a record complete in memory, so
+a reader sees the whole chunk or none of it, and the block's (held, hash, "ram") event is recorded only
+then. A promotion evicts RAM's LRU chunks as any RAM write does, except those an admission's read is
+reading now (pinned for the read's length); it is given up when only pinned chunks could make room.
+Bounded: at most `prefetch_jobs` prefetches queued or running; an arrival past that is dropped
+(counted). A block already covered by a pending prefetch is not asked for twice. The admission never
+waits for a prefetch: one that has not finished when the read comes is *late* — the read goes to the
+disk as before, and a late prefetch reads no further chunk (the chunk it is reading is still promoted;
+one that has not started is skipped). `PrefetchStats`: started, dropped, completed, in time (an
+admission read a block it promoted from RAM), late, and the blocks promoted. Prefetch reads stay out of
+`read_latency` (the router's read cost per block returned).
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ class StoreStats:
 
 @dataclass
 class _Prefetch:
-    """One arrival's prefetch: the disk-only leading block hashes it promotes, in prompt order."""
+    """One arrival's prefetch: the disk-only leading block keys it promotes, in the order asked."""
 
     hashes: list[int]
     outcome: str = ""  # "in_time" or "late" once an admission's read decided it (counted once)
@@ -521,29 +523,31 @@ class TierStore:
         self._log_once(tier.name, e.cause, f"a KV chunk did not read back ({e}): a miss, recomputed")
 
     # --- prefetch on arrival (module doc) -------------------------------------------------------------
-    def prefetch(self, hashes: Sequence[int]) -> bool:
-        """Queue the promotion into RAM of the disk-only blocks among the leading run of `hashes` the
-        tiers hold (a prompt's block hashes past the pool's prefix, in order); never waits. True if a
-        prefetch was started; False if nothing needs one (or a pending one covers it), the store has
-        not both tiers, or `prefetch_jobs` are in flight (then counted as dropped)."""
+    def prefetch(self, *runs: Sequence[int]) -> bool:
+        """Queue the promotion into RAM of the disk-only blocks among the leading run the tiers hold of
+        each of `runs` (each: keys in the order a read will ask for them, such as a prompt's block
+        hashes past the pool's prefix; with layer groups one run per group), as one prefetch; never
+        waits. True if a prefetch was started; False if nothing needs one (or a pending one covers
+        it), the store has not both tiers, or `prefetch_jobs` are in flight (then counted as dropped)."""
         if self._prefetcher is None or self._closed:
             return False
         assert self.ram is not None and self.disk is not None
         with self._lock:
-            want: list[int] = []
-            for h in hashes:
-                if self.ram.holds(h):
-                    continue
-                if not self.disk.holds(h):
-                    break  # a read stops here
-                if h not in self._pf_pending:
-                    want.append(h)
+            want: dict[int, None] = {}  # in order, each once
+            for hashes in runs:
+                for h in hashes:
+                    if self.ram.holds(h):
+                        continue
+                    if not self.disk.holds(h):
+                        break  # a read stops here
+                    if h not in self._pf_pending:
+                        want[h] = None
             if not want:
                 return False
             if self._pf_in_flight >= self.prefetch_jobs:
                 self._pf.dropped += 1
                 return False
-            job = _Prefetch(want)
+            job = _Prefetch(list(want))
             for h in want:
                 self._pf_pending[h] = job
             self._pf_in_flight += 1
@@ -596,12 +600,15 @@ class TierStore:
             self._pf.completed += 1
 
     def _promote(self, dec: Decoded, job: _Prefetch) -> None:
-        """Insert a verified disk record into RAM: the blocks RAM does not hold yet (re-encoded when that
-        is not all of them), in one index change (module doc)."""
+        """Insert a verified disk record into RAM: the blocks the job asked for that RAM does not hold
+        yet (re-encoded when that is not all of them: a chunk's other blocks, another prompt's or a
+        later part of this one, would take RAM from what admissions read), in one index change (module
+        doc)."""
         ram = self.ram
         assert ram is not None
+        wanted = set(job.hashes)
         with self._lock:
-            keep = [i for i, h in enumerate(dec.hashes) if not ram.holds(h)]
+            keep = [i for i, h in enumerate(dec.hashes) if h in wanted and not ram.holds(h)]
         if not keep:
             return
         rec = dec.payload.obj

@@ -15,12 +15,15 @@ one full and two sliding layer groups, each with its table: common/kv/layer_grou
   (a hole's -1 would be refused by the torch path's index_select, and would read another layer's memory
   in the kernel), and two sequences decoding together still give transformers' tokens;
 * preemption under a small pool, by swap and by recompute, gives the same tokens;
-* a sequence longer than the pool would hold with every layer's blocks runs.
+* a sequence longer than the pool would hold with every layer's blocks runs;
+* behind offload tiers, tier hits give the same tokens, and a prefetch on arrival brings what the
+  admission reads (each layer group's pages) from the disk into RAM first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +38,7 @@ from common.model.loader import load_model
 from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
 from tests.integration.test_model_archs import BLOCK, VOCAB, Arch, build
+from tests.support.tiers import WAIT_S, tier
 
 WINDOW = 16
 NEW = 48  # 40 + 48 tokens: five and a half windows
@@ -237,3 +241,42 @@ def test_offload_tier_hits_give_the_same_tokens(mistral: Model) -> None:
     assert e.block_manager.tier_hits > 0
     e.kv_offload.flush()
     check_all_back(e)
+
+
+@torch.inference_mode()
+def test_a_prefetch_on_arrival_brings_a_windowed_models_blocks_into_ram(
+    mistral: Model, tmp_path: Path
+) -> None:
+    """RAM and disk tiers, RAM too small for the three prompts: prompt 0's blocks go to the disk (each
+    block is written there on its second eviction). When prompt 0 arrives again, the engine's
+    add_request starts a prefetch of what its admission will read (the first chunk's blocks; with
+    layer groups, each group's pages under its own key); once it finished, the admission reads RAM only,
+    and the tokens equal transformers'. The test waits for the prefetch (a condition); the engine
+    never does."""
+    e = engine(mistral, num_kv_blocks=mistral.pool + 2)
+    ram_gb = (mistral.pool + 2) * e.kv_cache.spec.bytes_per_block / 2**30
+    e = engine(
+        mistral, num_kv_blocks=mistral.pool + 2, kv_offload_ram_gb=ram_gb,
+        kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01,
+    )  # fmt: skip
+    assert e.kv_offload is not None
+    store = e.kv_offload.store
+    for p in (0, 1, 2, 0, 1, 2):
+        assert run(e, [PROMPTS[p]]) == [mistral.expected[p]]
+        e.kv_offload.flush()
+        assert store.wait_idle(WAIT_S)
+    assert store.ram is not None and store.disk is not None
+    disk_reads = tier(e, "disk").read_latency.counts
+    hits = e.block_manager.tier_hits
+    rid = e.add_request(PROMPTS[0], PARAMS)
+    assert store.wait_prefetched(WAIT_S) and store.stats().prefetch.started == 1
+    assert tier(e, "disk").read_latency.counts == disk_reads
+    got: list[int] = []
+    while e.has_unfinished():
+        got += [t for o in e.step().outputs if o.request_id == rid for t in o.token_ids]
+    assert got == mistral.expected[0]
+    pf = store.stats().prefetch
+    assert (pf.completed, pf.in_time, pf.late, pf.dropped) == (1, 1, 0, 0) and pf.blocks > 0, pf
+    assert tier(e, "disk").read_latency.counts == disk_reads, "the admission read no disk chunk"
+    assert e.block_manager.tier_hits > hits
+    e.close()

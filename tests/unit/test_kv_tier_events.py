@@ -114,8 +114,8 @@ class StoreTier:
     def load(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> int:
         return len(self.s.read(hashes, tokens))
 
-    def prefetch(self, hashes: Sequence[int]) -> bool:
-        return self.s.prefetch(hashes)
+    def prefetch(self, *runs: Sequence[int]) -> bool:
+        return self.s.prefetch(*runs)
 
     def enable_events(self) -> None:
         self.s.enable_events()

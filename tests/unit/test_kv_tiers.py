@@ -369,6 +369,29 @@ def test_prefetch_brings_a_disk_chunk_into_ram_and_the_read_finds_it_there(
         s.close()
 
 
+def test_a_prefetch_of_several_runs_promotes_only_the_blocks_asked_for(tmp_path: Path) -> None:
+    """Two runs (a grouped pool asks one per layer group): each is followed as far as the tiers hold
+    it; of a chunk only the blocks asked for go into RAM (its others would take RAM from what the
+    admission reads), and the blocks of both runs are read as one prefetch."""
+    s = store(tmp_path, ram_blocks=4, disk_blocks=16)
+    try:
+        a_hashes, a_toks = put(s, 0, n=3, times=2)  # one chunk of 3 blocks, on the disk
+        c_hashes, c_toks = put(s, 50, n=2, times=2)  # another, of 2
+        put(s, 100, n=4)  # RAM's room taken by another chunk: A and C on the disk only
+        assert s.ram is not None and not any(s.ram.holds(h) for h in a_hashes + c_hashes)
+        unknown = blocks(200, 1)[0]
+        assert s.prefetch(a_hashes[:2], unknown + c_hashes, c_hashes[1:])
+        assert s.wait_prefetched(10)
+        held = [h for h in a_hashes + c_hashes if s.ram.holds(h)]
+        assert held == a_hashes[:2] + c_hashes[1:], "A's first two and C's second: the blocks asked for"
+        pf = s.stats().prefetch
+        assert (pf.started, pf.completed, pf.blocks) == (1, 1, 3)
+        assert [bytes(b) for b in s.read(a_hashes[:2], a_toks[:2])] == [bytes([0]) * BB, bytes([1]) * BB]
+        assert [bytes(b) for b in s.read(c_hashes[1:], c_toks[1:])] == [bytes([51]) * BB]
+    finally:
+        s.close()
+
+
 def test_a_damaged_disk_chunk_is_not_promoted_and_stays_a_counted_miss(tmp_path: Path) -> None:
     s, hashes, toks = disk_only(tmp_path)
     try:
@@ -487,7 +510,7 @@ class RecordingTier:
             n += 1
         return n
 
-    def prefetch(self, hashes: Sequence[int]) -> bool:
+    def prefetch(self, *runs: Sequence[int]) -> bool:
         return False
 
     def enable_events(self) -> None:
