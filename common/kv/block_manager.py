@@ -24,7 +24,7 @@ the tier before the block is reused, and `allocate` continues a prompt's pool pr
 tier can return, read into the freshly taken blocks and hashed only once their KV is there (tier hits
 count as cached tokens, like pool hits). `prefetch` (the engine calls it when a request arrives) hands
 the tier the hashes `allocate` would ask it for, so it can bring disk blocks into RAM before admission
-(with a window, those of the first chunk: `allocate(room=...)` loads into no other block).
+(with a window as without: see below).
 
 Sliding windows (`window`, set for models whose every layer slides: the largest window; None
 otherwise): a block that lies wholly before the window of every query a sequence will still make is
@@ -34,6 +34,10 @@ a prefix of the table: the block holding position p - window + 1 and every later
 block is like a freed one: cached if hashed (its KV is right for any prompt sharing that prefix), else
 free. `allocate(first=...)` reserves a table whose first blocks are holes already (a decode service's
 reservation for a prompt whose KV comes window-only, a swap-in), so only the window's blocks count.
+An admission with a window takes blocks for its first chunk only (`room`), but with offload tiers also
+for the run of blocks the tiers hold after the pool's prefix (`_tier_run`, their index), as far as free
+blocks allow: a long prompt is read back whole, not only its first chunk, and the blocks before the
+window are released after the step.
 """
 
 from __future__ import annotations
@@ -71,6 +75,10 @@ class OffloadTier(Protocol):
     def load(self, hashes: Seq[int], tokens: Seq[tuple[int, ...]], block_ids: Seq[int]) -> int:
         """Write the KV of the longest run of leading `hashes` the tier returns (verified) into
         `block_ids`; returns how many blocks it wrote."""
+
+    def holds(self, keys: Seq[int]) -> list[bool]:
+        """Which keys the tiers hold now (their index; no read: a read may still return fewer)."""
+        ...
 
     def prefetch(self, *runs: Seq[int]) -> bool:
         """A request arrived whose admission will ask `load` for these keys (a leading part of each
@@ -281,6 +289,9 @@ class BlockManager:
         for bid in held:
             self._ref(bid)
         target = self._target(n, len(hits), room)
+        if room is not None and first == 0 and use_prefix_cache:  # a window's first chunk, after a tier run
+            spare = self.num_free_blocks - (self.blocks_needed(target) - len(held))
+            target = self._target(n, len(hits) + min(spare, self._tier_run(seq, len(hits), limit)), room)
         fresh = [self._take() for _ in range(self.blocks_needed(target) - first - len(held))]
         seq.block_table = [HOLE] * first + held + fresh
         seq.num_hashed_blocks = len(hits) if len(hits) >= first else 0  # a hole ends the hash chain
@@ -289,6 +300,32 @@ class BlockManager:
             # short of the prompt: the last fresh block is left for the chunk to compute into
             loaded = self._load_from_tier(seq, limit, hits, fresh[: len(fresh) - (target < n)])
         seq.num_cached_tokens = (len(hits) + loaded) * self.block_size
+
+    def _tier_hashes(self, seq: BlockOwner, start: int, end: int) -> list[int]:
+        """The hashes of seq's blocks start..end-1 (its first `start` blocks a pool hit), up to the first
+        the pool holds: those a tier read may continue the hit with (`_load_from_tier`)."""
+        bs, out = self.block_size, []
+        parent = _root(seq)
+        for i in range(end):
+            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = block_hash(parent, toks)
+            if i < start:
+                continue
+            bid = self.hash_to_block.get(parent)
+            if bid is not None and self.blocks[bid].tokens == toks:
+                break  # the pool's copy of that block stays the one in the index
+            out.append(parent)
+        return out
+
+    def _tier_run(self, seq: BlockOwner, start: int, limit: int) -> int:
+        """With a window, how many blocks after a pool hit of `start` blocks the tiers hold now (their
+        index, no read): an admission takes blocks for them besides its first chunk's, as for a pool
+        hit, so a long prompt is read back whole, not only its first chunk (its blocks before the
+        window are released after the step). 0 without tiers."""
+        if self.tier is None or not self.enable_prefix_caching:
+            return 0
+        held = self.tier.holds(self._tier_hashes(seq, start, limit // self.block_size))
+        return held.index(False) if False in held else len(held)
 
     def _load_from_tier(self, seq: BlockOwner, limit: int, hits: list[int], fresh: list[int]) -> int:
         """Continue seq's pool prefix (`hits`) with the blocks the offload tier returns, read into the
@@ -325,28 +362,19 @@ class BlockManager:
         """A sequence arrived: hand the offload tier the hashes its admission would ask the tier for if
         the pool stayed as it is now (the full prompt blocks after the pool's prefix, up to a hash the
         pool holds), so it can start reading them (common/kv/tiers.py, "Prefetch on arrival"). With a
-        window the admission takes blocks for its first chunk only (`room`), so only the blocks of a
-        chunk of `max_chunk` tokens (the most a step computes; None: no bound) after the prefix. Whether
-        the tier started a prefetch."""
+        window, `max_chunk` is the admission's first chunk (the most a step computes; None: the whole
+        prompt): it takes blocks for the run the tiers hold and that chunk (`allocate`). Whether the
+        tier started a prefetch."""
         if self.tier is None or not self.enable_prefix_caching:
             return False
-        bs, n = self.block_size, len(seq.token_ids)
-        hashes: list[int] = []
-        room = None if self.window is None else max_chunk
-        parent, most = _root(seq), -1  # most: the blocks the admission would load (-1: not known yet)
-        for i in range((n - 1) // bs):
-            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = block_hash(parent, toks)
-            bid = self.hash_to_block.get(parent)
-            pooled = bid is not None and self.blocks[bid].tokens == toks
-            if pooled and most < 0:
-                continue  # the pool's prefix: a hit, not a tier read
-            if most < 0:  # the prefix ends at block i: allocate's fresh blocks, less one for the chunk
-                target = self._target(n, i, room)
-                most = self.blocks_needed(target) - i - (target < n)
-            if pooled or len(hashes) == most:
-                break  # the tier's run stops at a hash the pool holds (_load_from_tier), or the chunk's
-            hashes.append(parent)
+        n = len(seq.token_ids)
+        limit = n - 1
+        start = len(self._prefix_hits(seq.token_ids, limit, _root(seq)))
+        target = self._target(n, start, None)
+        if self.window is not None and max_chunk is not None:
+            target = self._target(n, start + self._tier_run(seq, start, limit), max_chunk)
+        end = min(limit // self.block_size, self.blocks_needed(target) - (target < n))  # as allocate
+        hashes = self._tier_hashes(seq, start, end)
         return bool(hashes) and self.tier.prefetch(hashes)
 
     def can_append(self, seq: BlockOwner, num_new_tokens: int = 1) -> bool:

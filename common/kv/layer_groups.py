@@ -313,6 +313,15 @@ class GroupedBlockManager(BlockManager):
         for pages in held:  # every group's hits first: a fresh page taken below never evicts one
             for bid in pages:
                 self._ref(bid)
+        # short of the prompt: the last block is left for the chunk to compute into
+        end = min(limit // self.block_size, width - (width * self.block_size < n))
+        if room is not None and first == 0 and use_prefix_cache:  # the first chunk after a tier run
+            spare = self.num_free_blocks - sum(
+                width - min(self._holes(g, first, m), width) - len(held[g]) for g in range(self.num_groups)
+            )
+            run = self._grouped_run(seq, m, limit, room, width, spare)
+            if run:
+                width, end = self.blocks_needed(self._target(n, m + run, room)), m + run
         tables: list[list[int]] = []
         for g in range(self.num_groups):
             holes = min(self._holes(g, first, m), width)
@@ -321,12 +330,48 @@ class GroupedBlockManager(BlockManager):
         seq.block_table, seq.group_tables = tables[0], tables[1:]
         loaded = 0
         if use_prefix_cache and self.tier is not None and self.enable_prefix_caching:
-            # short of the prompt: the last block is left for the chunk to compute into
-            loaded = self._load_groups(
-                seq, tables, m, min(limit // self.block_size, width - (width * self.block_size < n))
-            )
+            loaded = self._load_groups(seq, tables, m, end)
         seq.num_hashed_blocks = m + loaded
         seq.num_cached_tokens = (m + loaded) * self.block_size
+
+    def _grouped_run(
+        self, seq: GroupOwner, m: int, limit: int, room: int, width: int, spare: int | None = None
+    ) -> int:
+        """The longest run of blocks after a pool hit of `m` blocks that the tiers hold now (their index,
+        no read) as a load reads it — every full group's pages for the blocks, each sliding group's for
+        the window before the run's end — and that `spare` free pages (None: no bound) take besides a
+        table `width` blocks wide: each group's table grows to the run and a first chunk of `room`
+        tokens after it (a sliding group's pages before that window are released after the step). 0:
+        none (the admission then reads into its first chunk's pages only, as without)."""
+        if self.tier is None or not self.enable_prefix_caching:
+            return 0
+        bs, n = self.block_size, len(seq.token_ids)
+        hashes = self._tier_hashes(seq, m, limit // bs)
+        held = [self.tier.holds([group_key(h, g) for h in hashes]) for g in range(self.num_groups)]
+        run = len(hashes)
+        for g, w in enumerate(self.windows):  # every full group's pages
+            if w is None and False in held[g][:run]:
+                run = held[g].index(False)
+        # lacking[g][i]: 1 + the last block before i whose page group g's tiers lack (0: none)
+        lacking = []
+        for flags in held:
+            last, row = 0, [0]
+            for i, ok in enumerate(flags):
+                last = last if ok else i + 1
+                row.append(last)
+            lacking.append(row)
+        for r in range(run, 0, -1):
+            if (
+                spare is not None
+                and (self.blocks_needed(self._target(n, m + r, room)) - width) * self.num_groups > spare
+            ):
+                continue
+            if all(
+                w is None or lacking[g][r] <= max(m, self._first_live_of(g, (m + r) * bs)) - m
+                for g, w in enumerate(self.windows)
+            ):
+                return r
+        return 0
 
     def _load_groups(self, seq: GroupOwner, tables: list[list[int]], m: int, end: int) -> int:
         """Continue seq's pool hit of `m` blocks with what the offload tiers return, up to block `end`:
@@ -446,26 +491,22 @@ class GroupedBlockManager(BlockManager):
         return new
 
     def prefetch(self, seq: GroupOwner, max_chunk: int | None = None) -> bool:  # type: ignore[override]
-        """As BlockManager.prefetch, the keys `_load_groups` would ask the tiers for if the pool stayed
-        as it is and the tiers returned every block: each full group's for the blocks after the pool's
-        hit, each sliding group's for the window before the hit's end; one run per group."""
+        """As BlockManager.prefetch, the keys `_load_groups` would read if the pool stayed as it is (and
+        had room): each full group's for the blocks of the tier run after the pool's hit
+        (`_grouped_run`), each sliding group's for the window before its end; one run per group.
+        Nothing when the tiers hold no run with whole windows (such a load reads nothing either)."""
         if self.tier is None or not self.enable_prefix_caching:
             return False
-        bs, n = self.block_size, len(seq.token_ids)
-        limit = n - 1
-        m, _ = self._grouped_hits(seq, limit, 0)
-        width = self.blocks_needed(self._target(n, m, max_chunk))
-        end = min(limit // bs, width - (width * bs < n))
-        hashes = []
-        for h in self._chain(seq.token_ids, end * bs, _root(seq))[m:]:
-            if h in self.hash_to_block:
-                break  # the pool's copy of that block stays the one in the index (_load_groups)
-            hashes.append(h)
-        if not hashes:
+        n = len(seq.token_ids)
+        m, _ = self._grouped_hits(seq, n - 1, 0)
+        room = max_chunk if max_chunk is not None else n
+        run = self._grouped_run(seq, m, n - 1, room, self.blocks_needed(self._target(n, m, room)))
+        if not run:
             return False
+        hashes = self._tier_hashes(seq, m, m + run)
         runs = []
         for g, w in enumerate(self.windows):
-            start = m if w is None else max(m, self._first_live_of(g, (m + len(hashes)) * bs))
+            start = m if w is None else max(m, self._first_live_of(g, (m + run) * self.block_size))
             runs.append([group_key(h, g) for h in hashes[start - m :]])
         return self.tier.prefetch(*runs)
 

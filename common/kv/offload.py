@@ -304,6 +304,9 @@ class KVOffload:
     def prefetch(self, *runs: Sequence[int]) -> bool:
         return self.store.prefetch(*runs)
 
+    def holds(self, keys: Sequence[int]) -> list[bool]:
+        return self.store.holds(keys)
+
     def enable_events(self) -> None:
         self.store.enable_events()
 

@@ -436,6 +436,12 @@ class TierStore:
             self._unpin(pins)
         return out
 
+    def holds(self, keys: Sequence[int]) -> list[bool]:
+        """Which of `keys` some tier holds now: an index lookup, no I/O (a read may still find a record
+        that does not verify: then it returns fewer)."""
+        with self._lock:
+            return [any(t is not None and t.holds(h) for t in (self.ram, self.disk)) for h in keys]
+
     def _pin(self, hashes: Sequence[int]) -> list[int]:
         if self._prefetcher is None or self.ram is None:
             return []

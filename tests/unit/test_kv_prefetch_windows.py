@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv.block_manager import BlockManager
+from common.kv.block_manager import BlockManager, live_blocks
 from common.kv.layer_groups import GroupedBlockManager, group_key
 from common.prefix_hash import KVEvent, KVHeld, prefix_chain
 from tests.support.block_owner import Owner
@@ -27,20 +27,26 @@ BS = 4
 
 
 class AskedTier:
-    """Returns every block it is asked for (the pool bookkeeping is what is tested, not the bytes), and
-    records the keys of each prefetch (its runs) and of each load (one run per `load` call)."""
+    """Holds every key but those in `lacking` and returns the leading run of what it is asked for that
+    it holds (the pool bookkeeping is what is tested, not the bytes); records the keys of each prefetch
+    (its runs) and of each load (one run per `load` call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lacking: frozenset[int] = frozenset()) -> None:
+        self.lacking = lacking
         self.prefetched: list[list[int]] = []
         self.loaded: list[list[int]] = []
 
     def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
         pass
 
+    def holds(self, keys: Sequence[int]) -> list[bool]:
+        return [k not in self.lacking for k in keys]
+
     def load(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> int:
         assert len(hashes) == len(tokens) == len(block_ids)
         self.loaded.append(list(hashes))
-        return len(hashes)
+        held = self.holds(hashes)
+        return held.index(False) if False in held else len(held)
 
     def prefetch(self, *runs: Sequence[int]) -> bool:
         self.prefetched = [list(r) for r in runs if r]
@@ -56,19 +62,34 @@ class AskedTier:
         return []
 
 
-def admit(bm: BlockManager, tier: AskedTier, tokens: list[int], max_chunk: int) -> Owner | None:
+def held_part(tier: AskedTier, runs: list[list[int]]) -> list[list[int]]:
+    """Each run as far as the tier holds it (what a real store's prefetch and read follow), empty
+    ones left out."""
+    out = []
+    for r in runs:
+        held = tier.holds(r)
+        if True in held[:1]:
+            out.append(r[: held.index(False)] if False in held else r)
+    return out
+
+
+def admit(bm: BlockManager, tier: AskedTier, tokens: list[int], max_chunk: int, ample: bool) -> None:
     """What the engine does with an arrival (prefetch) and the scheduler at admission (a windowed
     model's first chunk: `room`); the sequence then computes the rest of its prompt (growing, committing,
-    releasing what slid out) and is freed. None when the pool has no room (nothing asked then)."""
+    releasing what slid out) and is freed. With an `ample` pool (the admission's tier run never short
+    of blocks), the prefetch asked the tiers for exactly what the admission then read."""
     seq = Owner(list(tokens))
     tier.prefetched, tier.loaded = [], []
     room = min(len(tokens), max_chunk)
     if not bm.can_allocate(seq, room=room):
-        return None
+        return
     started = bm.prefetch(seq, max_chunk)
+    before = bm.tier_hits
     bm.allocate(seq, room=room)
-    assert tier.prefetched == tier.loaded, "prefetch must hand the tiers what the admission asks for"
-    assert started == bool(tier.loaded)
+    assert started == bool(tier.prefetched)
+    if ample:
+        read = held_part(tier, tier.loaded) if bm.tier_hits > before else []
+        assert held_part(tier, tier.prefetched) == read, "prefetch must ask for what the admission reads"
     done = seq.num_cached_tokens
     while done < len(tokens):
         n = min(len(tokens), done + max_chunk)
@@ -80,52 +101,87 @@ def admit(bm: BlockManager, tier: AskedTier, tokens: list[int], max_chunk: int) 
         done = n
     bm.free(seq)
     bm.check_integrity()
-    return seq
 
 
 prompts = st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=40), min_size=1, max_size=12)
+lacking = st.sets(st.integers(0, 40), max_size=6)  # blocks (by index in the prompt) the tier lacks
+
+
+def tier_lacking(prompts: list[list[int]], blocks: set[int], groups: int) -> AskedTier:
+    """A tier lacking, for every prompt, the listed blocks' keys of one group each (by block index)."""
+    keys = set()
+    for p in prompts:
+        chain = prefix_chain(p, BS)
+        for i in blocks:
+            if i < len(chain):
+                keys.add(group_key(chain[i], i % groups))
+    return AskedTier(frozenset(keys))
 
 
 @settings(max_examples=80, deadline=None)
-@given(prompts=prompts, num_blocks=st.integers(12, 30), window=st.integers(2, 12), chunk=st.integers(3, 24))
-def test_every_layer_sliding_prefetches_the_first_chunks_blocks(prompts, num_blocks, window, chunk) -> None:  # type: ignore[no-untyped-def]
-    bm = BlockManager(num_blocks, BS, window=window)
-    tier = AskedTier()
-    bm.tier = tier
-    for p in prompts:
-        admit(bm, tier, p, chunk)
+@given(
+    prompts=prompts,
+    lack=lacking,
+    num_blocks=st.integers(3, 14),
+    window=st.integers(2, 12),
+    chunk=st.integers(3, 24),
+)
+def test_every_layer_sliding_reads_a_tier_run_and_prefetches_it(
+    prompts, lack, num_blocks, window, chunk
+) -> None:  # type: ignore[no-untyped-def]
+    for blocks, ample in ((num_blocks, False), (400, True)):
+        bm = BlockManager(blocks, BS, window=window)
+        bm.tier = tier = tier_lacking(prompts, lack, 1)
+        for p in prompts:
+            admit(bm, tier, p, chunk, ample)
 
 
 @settings(max_examples=80, deadline=None)
-@given(prompts=prompts, num_pages=st.integers(24, 60), window=st.integers(2, 12), chunk=st.integers(3, 24))
-def test_layer_groups_prefetch_each_groups_keys(prompts, num_pages, window, chunk) -> None:  # type: ignore[no-untyped-def]
-    bm = GroupedBlockManager(num_pages, BS, (None, window, window))
-    tier = AskedTier()
-    bm.tier = tier
-    for p in prompts:
-        admit(bm, tier, p, chunk)
+@given(
+    prompts=prompts,
+    lack=lacking,
+    num_pages=st.integers(9, 40),
+    window=st.integers(2, 12),
+    chunk=st.integers(3, 24),
+)
+def test_layer_groups_read_a_tier_run_with_whole_windows_and_prefetch_it(
+    prompts, lack, num_pages, window, chunk
+) -> None:  # type: ignore[no-untyped-def]
+    for pages, ample in ((num_pages, False), (1200, True)):
+        bm = GroupedBlockManager(pages, BS, (None, window, window))
+        bm.tier = tier = tier_lacking(prompts, lack, 3)
+        for p in prompts:
+            admit(bm, tier, p, chunk, ample)
 
 
-def test_a_windowed_prefetch_stops_at_the_first_chunk_and_groups_ask_for_their_windows() -> None:
+def test_a_windowed_admission_reads_the_whole_tier_run_and_its_prefetch_asks_for_it() -> None:
     """Directed: a prompt's 10 full blocks evicted to the tier; the same prompt again with chunks of 3
-    blocks: the one table asks for blocks 0..1 (the chunk's last block is computed); with groups, the
-    full group asks for blocks 0..1 and each sliding group (window 4 tokens: one block) for block 1."""
+    blocks: every block is read back at admission (before, only the first chunk's 2), and the prefetch
+    asked for them: the one table's 10 hashes; with groups, the full group's 10 keys and each sliding
+    group's (window 4 tokens: one block) for block 9 only."""
     prompt = list(range(41))  # 10 full blocks and one token
-    for bm in (BlockManager(11, BS, window=4), GroupedBlockManager(33, BS, (None, 4, 4))):
+    chain = prefix_chain(prompt, BS)
+    for bm in (BlockManager(14, BS, window=4), GroupedBlockManager(42, BS, (None, 4, 4))):
         tier = AskedTier()
         bm.tier = tier
         seq = Owner(list(prompt))
         bm.allocate(seq, use_prefix_cache=False)
         bm.commit(seq, len(prompt))
         bm.free(seq)
-        filler = Owner([99] * 44)
+        filler = Owner([99] * 56)
         bm.allocate(filler, use_prefix_cache=False)  # every block of the pool: the prompt's are evicted
         assert not bm.hash_to_block
         bm.free(filler)
         seq = Owner(list(prompt))
         assert bm.prefetch(seq, 3 * BS)
-        h0, h1 = prefix_chain(prompt, BS)[:2]
         groups = len(getattr(bm, "windows", (None,)))
-        assert tier.prefetched == [[h0, h1]] + [[group_key(h1, g)] for g in range(1, groups)]
+        assert tier.prefetched == [chain[:10]] + [[group_key(chain[9], g)] for g in range(1, groups)]
         bm.allocate(seq, room=3 * BS)
-        assert tier.loaded == tier.prefetched and seq.num_cached_tokens == 2 * BS
+        assert seq.num_cached_tokens == 10 * BS and bm.tier_hits == 10
+        assert held_part(tier, tier.loaded) == tier.prefetched[:1] + tier.prefetched[1:]
+        bm.release_window(seq, seq.num_cached_tokens)
+        tables = bm.tables(seq) if isinstance(bm, GroupedBlockManager) else [seq.block_table]
+        held = [len(live_blocks(t)) for t in tables]
+        assert held == [11, 2, 2][-groups:], "after the step a sliding table holds the window and the chunk"
+        bm.free(seq)
+        bm.check_integrity()

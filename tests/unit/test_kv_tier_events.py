@@ -117,6 +117,9 @@ class StoreTier:
     def prefetch(self, *runs: Sequence[int]) -> bool:
         return self.s.prefetch(*runs)
 
+    def holds(self, keys: Sequence[int]) -> list[bool]:
+        return self.s.holds(keys)
+
     def enable_events(self) -> None:
         self.s.enable_events()
 

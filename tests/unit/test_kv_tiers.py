@@ -513,6 +513,9 @@ class RecordingTier:
     def prefetch(self, *runs: Sequence[int]) -> bool:
         return False
 
+    def holds(self, keys: Sequence[int]) -> list[bool]:
+        return [h in self.held for h in keys]
+
     def enable_events(self) -> None:
         pass
 
