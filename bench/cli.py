@@ -188,6 +188,11 @@ def add_bench_parser(sub: Any) -> None:
         help="tiers: the RAM tier in front of the disk tier (default: the KV pool's size)",
     )
     r.add_argument("--tiers-disk-gb", type=float, default=1.0, help="tiers: the disk tier (in a temp dir)")
+    r.add_argument(
+        "--chat-template",
+        default=None,
+        help="tiers: the routers' --chat-template (a Jinja template or its file), for a --model without one",
+    )
     t = b.add_argument_group("tp")
     t.add_argument(
         "--no-splits",

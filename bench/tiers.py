@@ -206,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_sessions, n_turns, max_tokens = args.sessions, args.turns, args.answer_tokens
     pool_mb = args.kv_cache_mb
     model_flags = ["--model", args.model] if args.model else []
+    template = ["--chat-template", args.chat_template] if args.chat_template else []
     engine_flags = [*model_flags, "--threads", str(args.threads), "--kv-cache-mb", str(pool_mb)]
     ram_gb, disk_ram_gb = args.tiers_ram_gb, args.tiers_disk_ram_gb or pool_mb / 1024
     disk_dir = tempfile.mkdtemp(prefix="splitserve-bench-tiers-disk-")
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 CONFIGS,
             ), strict=True))  # fmt: skip
             urls = dict(zip(CONFIGS, pool.map(
-                lambda c: stack.start("router", "--redis-url", redis[c].url, *model_flags), CONFIGS
+                lambda c: stack.start("router", "--redis-url", redis[c].url, *model_flags, *template), CONFIGS
             ), strict=True))  # fmt: skip
         pool_blocks = int(httpx.get(f"{decode['pool']}/health", timeout=10).json()["total_blocks"])
         for c in CONFIGS:  # first-request costs stay out; a session of its own salt

@@ -291,7 +291,7 @@ class BlockManager:
         target = self._target(n, len(hits), room)
         if room is not None and first == 0 and use_prefix_cache:  # a window's first chunk, after a tier run
             spare = self.num_free_blocks - (self.blocks_needed(target) - len(held))
-            target = self._target(n, len(hits) + min(spare, self._tier_run(seq, len(hits), limit)), room)
+            target = self._target(n, len(hits) + min(spare, self._tier_run(seq, hits, limit)), room)
         fresh = [self._take() for _ in range(self.blocks_needed(target) - first - len(held))]
         seq.block_table = [HOLE] * first + held + fresh
         seq.num_hashed_blocks = len(hits) if len(hits) >= first else 0  # a hole ends the hash chain
@@ -301,30 +301,28 @@ class BlockManager:
             loaded = self._load_from_tier(seq, limit, hits, fresh[: len(fresh) - (target < n)])
         seq.num_cached_tokens = (len(hits) + loaded) * self.block_size
 
-    def _tier_hashes(self, seq: BlockOwner, start: int, end: int) -> list[int]:
-        """The hashes of seq's blocks start..end-1 (its first `start` blocks a pool hit), up to the first
-        the pool holds: those a tier read may continue the hit with (`_load_from_tier`)."""
+    def _tier_hashes(self, seq: BlockOwner, hits: Seq[int], end: int) -> list[int]:
+        """The hashes of seq's blocks after its pool hit (`hits`, the blocks of its first len(hits)) up
+        to block `end`, stopping at the first the pool's index holds: those a tier read may continue
+        the hit with (`_load_from_tier`; the pool's copy of a block stays the one in the index)."""
         bs, out = self.block_size, []
-        parent = _root(seq)
-        for i in range(end):
-            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = block_hash(parent, toks)
-            if i < start:
-                continue
-            bid = self.hash_to_block.get(parent)
-            if bid is not None and self.blocks[bid].tokens == toks:
-                break  # the pool's copy of that block stays the one in the index
+        parent = self.blocks[hits[-1]].hash if hits else _root(seq)
+        assert parent is not None, "a prefix hit has a hash"
+        for i in range(len(hits), end):
+            parent = block_hash(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            if parent in self.hash_to_block:
+                break
             out.append(parent)
         return out
 
-    def _tier_run(self, seq: BlockOwner, start: int, limit: int) -> int:
-        """With a window, how many blocks after a pool hit of `start` blocks the tiers hold now (their
+    def _tier_run(self, seq: BlockOwner, hits: Seq[int], limit: int) -> int:
+        """With a window, how many blocks after a pool hit (`hits`) the tiers hold now (their
         index, no read): an admission takes blocks for them besides its first chunk's, as for a pool
         hit, so a long prompt is read back whole, not only its first chunk (its blocks before the
         window are released after the step). 0 without tiers."""
         if self.tier is None or not self.enable_prefix_caching:
             return 0
-        held = self.tier.holds(self._tier_hashes(seq, start, limit // self.block_size))
+        held = self.tier.holds(self._tier_hashes(seq, hits, limit // self.block_size))
         return held.index(False) if False in held else len(held)
 
     def _load_from_tier(self, seq: BlockOwner, limit: int, hits: list[int], fresh: list[int]) -> int:
@@ -334,19 +332,10 @@ class BlockManager:
         if self.tier is None or not self.enable_prefix_caching:
             return 0
         bs, start = self.block_size, len(hits)
-        parent = self.blocks[hits[-1]].hash if hits else _root(seq)
-        assert parent is not None, "a prefix hit has a hash"
-        hashes: list[int] = []
-        tokens: list[tuple[int, ...]] = []
-        for i in range(start, min(limit // bs, start + len(fresh))):
-            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = block_hash(parent, toks)
-            if parent in self.hash_to_block:
-                break
-            hashes.append(parent)
-            tokens.append(toks)
+        hashes = self._tier_hashes(seq, hits, min(limit // bs, start + len(fresh)))
         if not hashes:
             return 0
+        tokens = [tuple(seq.token_ids[i * bs : (i + 1) * bs]) for i in range(start, start + len(hashes))]
         loaded = self.tier.load(hashes, tokens, fresh[: len(hashes)])
         for h, toks, bid in zip(hashes[:loaded], tokens, fresh, strict=False):
             blk = self.blocks[bid]
@@ -369,12 +358,12 @@ class BlockManager:
             return False
         n = len(seq.token_ids)
         limit = n - 1
-        start = len(self._prefix_hits(seq.token_ids, limit, _root(seq)))
-        target = self._target(n, start, None)
+        hits = self._prefix_hits(seq.token_ids, limit, _root(seq))
+        target = self._target(n, len(hits), None)
         if self.window is not None and max_chunk is not None:
-            target = self._target(n, start + self._tier_run(seq, start, limit), max_chunk)
+            target = self._target(n, len(hits) + self._tier_run(seq, hits, limit), max_chunk)
         end = min(limit // self.block_size, self.blocks_needed(target) - (target < n))  # as allocate
-        hashes = self._tier_hashes(seq, start, end)
+        hashes = self._tier_hashes(seq, hits, end)
         return bool(hashes) and self.tier.prefetch(hashes)
 
     def can_append(self, seq: BlockOwner, num_new_tokens: int = 1) -> bool:

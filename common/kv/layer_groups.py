@@ -319,7 +319,7 @@ class GroupedBlockManager(BlockManager):
             spare = self.num_free_blocks - sum(
                 width - min(self._holes(g, first, m), width) - len(held[g]) for g in range(self.num_groups)
             )
-            run = self._grouped_run(seq, m, limit, room, width, spare)
+            run = self._grouped_run(seq, held[0], limit, room, width, spare)
             if run:
                 width, end = self.blocks_needed(self._target(n, m + run, room)), m + run
         tables: list[list[int]] = []
@@ -335,18 +335,19 @@ class GroupedBlockManager(BlockManager):
         seq.num_cached_tokens = (m + loaded) * self.block_size
 
     def _grouped_run(
-        self, seq: GroupOwner, m: int, limit: int, room: int, width: int, spare: int | None = None
+        self, seq: GroupOwner, hits: Seq[int], limit: int, room: int, width: int, spare: int | None = None
     ) -> int:
-        """The longest run of blocks after a pool hit of `m` blocks that the tiers hold now (their index,
-        no read) as a load reads it — every full group's pages for the blocks, each sliding group's for
-        the window before the run's end — and that `spare` free pages (None: no bound) take besides a
-        table `width` blocks wide: each group's table grows to the run and a first chunk of `room`
-        tokens after it (a sliding group's pages before that window are released after the step). 0:
-        none (the admission then reads into its first chunk's pages only, as without)."""
+        """The longest run of blocks after a pool hit (`hits`: group 0's pages of its first blocks)
+        that the tiers hold now (their index, no read) as a load reads it — every full group's pages
+        for the blocks, each sliding group's for the window before the run's end — and that `spare`
+        free pages (None: no bound) take besides a table `width` blocks wide: each group's table grows
+        to the run and a first chunk of `room` tokens after it (a sliding group's pages before that
+        window are released after the step). 0: none (the admission then reads into its first chunk's
+        pages only, as without)."""
         if self.tier is None or not self.enable_prefix_caching:
             return 0
-        bs, n = self.block_size, len(seq.token_ids)
-        hashes = self._tier_hashes(seq, m, limit // bs)
+        bs, n, m = self.block_size, len(seq.token_ids), len(hits)
+        hashes = self._tier_hashes(seq, hits, limit // bs)
         held = [self.tier.holds([group_key(h, g) for h in hashes]) for g in range(self.num_groups)]
         run = len(hashes)
         for g, w in enumerate(self.windows):  # every full group's pages
@@ -498,12 +499,12 @@ class GroupedBlockManager(BlockManager):
         if self.tier is None or not self.enable_prefix_caching:
             return False
         n = len(seq.token_ids)
-        m, _ = self._grouped_hits(seq, n - 1, 0)
+        m, held = self._grouped_hits(seq, n - 1, 0)
         room = max_chunk if max_chunk is not None else n
-        run = self._grouped_run(seq, m, n - 1, room, self.blocks_needed(self._target(n, m, room)))
+        run = self._grouped_run(seq, held[0], n - 1, room, self.blocks_needed(self._target(n, m, room)))
         if not run:
             return False
-        hashes = self._tier_hashes(seq, m, m + run)
+        hashes = self._tier_hashes(seq, held[0], m + run)
         runs = []
         for g, w in enumerate(self.windows):
             start = m if w is None else max(m, self._first_live_of(g, (m + run) * self.block_size))

@@ -23,7 +23,7 @@ def test_tiers_bench_serves_tier_hits_and_the_same_answers(
     args = argparse.Namespace(
         model=tiny_model_path(), threads=1, kv_cache_mb=1, sessions=3, turns=3, answer_tokens=4,
         system_notes=6, rounds=1, seed=0, tiers_ram_gb=0.25, tiers_disk_ram_gb=None, tiers_disk_gb=0.25,
-        out=str(tmp_path),
+        chat_template=None, out=str(tmp_path),
     )  # fmt: skip
     out = run(args)
     assert out["working_set_over_pool"] > 1  # every session's history does not fit the pool at once
