@@ -303,83 +303,105 @@ class GroupedBlockManager(BlockManager):
         room: int | None = None,
     ) -> None:
         """As BlockManager.allocate, a table per group (module doc); `first`: leading holes of the
-        sliding groups' tables (a decode service's reservation for window-only KV, a swap-in)."""
+        sliding groups' tables (a decode service's reservation for window-only KV, a swap-in).
+
+        A first chunk (`room`) continues the pool's hit with the run of blocks the offload tiers hold
+        (`_grouped_run`, their index) when free pages allow: every full group takes pages for the run,
+        a sliding group only for the window before its end (earlier entries are holes, as after a pool
+        hit). Such a read must return the whole run: a shorter one (a record that does not verify)
+        would leave holes inside a window, so the pages are given back and the allocation is made
+        again without the run (its first chunk's pages only, as without tiers' runs)."""
         assert not seq.block_table and not any(seq.group_tables), "sequence already holds pages"
         n, first, limit = self._span(seq, num_tokens, first)
-        m, held = self._grouped_hits(seq, limit, first) if use_prefix_cache else (0, [[]] * self.num_groups)
         self.prefix_queries += len(seq.token_ids) // self.block_size
-        self.prefix_hits += m
-        width = self.blocks_needed(self._target(n, m, room))
-        for pages in held:  # every group's hits first: a fresh page taken below never evicts one
+        extend = room is not None and first == 0 and use_prefix_cache
+        if not (extend and self._take_pages(seq, n, limit, room, first, use_prefix_cache, extend=True)):
+            self._take_pages(seq, n, limit, room, first, use_prefix_cache, extend=False)
+
+    def _take_pages(
+        self, seq: GroupOwner, n: int, limit: int, room: int | None, first: int, use_prefix_cache: bool,
+        extend: bool,
+    ) -> bool:  # fmt: skip
+        """allocate's tables, with the tiers' run (`extend`) or without; False (nothing held): no run,
+        or its read came back short."""
+        bs = self.block_size
+        m, held = self._grouped_hits(seq, limit, first) if use_prefix_cache else (0, [[]] * self.num_groups)
+        run = self._grouped_run(seq, held, limit, room or n) if extend else 0
+        if extend and not run:
+            return False
+        width = self.blocks_needed(self._target(n, m + run, room))
+        keep = []  # each group's hit pages still inside its window after the run
+        for g in range(self.num_groups):
+            drop = min(self._holes(g, first, m + run), width) - min(self._holes(g, first, m), width)
+            keep.append(held[g][drop:])
+        for pages in keep:  # every group's hits first: a fresh page taken below never evicts one
             for bid in pages:
                 self._ref(bid)
-        # short of the prompt: the last block is left for the chunk to compute into
-        end = min(limit // self.block_size, width - (width * self.block_size < n))
-        if room is not None and first == 0 and use_prefix_cache:  # the first chunk after a tier run
-            spare = self.num_free_blocks - sum(
-                width - min(self._holes(g, first, m), width) - len(held[g]) for g in range(self.num_groups)
-            )
-            run = self._grouped_run(seq, held[0], limit, room, width, spare)
-            if run:
-                width, end = self.blocks_needed(self._target(n, m + run, room)), m + run
         tables: list[list[int]] = []
         for g in range(self.num_groups):
-            holes = min(self._holes(g, first, m), width)
-            fresh = [self._take_for(g) for _ in range(width - holes - len(held[g]))]
-            tables.append([HOLE] * holes + held[g] + fresh)
+            holes = min(self._holes(g, first, m + run), width)
+            fresh = [self._take_for(g) for _ in range(width - holes - len(keep[g]))]
+            tables.append([HOLE] * holes + keep[g] + fresh)
         seq.block_table, seq.group_tables = tables[0], tables[1:]
         loaded = 0
         if use_prefix_cache and self.tier is not None and self.enable_prefix_caching:
-            loaded = self._load_groups(seq, tables, m, end)
+            # short of the prompt: the last block is left for the chunk to compute into
+            end = m + run if run else min(limit // bs, width - (width * bs < n))
+            loaded = self._load_groups(seq, tables, m, end, whole=bool(run))
+        if run and loaded < run:
+            self.free(seq)
+            return False
+        self.prefix_hits += m
         seq.num_hashed_blocks = m + loaded
-        seq.num_cached_tokens = (m + loaded) * self.block_size
+        seq.num_cached_tokens = (m + loaded) * bs
+        return True
 
-    def _grouped_run(
-        self, seq: GroupOwner, hits: Seq[int], limit: int, room: int, width: int, spare: int | None = None
-    ) -> int:
-        """The longest run of blocks after a pool hit (`hits`: group 0's pages of its first blocks)
-        that the tiers hold now (their index, no read) as a load reads it — every full group's pages
-        for the blocks, each sliding group's for the window before the run's end — and that `spare`
-        free pages (None: no bound) take besides a table `width` blocks wide: each group's table grows
-        to the run and a first chunk of `room` tokens after it (a sliding group's pages before that
-        window are released after the step). 0: none (the admission then reads into its first chunk's
-        pages only, as without)."""
+    def _grouped_run(self, seq: GroupOwner, held: list[list[int]], limit: int, room: int) -> int:
+        """The longest run of blocks after a pool hit (`held`: each group's hit pages, as
+        `_grouped_hits` gives them) that the tiers hold now (their index, no read) as a load reads it —
+        every full group's pages for the blocks, each sliding group's for the window before the run's
+        end — and whose pages the pool has free: each group's table grows to the run and a first chunk
+        of `room` tokens after it, a sliding group's from the window before that chunk. 0: none."""
         if self.tier is None or not self.enable_prefix_caching:
             return 0
-        bs, n, m = self.block_size, len(seq.token_ids), len(hits)
-        hashes = self._tier_hashes(seq, hits, limit // bs)
-        held = [self.tier.holds([group_key(h, g) for h in hashes]) for g in range(self.num_groups)]
+        bs, n, m = self.block_size, len(seq.token_ids), len(held[0])
+        hashes = self._tier_hashes(seq, held[0], limit // bs)
+        flags = [self.tier.holds([group_key(h, g) for h in hashes]) for g in range(self.num_groups)]
         run = len(hashes)
         for g, w in enumerate(self.windows):  # every full group's pages
-            if w is None and False in held[g][:run]:
-                run = held[g].index(False)
-        # lacking[g][i]: 1 + the last block before i whose page group g's tiers lack (0: none)
+            if w is None and False in flags[g][:run]:
+                run = flags[g].index(False)
+        # lacking[g][i]: 1 + the last of the run's first i blocks whose page group g's tiers lack (0: none)
         lacking = []
-        for flags in held:
-            last, row = 0, [0]
-            for i, ok in enumerate(flags):
+        for row in flags:
+            last, out = 0, [0]
+            for i, ok in enumerate(row):
                 last = last if ok else i + 1
-                row.append(last)
-            lacking.append(row)
+                out.append(last)
+            lacking.append(out)
+        # the pages a run can take: the free ones, less the evictable hits it keeps (conservatively: all)
+        free = self.num_free_blocks - sum(1 for pages in held for b in pages if self.blocks[b].ref_count == 0)
         for r in range(run, 0, -1):
-            if (
-                spare is not None
-                and (self.blocks_needed(self._target(n, m + r, room)) - width) * self.num_groups > spare
-            ):
-                continue
+            width = self.blocks_needed(self._target(n, m + r, room))
+            holes = [min(self._first_live_of(g, (m + r) * bs), width) for g in range(self.num_groups)]
+            kept = [len(p) - max(0, h - (m - len(p))) for p, h in zip(held, holes, strict=True)]
+            if sum(width - h - k for h, k in zip(holes, kept, strict=True)) > free:
+                continue  # the pool has no room for that run's pages
             if all(
-                w is None or lacking[g][r] <= max(m, self._first_live_of(g, (m + r) * bs)) - m
-                for g, w in enumerate(self.windows)
+                lacking[g][r] <= max(m, holes[g]) - m for g, w in enumerate(self.windows) if w is not None
             ):
                 return r
         return 0
 
-    def _load_groups(self, seq: GroupOwner, tables: list[list[int]], m: int, end: int) -> int:
+    def _load_groups(
+        self, seq: GroupOwner, tables: list[list[int]], m: int, end: int, whole: bool = False
+    ) -> int:
         """Continue seq's pool hit of `m` blocks with what the offload tiers return, up to block `end`:
         every full group's pages for the blocks m.., then each sliding group's for the window the
         longer hit reads (all of them, or the tiers' pages count for nothing: a hit needs each window
-        whole). The pages read are hashed; returns how many blocks the hit grew by. Each group's pages
-        are the tier's records under `group_key`."""
+        whole). `whole`: every block up to `end` or nothing (the sliding tables' holes end at the
+        window before `end`). The pages read are hashed; returns how many blocks the hit grew by. Each
+        group's pages are the tier's records under `group_key`."""
         assert self.tier is not None
         bs = self.block_size
         parent = self.blocks[tables[0][m - 1]].hash if m else _root(seq)
@@ -398,7 +420,7 @@ class GroupedBlockManager(BlockManager):
             if w is None and run:
                 keys = [group_key(h, g) for h in hashes[:run]]
                 run = min(run, self.tier.load(keys, tokens[:run], tables[g][m : m + run]))
-        if not run:
+        if not run or (whole and run < end - m):
             return 0
         starts = []
         for g, w in enumerate(self.windows):  # the sliding groups: the window before block m + run
@@ -492,16 +514,16 @@ class GroupedBlockManager(BlockManager):
         return new
 
     def prefetch(self, seq: GroupOwner, max_chunk: int | None = None) -> bool:  # type: ignore[override]
-        """As BlockManager.prefetch, the keys `_load_groups` would read if the pool stayed as it is (and
-        had room): each full group's for the blocks of the tier run after the pool's hit
-        (`_grouped_run`), each sliding group's for the window before its end; one run per group.
-        Nothing when the tiers hold no run with whole windows (such a load reads nothing either)."""
+        """As BlockManager.prefetch, the keys `_load_groups` would read if the pool stayed as it is: each
+        full group's for the blocks of the tier run after the pool's hit (`_grouped_run`), each sliding
+        group's for the window before its end; one run per group. Nothing when the tiers hold no run
+        with whole windows (such a load reads nothing either) or the pool has no room for one."""
         if self.tier is None or not self.enable_prefix_caching:
             return False
         n = len(seq.token_ids)
         m, held = self._grouped_hits(seq, n - 1, 0)
         room = max_chunk if max_chunk is not None else n
-        run = self._grouped_run(seq, held[0], n - 1, room, self.blocks_needed(self._target(n, m, room)))
+        run = self._grouped_run(seq, held, n - 1, room)
         if not run:
             return False
         hashes = self._tier_hashes(seq, held[0], m + run)

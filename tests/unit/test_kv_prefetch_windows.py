@@ -13,12 +13,12 @@ chunks nobody uses (the real store then promotes them into RAM, evicting what ot
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.kv.block_manager import BlockManager, live_blocks
+from common.kv.block_manager import HOLE, BlockManager, live_blocks
 from common.kv.layer_groups import GroupedBlockManager, group_key
 from common.prefix_hash import KVEvent, KVHeld, prefix_chain
 from tests.support.block_owner import Owner
@@ -31,8 +31,9 @@ class AskedTier:
     it holds (the pool bookkeeping is what is tested, not the bytes); records the keys of each prefetch
     (its runs) and of each load (one run per `load` call)."""
 
-    def __init__(self, lacking: frozenset[int] = frozenset()) -> None:
+    def __init__(self, lacking: frozenset[int] = frozenset(), broken: frozenset[int] = frozenset()) -> None:
         self.lacking = lacking
+        self.broken = broken  # held by the index, but a read stops there (a record that does not verify)
         self.prefetched: list[list[int]] = []
         self.loaded: list[list[int]] = []
 
@@ -45,8 +46,8 @@ class AskedTier:
     def load(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> int:
         assert len(hashes) == len(tokens) == len(block_ids)
         self.loaded.append(list(hashes))
-        held = self.holds(hashes)
-        return held.index(False) if False in held else len(held)
+        read = [h not in self.lacking and h not in self.broken for h in hashes]
+        return read.index(False) if False in read else len(read)
 
     def prefetch(self, *runs: Sequence[int]) -> bool:
         self.prefetched = [list(r) for r in runs if r]
@@ -86,8 +87,17 @@ def admit(bm: BlockManager, tier: AskedTier, tokens: list[int], max_chunk: int, 
     started = bm.prefetch(seq, max_chunk)
     before = bm.tier_hits
     bm.allocate(seq, room=room)
+    bm.check_integrity()
+    tables = bm.tables(seq) if isinstance(bm, GroupedBlockManager) else [seq.block_table]
+    windows = bm.windows if isinstance(bm, GroupedBlockManager) else (bm.window,)
+    for w, table in zip(windows, tables, strict=True):  # the next query's window: pages, never holes
+        holes = table.count(HOLE)
+        assert table[:holes] == [HOLE] * holes and len(table) * BS >= seq.num_cached_tokens + 1
+        assert w is not None or holes == 0
+        if w is not None:
+            assert holes * BS <= max(0, seq.num_cached_tokens - w + 1), (holes, seq.num_cached_tokens, w)
     assert started == bool(tier.prefetched)
-    if ample:
+    if ample and not tier.broken:
         read = held_part(tier, tier.loaded) if bm.tier_hits > before else []
         assert held_part(tier, tier.prefetched) == read, "prefetch must ask for what the admission reads"
     done = seq.num_cached_tokens
@@ -107,31 +117,37 @@ prompts = st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=40), min_siz
 lacking = st.sets(st.integers(0, 40), max_size=6)  # blocks (by index in the prompt) the tier lacks
 
 
-def tier_lacking(prompts: list[list[int]], blocks: set[int], groups: int) -> AskedTier:
-    """A tier lacking, for every prompt, the listed blocks' keys of one group each (by block index)."""
-    keys = set()
-    for p in prompts:
-        chain = prefix_chain(p, BS)
-        for i in blocks:
-            if i < len(chain):
-                keys.add(group_key(chain[i], i % groups))
-    return AskedTier(frozenset(keys))
+def tier_lacking(
+    prompts: list[list[int]], blocks: set[int], groups: int, broken: frozenset[int] = frozenset()
+) -> AskedTier:
+    """A tier lacking, for every prompt, the `blocks`' keys of one group each (by block index), and
+    whose reads of the `broken` blocks' keys (one group each) fail although its index holds them."""
+
+    def keys(which: Set[int]) -> frozenset[int]:
+        out = set()
+        for p in prompts:
+            chain = prefix_chain(p, BS)
+            out.update(group_key(chain[i], i % groups) for i in which if i < len(chain))
+        return frozenset(out)
+
+    return AskedTier(keys(blocks), keys(broken))
 
 
 @settings(max_examples=80, deadline=None)
 @given(
     prompts=prompts,
     lack=lacking,
+    broken=st.frozensets(st.integers(0, 10), max_size=2),
     num_blocks=st.integers(3, 14),
     window=st.integers(2, 12),
     chunk=st.integers(3, 24),
 )
 def test_every_layer_sliding_reads_a_tier_run_and_prefetches_it(
-    prompts, lack, num_blocks, window, chunk
+    prompts, lack, broken, num_blocks, window, chunk
 ) -> None:  # type: ignore[no-untyped-def]
     for blocks, ample in ((num_blocks, False), (400, True)):
         bm = BlockManager(blocks, BS, window=window)
-        bm.tier = tier = tier_lacking(prompts, lack, 1)
+        bm.tier = tier = tier_lacking(prompts, lack, 1, broken)
         for p in prompts:
             admit(bm, tier, p, chunk, ample)
 
@@ -140,16 +156,19 @@ def test_every_layer_sliding_reads_a_tier_run_and_prefetches_it(
 @given(
     prompts=prompts,
     lack=lacking,
+    broken=st.frozensets(st.integers(0, 10), max_size=2),
     num_pages=st.integers(9, 40),
     window=st.integers(2, 12),
     chunk=st.integers(3, 24),
 )
 def test_layer_groups_read_a_tier_run_with_whole_windows_and_prefetch_it(
-    prompts, lack, num_pages, window, chunk
+    prompts, lack, broken, num_pages, window, chunk
 ) -> None:  # type: ignore[no-untyped-def]
+    """A run the index holds whose read comes back short (`broken`) is given back and the allocation
+    made again without it: never a hole inside the window of the sequence's next query."""
     for pages, ample in ((num_pages, False), (1200, True)):
         bm = GroupedBlockManager(pages, BS, (None, window, window))
-        bm.tier = tier = tier_lacking(prompts, lack, 3)
+        bm.tier = tier = tier_lacking(prompts, lack, 3, broken)
         for p in prompts:
             admit(bm, tier, p, chunk, ample)
 
@@ -178,9 +197,13 @@ def test_a_windowed_admission_reads_the_whole_tier_run_and_its_prefetch_asks_for
         assert tier.prefetched == [chain[:10]] + [[group_key(chain[9], g)] for g in range(1, groups)]
         bm.allocate(seq, room=3 * BS)
         assert seq.num_cached_tokens == 10 * BS and bm.tier_hits == 10
-        assert held_part(tier, tier.loaded) == tier.prefetched[:1] + tier.prefetched[1:]
-        bm.release_window(seq, seq.num_cached_tokens)
+        assert held_part(tier, tier.loaded) == tier.prefetched
         tables = bm.tables(seq) if isinstance(bm, GroupedBlockManager) else [seq.block_table]
+        if groups > 1:  # a sliding group takes pages only for the window before the run's end
+            assert [len(live_blocks(t)) for t in tables] == [11, 2, 2]
+        else:  # one table: every block until the step releases those before the window
+            assert len(live_blocks(seq.block_table)) == 11
+        bm.release_window(seq, seq.num_cached_tokens)
         held = [len(live_blocks(t)) for t in tables]
         assert held == [11, 2, 2][-groups:], "after the step a sliding table holds the window and the chunk"
         bm.free(seq)
