@@ -13,7 +13,7 @@ chunks nobody uses (the real store then promotes them into RAM, evicting what ot
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Callable, Sequence, Set
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -133,44 +133,34 @@ def tier_lacking(
     return AskedTier(keys(blocks), keys(broken))
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    prompts=prompts,
-    lack=lacking,
-    broken=st.frozensets(st.integers(0, 10), max_size=2),
-    num_blocks=st.integers(3, 14),
-    window=st.integers(2, 12),
-    chunk=st.integers(3, 24),
+# a trace: prompts, the blocks the tiers lack, those whose read fails, the window, the chunk
+trace = st.tuples(
+    prompts, lacking, st.frozensets(st.integers(0, 10), max_size=2), st.integers(2, 12), st.integers(3, 24)
 )
-def test_every_layer_sliding_reads_a_tier_run_and_prefetches_it(
-    prompts, lack, broken, num_blocks, window, chunk
-) -> None:  # type: ignore[no-untyped-def]
-    for blocks, ample in ((num_blocks, False), (400, True)):
-        bm = BlockManager(blocks, BS, window=window)
-        bm.tier = tier = tier_lacking(prompts, lack, 1, broken)
+
+
+def replay(make: Callable[[int, int], BlockManager], groups: int, tight: int, ample: int, case) -> None:  # type: ignore[no-untyped-def]
+    """The trace through a pool of `tight` blocks (the run often short of room) and one of `ample`."""
+    prompts, lack, broken, window, chunk = case
+    for blocks, is_ample in ((tight, False), (ample, True)):
+        bm = make(blocks, window)
+        bm.tier = tier = tier_lacking(prompts, lack, groups, broken)
         for p in prompts:
-            admit(bm, tier, p, chunk, ample)
+            admit(bm, tier, p, chunk, is_ample)
 
 
 @settings(max_examples=80, deadline=None)
-@given(
-    prompts=prompts,
-    lack=lacking,
-    broken=st.frozensets(st.integers(0, 10), max_size=2),
-    num_pages=st.integers(9, 40),
-    window=st.integers(2, 12),
-    chunk=st.integers(3, 24),
-)
-def test_layer_groups_read_a_tier_run_with_whole_windows_and_prefetch_it(
-    prompts, lack, broken, num_pages, window, chunk
-) -> None:  # type: ignore[no-untyped-def]
-    """A run the index holds whose read comes back short (`broken`) is given back and the allocation
+@given(case=trace, num_blocks=st.integers(3, 14))
+def test_every_layer_sliding_reads_a_tier_run_and_prefetches_it(case, num_blocks) -> None:  # type: ignore[no-untyped-def]
+    replay(lambda blocks, w: BlockManager(blocks, BS, window=w), 1, num_blocks, 400, case)
+
+
+@settings(max_examples=80, deadline=None)
+@given(case=trace, num_pages=st.integers(9, 40))
+def test_layer_groups_read_a_tier_run_with_whole_windows_and_prefetch_it(case, num_pages) -> None:  # type: ignore[no-untyped-def]
+    """A run the index holds whose read comes back short (broken keys) is given back and the allocation
     made again without it: never a hole inside the window of the sequence's next query."""
-    for pages, ample in ((num_pages, False), (1200, True)):
-        bm = GroupedBlockManager(pages, BS, (None, window, window))
-        bm.tier = tier = tier_lacking(prompts, lack, 3, broken)
-        for p in prompts:
-            admit(bm, tier, p, chunk, ample)
+    replay(lambda pages, w: GroupedBlockManager(pages, BS, (None, w, w)), 3, num_pages, 1200, case)
 
 
 def test_a_windowed_admission_reads_the_whole_tier_run_and_its_prefetch_asks_for_it() -> None:
