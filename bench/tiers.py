@@ -34,7 +34,11 @@ read latency. The JSON's headline keys:
   (`usage.prompt_tokens_details.cached_tokens`): sum of min(predicted, served) over sum of
   max(predicted, served), so 1.0 only when every turn is predicted exactly, and a miss or an
   overestimate both count; `service_counted_vs_served_hits` is the services' own side (pool prefix hits
-  plus tier hits from /metrics, over the same cached tokens).
+  plus the blocks the tiers served, from /metrics, over the same cached tokens).
+
+`{c}_{ram,disk}_hit_blocks` count the tiers' records read back: blocks, or with layer groups (Gemma 2/3)
+pages, one per group a block keeps (`{c}_tier_hit_blocks` counts blocks of tokens); `pool_tokens` is
+what the pool holds with every layer's KV (`/health`'s `total_blocks` over its `pages_per_block`).
 
 `{pool,ram,disk}_prefetches_{started,dropped,completed,in_time,late}`: the decode service's prefetches
 on arrival (common/kv/tiers.py; only `disk` has both tiers, so only it prefetches). Requests run one at
@@ -96,7 +100,11 @@ def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
 
 def tier_figures(delta: dict[str, float]) -> dict[str, Any]:
     """A side's counters: pool hits, hits/misses per tier, verify failures (blocks), read seconds."""
-    out: dict[str, Any] = {"pool_hit_blocks": int(delta.get("splitserve_prefix_cache_hits_total", 0))}
+    out: dict[str, Any] = {
+        "pool_hit_blocks": int(delta.get("splitserve_prefix_cache_hits_total", 0)),
+        # blocks of tokens the tiers served (the per-tier hits below count records: pages per group)
+        "tier_hit_blocks": int(delta.get("splitserve_prefix_cache_tier_hits_total", 0)),
+    }
     for tier in TIERS:
         label = f'{{tier="{tier}"}}'
         out[f"{tier}_hit_blocks"] = int(delta.get(f"splitserve_kv_tier_hits_total{label}", 0))
@@ -232,7 +240,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             urls = dict(zip(CONFIGS, pool.map(
                 lambda c: stack.start("router", "--redis-url", redis[c].url, *model_flags, *template), CONFIGS
             ), strict=True))  # fmt: skip
-        pool_blocks = int(httpx.get(f"{decode['pool']}/health", timeout=10).json()["total_blocks"])
+        health = httpx.get(f"{decode['pool']}/health", timeout=10).json()
+        pool_blocks, pages_per_block = int(health["total_blocks"]), int(health["pages_per_block"])
         for c in CONFIGS:  # first-request costs stay out; a session of its own salt
             run_trace(urls[c], make_sessions(1, 2, salt=999, seed=args.seed), 4, f"warm-up {c}")
         every: dict[str, list[Answered]] = {c: [] for c in CONFIGS}
@@ -277,15 +286,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {c: ratio_stats(pool_ttft, [r["ttft_p50_ms"] for r in results[c]]) for c in ("ram", "disk")}
     tiered = results["ram"] + results["disk"]
     served = sum(r["cached_tokens"] for r in tiered)
-    counted = sum(
-        (r["pool_hit_blocks"] + r["ram_hit_blocks"] + r["disk_hit_blocks"]) * block_size for r in tiered
-    )
+    counted = sum((r["pool_hit_blocks"] + r["tier_hit_blocks"]) * block_size for r in tiered)
     predicted = sum(r["router_predicted_tokens"] for r in tiered)
     agree, either = (
         sum(r["predicted_served_min"] for r in tiered),
         sum(r["predicted_served_max"] for r in tiered),
     )
-    pool_tokens = pool_blocks * block_size
+    pool_tokens = pool_blocks // pages_per_block * block_size  # every layer's KV of this many tokens
     working = [r["working_set_tokens"] for r in results["pool"]]
     out: dict[str, Any] = {
         "sessions": n_sessions,
@@ -323,8 +330,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out[f"{c}_ttft_p50_ms_by_turn"] = ttft_by_turn(every[c], n_turns)
         for key in ("ttft_p50_ms", "ttft_p99_ms", "later_turns_ttft_p50_ms"):
             out[f"{c}_{key}_rounds"] = [r[key] for r in rs]
-        keys = ("prompt_tokens", "cached_tokens", "pool_hit_blocks", "errors", "verify_failures",
-                *(f"prefetches_{x}" for x in PREFETCH))  # fmt: skip
+        keys = ("prompt_tokens", "cached_tokens", "pool_hit_blocks", "tier_hit_blocks", "errors",
+                "verify_failures", *(f"prefetches_{x}" for x in PREFETCH))  # fmt: skip
         for key in keys + tuple(f"{t}_{x}" for t in TIERS for x in ("hit_blocks", "miss_blocks")):
             out[f"{c}_{key}"] = sum(r[key] for r in rs)
         for t in TIERS:

@@ -121,6 +121,7 @@ class EngineLoad:
     preempted_recompute: int = 0
     prefix_queries: int = 0  # full prompt blocks looked up in the prefix cache since start, and found
     prefix_hits: int = 0
+    tier_hits: int = 0  # prompt blocks the offload tiers read back at admission since start (not pages)
     kv_clamped: int = 0  # fp8 KV values saturated to the format's range since start (read once a second)
 
     def queue_wait_s(self, now: float) -> float:

@@ -498,6 +498,7 @@ class LLMEngine:
             preempted_recompute=sched.stats["preempt_recompute"],
             prefix_queries=bm.prefix_queries,
             prefix_hits=bm.prefix_hits,
+            tier_hits=bm.tier_hits,
             kv_clamped=self._kv_clamped(),
         )
 

@@ -145,6 +145,12 @@ class BlockManager:
 
     # --- capacity ---------------------------------------------------------------------------------
     @property
+    def num_groups(self) -> int:
+        """Layer groups, each with its table (common/kv/layer_groups.py): the pages a block of tokens
+        takes in every table. One here."""
+        return 1
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free + evictable cached)."""
         return len(self.free_ids) + len(self.cached_ids)

@@ -83,6 +83,7 @@ class Service:
         self.secret = InternalSecret.from_env() if secret is None else secret
         self.engine = engine
         self.aengine = AsyncEngine(engine)
+        self.pages_per_block = engine.block_manager.num_groups  # /health (layer groups: the model's)
         self.jobs: dict[str, Job] = {}
         self.incarnation = uuid.uuid4().hex[:12]  # this start of the process (registry, KV endpoint)
         # the name the router serves this model under (registered, and in /health)
@@ -120,6 +121,8 @@ class Service:
             "queue_wait_s": round(load.queue_wait_s(time.monotonic()), 3),
             "free_blocks": load.free_blocks,
             "total_blocks": load.total_blocks,
+            # with layer groups the blocks above are pages, this many to a block of tokens (1: one table)
+            "pages_per_block": self.pages_per_block,
             # measured on recent steps (0 until measured): what SLO-aware admission predicts from
             "prefill_tps": round(load.prefill_tps, 1),
             "decode_step_ms": round(load.decode_step_ms, 2),

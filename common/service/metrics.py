@@ -171,6 +171,11 @@ class EngineCollector:
             "splitserve_prefix_cache_hit_rate", "hits / queries since start", hits / queries if queries else 0
         )
         yield CounterMetricFamily(
+            "splitserve_prefix_cache_tier_hits",
+            "prompt blocks the offload tiers read back at admission (blocks, whatever the pages per block)",
+            value=load.tier_hits,
+        )
+        yield CounterMetricFamily(
             "splitserve_kv_fp8_clamped_values",
             "K/V values written past the fp8 KV cache's range and saturated (0 unless the cache is fp8; "
             "read once a second): a steady rise means the calibrated scales miss this traffic",
