@@ -115,6 +115,7 @@ class EngineLoad:
     oldest_arrival: float | None = None  # time.monotonic() the longest-queued request arrived; None: empty
     free_blocks: int = 0  # free KV blocks, evictable cached ones included
     total_blocks: int = 0
+    pages_per_block: int = 1  # with layer groups the blocks above are pages, this many to a block of tokens
     prefill_tps: float = 0.0  # recent steps' speed (common/engine/speed.py), 0 until measured
     decode_step_ms: float = 0.0
     preempted_swap: int = 0  # preemptions since start, by kind

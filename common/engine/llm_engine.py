@@ -492,6 +492,7 @@ class LLMEngine:
             oldest_arrival=sched.oldest_arrival(),  # add_request stamps arrivals with time.monotonic()
             free_blocks=bm.num_free_blocks,
             total_blocks=bm.num_blocks,
+            pages_per_block=bm.num_groups,
             prefill_tps=self.speed.prefill_tps,
             decode_step_ms=self.speed.decode_step_ms,
             preempted_swap=sched.stats["preempt_swap"],

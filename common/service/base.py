@@ -83,7 +83,6 @@ class Service:
         self.secret = InternalSecret.from_env() if secret is None else secret
         self.engine = engine
         self.aengine = AsyncEngine(engine)
-        self.pages_per_block = engine.block_manager.num_groups  # /health (layer groups: the model's)
         self.jobs: dict[str, Job] = {}
         self.incarnation = uuid.uuid4().hex[:12]  # this start of the process (registry, KV endpoint)
         # the name the router serves this model under (registered, and in /health)
@@ -122,7 +121,7 @@ class Service:
             "free_blocks": load.free_blocks,
             "total_blocks": load.total_blocks,
             # with layer groups the blocks above are pages, this many to a block of tokens (1: one table)
-            "pages_per_block": self.pages_per_block,
+            "pages_per_block": load.pages_per_block,
             # measured on recent steps (0 until measured): what SLO-aware admission predicts from
             "prefill_tps": round(load.prefill_tps, 1),
             "decode_step_ms": round(load.decode_step_ms, 2),
