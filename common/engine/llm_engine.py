@@ -444,7 +444,8 @@ class LLMEngine:
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         if self.kv_offload is not None and seq.prompt_logprobs is None:  # (prompt logprobs: no reuse)
-            # the tiers start reading its disk blocks into RAM now (with a window: its first chunk's)
+            # the tiers start reading its disk blocks into RAM now (a window's admission: its first chunk
+            # after the run the tiers hold, so the prefetch needs that chunk's size)
             self.block_manager.prefetch(seq, self.config.max_num_batched_tokens)
         return seq.seq_id
 

@@ -404,17 +404,8 @@ class GroupedBlockManager(BlockManager):
         group's pages are the tier's records under `group_key`."""
         assert self.tier is not None
         bs = self.block_size
-        parent = self.blocks[tables[0][m - 1]].hash if m else _root(seq)
-        assert parent is not None, "a prefix hit has a hash"
-        hashes: list[int] = []
-        tokens: list[tuple[int, ...]] = []
-        for i in range(m, end):
-            toks = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            parent = block_hash(parent, toks)
-            if parent in self.hash_to_block:
-                break  # the pool's copy of that block stays the one in the index
-            hashes.append(parent)
-            tokens.append(toks)
+        hashes = self._tier_hashes(seq, tables[0][:m], end)
+        tokens = [tuple(seq.token_ids[i * bs : (i + 1) * bs]) for i in range(m, m + len(hashes))]
         run = len(hashes)
         for g, w in enumerate(self.windows):  # the full groups: the longest run every one returns
             if w is None and run:
