@@ -110,6 +110,7 @@ class EngineLoad:
     whole; a reader never sees one half old and half new."""
 
     running: int = 0  # counted against max_num_seqs: running, and reservations waiting for their KV
+    parked: int = 0  # of `running`, the reservations still waiting for their KV (nothing generated yet)
     waiting: int = 0  # queued: waiting for KV blocks, or for a reservation
     queued_tokens: int = 0  # tokens of the queued requests: the prompt work ahead of a new one
     oldest_arrival: float | None = None  # time.monotonic() the longest-queued request arrived; None: empty

@@ -488,6 +488,7 @@ class LLMEngine:
         sched, bm = self.scheduler, self.block_manager
         return EngineLoad(
             running=sched.num_active,
+            parked=sched.num_parked,
             waiting=sched.num_waiting,
             queued_tokens=sched.queued_tokens(),
             oldest_arrival=sched.oldest_arrival(),  # add_request stamps arrivals with time.monotonic()

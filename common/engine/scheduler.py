@@ -106,7 +106,12 @@ class Scheduler:
     @property
     def num_active(self) -> int:
         """Sequences counted against max_num_seqs: running, and reservations waiting for their KV."""
-        return len(self.running) + sum(s.status is SequenceStatus.PARKED for s in self.parked.values())
+        return len(self.running) + self.num_parked
+
+    @property
+    def num_parked(self) -> int:
+        """Reservations waiting for their KV (in num_active, generating nothing yet)."""
+        return sum(s.status is SequenceStatus.PARKED for s in self.parked.values())
 
     @property
     def num_waiting(self) -> int:

@@ -115,6 +115,7 @@ class Service:
         load = self.aengine.load
         return {
             "running": load.running,
+            "parked": load.parked,  # of running: reservations waiting for their KV from a prefill
             "waiting": load.waiting,
             "queued_tokens": load.queued_tokens,  # prompt work ahead of a new request (routing, SLOs)
             "queue_wait_s": round(load.queue_wait_s(time.monotonic()), 3),

@@ -81,9 +81,13 @@ def run_load(c: Cluster, decode: Proc, prefill: Proc, handed_back: bool) -> None
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         done = [pool.submit(s.run) for s in streams]
 
-        # mid-stream: the decode service generates some of the streams, others still wait
+        # mid-stream: the decode service generates some of the streams, others still wait. A
+        # reservation waiting for its KV (parked) does not count: its prefill service is switched
+        # too, which hands the prefill back, and the reservation ends at once, before the drain
+        # timeout runs out (then nothing is left on the decode service to hand back)
         def generating() -> bool:
-            return any(s.chunks >= 2 for s in streams) and get_json(decode.url + "/health")["running"] > 0
+            h = get_json(decode.url + "/health")
+            return any(s.chunks >= 2 for s in streams) and h["running"] - h["parked"] > 0
 
         wait_until(generating, 60, "the decode service to generate")
         for t in switches:

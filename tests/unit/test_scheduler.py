@@ -229,9 +229,11 @@ def test_remote_receive_is_reserved_then_parked_until_its_kv_arrives() -> None:
     out = s.schedule()
     assert out.admitted == [a] and not out.scheduled, "a reservation computes nothing"
     assert a.status is SequenceStatus.PARKED and len(a.block_table) == 2 and s.num_active == 1
+    assert s.num_parked == 1, "/health tells a reservation (parked) from a running sequence"
     assert not s.has_work(), "a parked reservation waits for its KV, not for a step"
     assert s.kv_arrived(a, first_token=99) is None
     assert a.status is SequenceStatus.RUNNING and a.output_token_ids == [99] and a.num_computed_tokens == 6
+    assert s.num_active == 1 and s.num_parked == 0
     outs = drain(s)
     assert a.finish_reason == "length" and a.num_output_tokens == 3 and len(outs) == 2
     assert s.bm.num_free_blocks == 8
