@@ -21,7 +21,7 @@ SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
     "sessions": {"tiers": 6},  # prefix: 4
     "system_notes": {"tiers": 6},  # prefix: 10
     "kv_cache_mb": {"tiers": 32},
-    "prompt_tokens": {"overlap": 2048, "window": 4096},
+    "prompt_tokens": {"overlap": 2048, "window": 4096, "tier-load": 2048},
     "slo_ttft_ms": {"goodput": None},  # goodput: derived from its profile and workload (bench/goodput.py)
     "slo_tpot_ms": {"goodput": None},
 }
@@ -45,6 +45,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "tp": "tp",
     "matmul": "matmul",
     "tiers": "tiers",
+    "tier-load": "tier_load",
     "fleet": "fleet",
     "chaos-fleet": "chaos_fleet",
     "window": "window",
@@ -96,8 +97,8 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | kv-dtype | tp | matmul | tiers | fleet | chaos-fleet | window | planner | "
-        "goodput | all",
+        "prefix | fairness | kv-dtype | tp | matmul | tiers | tier-load | fleet | chaos-fleet | window | "
+        "planner | goodput | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(
@@ -310,6 +311,9 @@ def add_bench_parser(sub: Any) -> None:
     )
     k.add_argument("--backend", default="nixl", help="overlap: KV transfer backend")
     k.add_argument(
-        "--prompt-tokens", type=int, default=None, help="overlap: prompt length (2048); window: (4096)"
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="overlap, tier-load: prompt length (2048); window: (4096)",
     )
     b.set_defaults(func=_run)

@@ -86,6 +86,13 @@ class EngineConfig(BaseSettings):
     kv_offload_disk_gb: float = Field(
         16.0, gt=0, allow_inf_nan=False, description="the disk tier's size limit, per service"
     )
+    kv_offload_load: Literal["auto", "layerwise", "inline", "whole"] = Field(
+        "auto",
+        description="how a tier hit's blocks go into the KV cache: layerwise (each layer copied while the "
+        "layers before it compute: a copy stream on a GPU, a copy thread on a CPU), inline (each layer just "
+        "before it is read, no overlap), whole (all of it before the step); auto: layerwise on a GPU, whole "
+        "on a CPU, where the copies compete with the step for the same cores (bench tier-load)",
+    )
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default all cores")
     engine: Literal["torch", "sim"] = Field(
         "torch",

@@ -46,6 +46,7 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field (SPLITSERVE_<FIELD>)
     "--kv-offload-ram-gb": "kv_offload_ram_gb",
     "--kv-offload-disk-dir": "kv_offload_disk_dir",
     "--kv-offload-disk-gb": "kv_offload_disk_gb",
+    "--kv-offload-load": "kv_offload_load",
     "--max-num-seqs": "max_num_seqs",
     "--max-num-batched-tokens": "max_num_batched_tokens",
     "--max-model-len": "max_model_len",

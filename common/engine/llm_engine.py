@@ -316,7 +316,7 @@ class LLMEngine:
         if self.tp_workers is None:
             return KVOffload.create(
                 self.kv_cache, repr(self.kv_compat()), cfg.kv_offload_ram_gb, cfg.kv_offload_disk_dir,
-                cfg.kv_offload_disk_gb,
+                cfg.kv_offload_disk_gb, load_mode=cfg.kv_offload_load,
             )  # fmt: skip
         # Tensor parallelism: rank 0's store holds every KV head of a block (the workers' fetched and
         # handed back over the step pipes: common/kv/offload.py), so its records name the whole model's
@@ -549,7 +549,12 @@ class LLMEngine:
         try:
             sampled = self.runner.run(out, meta)
         except Exception as e:
+            self.kv_cache.settle_loads()  # the copies a failed forward did not wait for
             out, sampled = self._isolate_fault(e, out, meta, result)
+        finally:
+            # tier reads put in layer by layer: done before anything else reads the pool (a prefill's
+            # KV sender, the next schedule's swaps and evictions; common/kv/layer_loads.py)
+            self.kv_cache.settle_loads()
         decodes = sum(
             1 for seq, n in out.scheduled if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         )

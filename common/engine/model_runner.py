@@ -192,6 +192,9 @@ class ModelRunner:
                 connector.save_layer(layer, transfer)
 
         if self.graphs is not None and transfer is None and self._decode_only(step):
+            # a tier hit of all but its last token is a one-token step, too: a replayed graph does not
+            # call the layers' waits, so its loads are settled first
+            self.kv_cache.settle_loads()
             # the graph's static buffers take the host tensors directly: no per-step metadata to build
             return self.graphs.run(ids, positions, slots, step.context_lens, step.block_tables)
         meta = self.attention_metadata(step.query_start_loc, step.context_lens, step.block_tables, slots)

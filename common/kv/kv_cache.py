@@ -54,10 +54,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.kv.layer_groups import LayerGroups, one_group, plan_layer_groups
+
+if TYPE_CHECKING:
+    from common.kv.layer_loads import LayerLoads
 
 
 @dataclass(frozen=True)
@@ -259,6 +263,10 @@ class PagedKVCache:
         self.rotation = kv_rotation(spec.head_dim).to(self.k.device) if self.quantized else None
         # values written past the fp8 range (saturated), summed on the device: read by `clamped`
         self._clamped = torch.zeros((), dtype=torch.int64, device=self.k.device)
+        # tier reads in flight, layer by layer (common/kv/layer_loads.py; set by KVOffload): layer l
+        # waits for every slot a layer up to l lives in, so the last layer's callback sees every slot
+        self.loads: LayerLoads | None = None
+        self._wait_slot = [max(self.slot_of[: i + 1]) for i in range(len(self.slot_of))]
 
     @property
     def clamped(self) -> int:
@@ -293,6 +301,17 @@ class PagedKVCache:
         assert self.scales is not None and self.rotation is not None
         y = x.float() * getattr(self.scales, which)[layer] + getattr(self.scales, which + "_off")[layer]
         return (y if rotated else y @ self.rotation).to(self.compute_dtype)
+
+    def before_layer(self, layer: int) -> None:
+        """Layer `layer` is about to be read or written (the model's forward, before its attention):
+        the tier reads in flight have put in every slot a layer up to it lives in."""
+        if self.loads is not None:
+            self.loads.wait(self._wait_slot[layer])
+
+    def settle_loads(self) -> None:
+        """Every tier read in flight is in the pool (a reader or writer outside the forward's layers)."""
+        if self.loads is not None:
+            self.loads.settle()
 
     def layer_k(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s K blocks: (num_blocks, block_size, n_kv, hd), contiguous, indexed by the block
@@ -334,11 +353,13 @@ class PagedKVCache:
     def copy_out(self, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy blocks (all layers; with layer groups, pages: all their layers) to host memory; returns
         (k, v) each (L, n, bs, n_kv, hd)."""
+        self.settle_loads()
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
         return self.k[:, idx].to("cpu", copy=True), self.v[:, idx].to("cpu", copy=True)
 
     def copy_in(self, block_ids: list[int], saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Restore blocks saved by copy_out into (possibly different) block ids."""
+        self.settle_loads()
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
         k, v = saved
         self.k[:, idx] = k.to(self.k.device)

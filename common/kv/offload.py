@@ -9,13 +9,19 @@ A write into the pool never comes between an eviction and its copy: `load` copie
 too, and leaves their offer to the next `flush`, after every read of the schedule.
 
 In: at admission the block manager asks `load` for the blocks that continue a prompt's pool prefix;
-what the store returns (verified) is copied into the freshly allocated blocks before the block manager
-hashes them, so a block is in the prefix cache only once its KV is there (`put_blocks`, then
-`scatter_blocks`: into a GPU pool one copy, one `index_copy_` each for K and V). Both copies are done
-when they return, on a GPU too: a block evicted now may go to a KV receiver at once, which writes into
-it outside the compute stream's order, and a loaded block may be pushed by a prefill's KV sender, which
-reads outside it; an asynchronous copy would need a fence at each of those hand-overs (not built: no
-GPU here to test one). Earlier, when the request arrived, `prefetch` handed the store the same hashes:
+what the store returns has been read and verified in host memory, so putting it into the freshly
+allocated blocks cannot fail: `load` hands the bytes to the pool's `LayerLoads` (the engine's
+kv_offload_load "layerwise", what "auto" means for a GPU pool), which copies them in slot by slot
+(layer by layer) while the step computes, each layer's attention waiting for its own slot; every
+other reader or writer of the pool (the engine after the step, swaps, the evicted blocks' copy-out,
+a replayed CUDA graph) settles the copies first (common/kv/layer_loads.py). "whole" ("auto" for a
+CPU pool, where a copy thread only competes with the step for the cores: `bench tier-load`; and
+tensor parallelism, whose ranks each write their heads) copies them in before `load` returns
+(`put_blocks`, then `scatter_blocks`: into a GPU pool one copy, one `index_copy_` each for K and
+V, waited for: a loaded block may be pushed by a prefill's KV sender, which reads outside the
+compute stream's order). Either way the
+block manager hashes the blocks at once: no reader outside a step's layers sees them before the
+copies are done. Earlier, when the request arrived, `prefetch` handed the store the same hashes:
 its prefetch worker brings the disk-only ones into RAM meanwhile (common/kv/tiers.py, "Prefetch on
 arrival"), so `load` reads them from RAM when the prefetch finished first, and from the disk as before
 when not.
@@ -56,6 +62,7 @@ from typing import Protocol
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
+from common.kv.layer_loads import LayerLoads
 from common.kv.tiers import StoreStats, TierEvent, TierStore
 
 log = logging.getLogger("splitserve.kv_tiers")
@@ -186,7 +193,9 @@ class KVOffload:
         store: TierStore,
         peers: ShardPeers | None = None,
         head_ranges: Sequence[range] | None = None,
+        load_mode: str = "whole",
     ) -> None:
+        """`load_mode`: the engine's kv_offload_load (auto, layerwise, inline, whole)."""
         self.cache, self.store, self.peers = cache, store, peers
         s = cache.spec
         self.head_ranges = list(head_ranges) if head_ranges is not None else [range(s.num_kv_heads)]
@@ -218,6 +227,14 @@ class KVOffload:
         # parallelism: the scatter to every rank and their acknowledgements), over the blocks loaded
         self.copy_in_s = 0.0
         self.copy_in_blocks = 0
+        # layer by layer while the step computes (common/kv/layer_loads.py), or None: each load whole
+        # before the step (`load_mode` "whole", "auto" on a CPU pool; with tensor parallelism always)
+        if load_mode == "auto":
+            load_mode = "layerwise" if cache.k.is_cuda else "whole"
+        self.loads: LayerLoads | None = None
+        if load_mode != "whole" and peers is None:
+            self.loads = LayerLoads(cache, "inline" if load_mode == "inline" else "auto")
+            cache.loads = self.loads
 
     @classmethod
     def create(
@@ -229,6 +246,7 @@ class KVOffload:
         disk_gb: float,
         peers: ShardPeers | None = None,
         head_ranges: Sequence[range] | None = None,
+        load_mode: str = "whole",
     ) -> KVOffload:
         """The tiers of `cache`. With tensor parallelism (`peers`, `head_ranges`: see the class doc)
         `compat` must be the whole model's record (tp_size 1), as the store's blocks are."""
@@ -249,7 +267,7 @@ class KVOffload:
         ranks = f", every KV head of the {len(head_ranges)} ranks" if head_ranges is not None else ""
         log.info("KV offload tiers: %s (%d KiB a block%s)", ", ".join(tiers), block_bytes // 1024, ranks)
         try:
-            return cls(cache, store, peers, head_ranges)
+            return cls(cache, store, peers, head_ranges, load_mode)
         except BaseException:
             store.close()
             raise
@@ -280,6 +298,9 @@ class KVOffload:
 
     def _copy_in(self, got: list[memoryview], ids: list[int]) -> int:
         """The read blocks into the pool's blocks `ids`; how many count as loaded (all, or 0)."""
+        if self.loads is not None:  # verified host bytes: copies that cannot fail, layer by layer
+            self.loads.add(ids, got)
+            return len(got)
         if self.peers is None:
             put_blocks(self.cache, ids, got)
             return len(got)
@@ -322,7 +343,8 @@ class KVOffload:
         block into the pool, the same for every tier (with tensor parallelism the round trip to every
         rank: ~0.5 ms a block at TP 2 here, as much as a RAM read); a tier that returned nothing yet
         is left out."""
-        copy_in = self.copy_in_s / self.copy_in_blocks if self.copy_in_blocks else 0.0
+        spent = self.copy_in_s + (self.loads.wait_s if self.loads is not None else 0.0)  # what was waited
+        copy_in = spent / self.copy_in_blocks if self.copy_in_blocks else 0.0
         return {t: round((s + copy_in) * 1000, 4) for t, s in self.store.read_s_per_block().items()}
 
     # --- the engine's -------------------------------------------------------------------------------
@@ -336,6 +358,7 @@ class KVOffload:
         """Copy the pending evicted blocks out of the pool (one gather on every rank), to offer later."""
         if not self._pending:
             return
+        self.cache.settle_loads()  # an evicted block loaded in this schedule: its copies done first
         pending, self._pending = self._pending, []
         ids = [b for b, _, _ in pending]
         if self.peers is None:
@@ -375,5 +398,10 @@ class KVOffload:
         return dataclasses.replace(self.store.stats(), unoffered_blocks=self.dropped_blocks)
 
     def close(self) -> None:
-        self.flush()
-        self.store.close()
+        try:
+            self.flush()
+        finally:
+            if self.loads is not None:
+                self.loads.close()
+                self.cache.loads = None
+            self.store.close()

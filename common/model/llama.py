@@ -433,6 +433,7 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.attn_logit_softcapping
 
         def attn_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            kv_cache.before_layer(layer)  # a tier hit's blocks of this layer in (common/kv/layer_loads.py)
             if self.config.is_mla:  # k: the latents (T, 1, rank + rope), v: a view of their first `rank`
                 out = mla_paged_attention(q, k[:, 0], v.shape[-1], layer, kv_cache, meta, self.scale)
             else:

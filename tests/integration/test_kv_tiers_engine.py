@@ -25,7 +25,7 @@ from common.sampling_params import SamplingParams
 from common.security.secret import InternalSecret
 from common.service.base import Service
 from common.service.metrics import EngineCollector
-from tests.support.tiers import LONG, ORDER, QUESTIONS, WAIT_S, damage, run_in_turn, tier
+from tests.support.tiers import LONG, ORDER, QUESTIONS, WAIT_S, damage, run_in_turn, slow_copier, tier
 
 MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -69,6 +69,31 @@ def test_ram_tier_hits_give_the_same_tokens(smollm, prompts, reference) -> None:
         assert f'splitserve_kv_tier_hits_total{{tier="ram"}} {float(ram.hits)}' in text
         assert 'splitserve_kv_tier_verify_failures_total{cause="checksum",tier="ram"} 0.0' in text
         assert 'splitserve_kv_tier_read_seconds_count{tier="ram"}' in text
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("load", ["layerwise", "inline", "whole", "auto"])
+def test_tier_hits_put_in_layer_by_layer_give_the_same_tokens(
+    smollm, prompts, reference, monkeypatch, load
+) -> None:  # type: ignore[no-untyped-def]
+    """The read blocks go into the pool while the step computes, each layer's copy started late (a slowed
+    copier): every layer's attention waits for its own, and the tokens equal the tiers-off run's. The
+    same with the copies made just before each layer (inline), all before the step (whole), and what
+    auto means on this device."""
+    slow_copier(monkeypatch)
+    model, tok = smollm
+    engine = LLMEngine(model, tok, _config(prompts, kv_offload_ram_gb=0.25, kv_offload_load=load))
+    try:
+        assert engine.kv_offload is not None
+        loads = engine.kv_offload.loads
+        # auto: whole on a CPU pool (its copies compete with the step for the cores: bench tier-load)
+        want = {"layerwise": "thread", "auto": "whole"}.get(load, load)
+        assert (loads.mode if loads is not None else "whole") == want
+        assert run_in_turn(engine, prompts, ORDER, PARAMS) == reference[: len(ORDER)]
+        assert engine.block_manager.tier_hits > 0
+        if loads is not None:
+            assert loads.loaded_blocks == engine.block_manager.tier_hits and not loads.pending
     finally:
         engine.close()
 

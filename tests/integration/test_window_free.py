@@ -38,7 +38,7 @@ from common.model.loader import load_model
 from common.sampling_params import SamplingParams
 from common.text.tokenizer import Tokenizer
 from tests.integration.test_model_archs import BLOCK, VOCAB, Arch, build
-from tests.support.tiers import WAIT_S, tier
+from tests.support.tiers import WAIT_S, slow_copier, tier
 
 WINDOW = 16
 NEW = 48  # 40 + 48 tokens: five and a half windows
@@ -228,13 +228,16 @@ def test_a_sequence_longer_than_the_pool_runs(mistral: Model) -> None:
 
 
 @torch.inference_mode()
-def test_offload_tier_hits_give_the_same_tokens(mistral: Model) -> None:
+def test_offload_tier_hits_give_the_same_tokens(mistral: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """A RAM offload tier behind a pool that holds about one sequence: the three prompts run twice, one
     at a time, so each repeat finds its prefix evicted and reads it back, past its first chunk (with
     layer groups, each group's pages under its own key: every full group's for the blocks, each sliding
-    group's for the window the hit reads). The tokens equal transformers' both times; nothing leaks."""
-    e = engine(mistral, num_kv_blocks=mistral.pool + 2, kv_offload_ram_gb=0.05)
-    assert e.kv_offload is not None
+    group's for the window the hit reads). The read pages go into the pool layer by layer while the
+    step computes, each layer's copy started late (with layer groups a page's slot is a layer of each
+    group: common/kv/layer_loads.py). The tokens equal transformers' both times; nothing leaks."""
+    slow_copier(monkeypatch)
+    e = engine(mistral, num_kv_blocks=mistral.pool + 2, kv_offload_ram_gb=0.05, kv_offload_load="layerwise")
+    assert e.kv_offload is not None and e.kv_offload.loads is not None
     for _ in range(2):
         for prompt, want in zip(PROMPTS, mistral.expected, strict=True):
             assert run(e, [prompt]) == [want]

@@ -3,9 +3,13 @@ engine with tiers, and a tier's figures."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+import pytest
+
 from common.engine.llm_engine import LLMEngine
+from common.kv.layer_loads import LayerLoads
 from common.kv.tiers import TierStats, TierStore
 from common.prefix_hash import prefix_chain
 from common.sampling_params import SamplingParams
@@ -70,3 +74,15 @@ def damage(store: TierStore, prompt: list[int], fault: str) -> None:
             f.write_bytes(data)
         elif fault == "missing":
             f.unlink()
+
+
+def slow_copier(monkeypatch: pytest.MonkeyPatch, s: float = 0.01) -> None:
+    """Tier reads put in layer by layer (common/kv/layer_loads.py) start each layer's copy `s` late: a
+    layer whose attention did not wait for its copy would read what its pages held before."""
+    copy = LayerLoads._copy_slot
+
+    def slowed(self: LayerLoads, load: object, slot: int) -> None:
+        time.sleep(s)
+        copy(self, load, slot)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LayerLoads, "_copy_slot", slowed)
