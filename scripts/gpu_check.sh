@@ -57,7 +57,8 @@ if [ "$HAVE_MODEL" = 1 ]; then
   TESTS+=(tests/gpu tests/integration/test_engine_triton.py)
 else
   TESTS+=("tests/gpu/test_cuda.py::test_transports_move_vram_blocks_byte_exact"
-          "tests/gpu/test_cuda.py::test_tier_copies_out_of_and_into_vram_are_pinned_batched_and_byte_exact")
+          "tests/gpu/test_cuda.py::test_tier_copies_out_of_and_into_vram_are_pinned_batched_and_byte_exact"
+          "tests/gpu/test_cuda.py::test_layer_by_layer_tier_loads_into_vram_are_byte_exact")
 fi
 say "tests: ${TESTS[*]}"
 timeout 270 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" --junitxml="$OUT_DIR/gpu_tests.xml" \

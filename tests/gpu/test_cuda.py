@@ -130,3 +130,62 @@ def test_tier_copies_out_of_and_into_vram_are_pinned_batched_and_byte_exact() ->
     assert torch.equal(dst.k[:, DST], src.k[:, SRC]) and torch.equal(dst.v[:, DST], src.v[:, SRC])
     untouched = [b for b in range(SPEC.num_blocks) if b not in DST]
     assert not dst.k[:, untouched].any() and not dst.v[:, untouched].any()
+
+
+def test_layer_by_layer_tier_loads_into_vram_are_byte_exact() -> None:
+    """Tier hits put in layer by layer on a copy stream (common/kv/layer_loads.py): the compute stream
+    waits for each slot's event (`before_layer`), `settle` for all; the blocks equal the source's and
+    no other block is touched. A kernel queued on the compute stream after the wait reads the copy."""
+    from common.kv.layer_loads import LayerLoads
+    from common.kv.offload import gather_blocks
+    from tests.support.kv_helpers import DST, SPEC, SRC
+
+    src = _filled_cuda(SPEC, 3)
+    data = gather_blocks(src, SRC).reshape(-1)
+    per = data.numel() // len(SRC)
+    bufs = [memoryview(data[i * per : (i + 1) * per].numpy().data) for i in range(len(SRC))]
+    dst = PagedKVCache(SPEC, device="cuda")
+    loads = LayerLoads(dst)
+    assert loads.mode == "cuda"
+    dst.loads = loads
+    try:
+        loads.add(DST, bufs)
+        for layer in range(SPEC.num_layers):
+            dst.before_layer(layer)
+            got = dst.k[layer, DST].clone()  # on the compute stream, after its wait
+            assert torch.equal(got, src.k[layer, SRC])
+        dst.settle_loads()
+        assert not loads.pending
+        assert torch.equal(dst.k[:, DST], src.k[:, SRC]) and torch.equal(dst.v[:, DST], src.v[:, SRC])
+        untouched = [b for b in range(SPEC.num_blocks) if b not in DST]
+        assert not dst.k[:, untouched].any() and not dst.v[:, untouched].any()
+    finally:
+        loads.close()
+
+
+def test_tier_hits_into_vram_layer_by_layer_give_the_tokens_of_whole_copies(smollm) -> None:  # type: ignore[no-untyped-def]
+    """A RAM tier behind a VRAM pool too small to keep three prompts: every repeat reads its prefix back,
+    put in layer by layer on the copy stream while the step computes (auto on a GPU) or all before the
+    step (whole); CUDA graphs on. The greedy tokens are equal, request by request."""
+    from tests.support.tiers import ORDER, QUESTIONS, run_in_turn
+
+    model, tok = smollm
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    blocks = max(-(-(len(p) + 4) // 16) for p in prompts) + 2
+    outs, hits = {}, {}
+    for load in ("whole", "auto"):
+        cfg = EngineConfig(
+            dtype="float32",
+            num_kv_blocks=blocks,
+            max_num_seqs=1,
+            kv_offload_ram_gb=0.25,
+            kv_offload_load=load,
+        )
+        engine = LLMEngine(model, tok, cfg)
+        assert engine.kv_offload is not None
+        assert (engine.kv_offload.loads is not None) == (load == "auto")
+        outs[load] = run_in_turn(engine, prompts, ORDER, params)
+        hits[load] = engine.block_manager.tier_hits
+        engine.close()
+    assert outs["auto"] == outs["whole"] and hits["auto"] == hits["whole"] > 0
