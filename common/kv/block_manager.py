@@ -69,8 +69,9 @@ def live_blocks(block_table: Seq[int]) -> list[int]:
 class OffloadTier(Protocol):
     """Where evicted prefix-cache blocks go, and come back from (common/kv/offload.py)."""
 
-    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
-        """A hashed block leaves the pool: its KV is still in the block (copy it before the next write)."""
+    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...], publish: bool = True) -> None:
+        """A hashed block leaves the pool: its KV is still in the block (copy it before the next write).
+        publish=False: the tiers hold it without KV events (a key no router matches)."""
 
     def load(self, hashes: Seq[int], tokens: Seq[tuple[int, ...]], block_ids: Seq[int]) -> int:
         """Write the KV of the longest run of leading `hashes` the tier returns (verified) into

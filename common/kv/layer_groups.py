@@ -259,7 +259,8 @@ class GroupedBlockManager(BlockManager):
             blk, group = self.blocks[bid], self.group_of_page[bid]
             assert blk.hash is not None, f"cached page {bid} has no hash"
             if self.tier is not None:  # its KV is still in the page: the tier copies it before a write
-                self.tier.evicted(bid, group_key(blk.hash, group), blk.tokens)
+                # only group 0's key is a block hash a router matches: the others' pages go unannounced
+                self.tier.evicted(bid, group_key(blk.hash, group), blk.tokens, publish=group == 0)
             del self.index[group][blk.hash]
             self._unpublish(blk.hash)
             blk.hash, blk.tokens = None, ()
@@ -283,9 +284,9 @@ class GroupedBlockManager(BlockManager):
                 self.kv_events.append((False, h, DEVICE))
 
     def cached_hashes(self) -> list[KVHeld]:
-        """The published hashes (every group holds their block), then the offload tiers' (their keys of
-        groups 1.. among them: `group_key`, matching no prompt), for a snapshot; safe from another
-        thread as the block manager's is."""
+        """The published hashes (every group holds their block), then the offload tiers' (group 0's
+        keys: the block hashes; the later groups' pages are held quiet), for a snapshot; safe from
+        another thread as the block manager's is."""
         held = self.tier.held_hashes() if self.tier is not None else []
         for _ in range(SNAPSHOT_TRIES - 1):
             try:

@@ -218,9 +218,10 @@ class KVOffload:
             raise ValueError(f"KV offload: head ranges {self.head_ranges} leave heads out")
         self._block_bytes = s.bytes_per_block * self.num_kv_heads // s.num_kv_heads
         assert store.block_bytes == self._block_bytes, "the store's blocks hold every KV head"
-        self._pending: list[tuple[int, int, tuple[int, ...]]] = []  # (block id, hash, tokens), evicted
-        # copied out of the pool, not offered yet: (hashes, tokens, block-major bytes)
-        self._copied: list[tuple[list[int], list[tuple[int, ...]], torch.Tensor]] = []
+        # evicted: (block id, hash, tokens, publish: whether its tier events are published)
+        self._pending: list[tuple[int, int, tuple[int, ...], bool]] = []
+        # copied out of the pool, not offered yet: (hashes, tokens, block-major bytes, the quiet hashes)
+        self._copied: list[tuple[list[int], list[tuple[int, ...]], torch.Tensor, set[int]]] = []
         self.offered_blocks = 0
         self.dropped_blocks = 0  # evicted blocks a worker rank did not hand over: never offered
         # the pool's side of the loads: seconds putting read blocks into the pool (with tensor
@@ -273,9 +274,9 @@ class KVOffload:
             raise
 
     # --- the block manager's OffloadTier ----------------------------------------------------------
-    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...], publish: bool = True) -> None:
         if self.store.wants(block_hash):
-            self._pending.append((block_id, block_hash, tokens))
+            self._pending.append((block_id, block_hash, tokens, publish))
             if len(self._pending) >= CHUNK_BLOCKS:
                 self._copy_out()
 
@@ -360,7 +361,7 @@ class KVOffload:
             return
         self.cache.settle_loads()  # an evicted block loaded in this schedule: its copies done first
         pending, self._pending = self._pending, []
-        ids = [b for b, _, _ in pending]
+        ids = [b for b, _, _, _ in pending]
         if self.peers is None:
             data = gather_blocks(self.cache, ids)
         else:
@@ -370,7 +371,10 @@ class KVOffload:
                 self.dropped_blocks += len(pending)
                 log.warning("KV offload: %d evicted blocks not offered: %s", len(pending), e)
                 return
-        self._copied.append(([h for _, h, _ in pending], [t for _, _, t in pending], data.reshape(-1)))
+        quiet = {h for _, h, _, publish in pending if not publish}
+        self._copied.append(
+            ([h for _, h, _, _ in pending], [t for _, _, t, _ in pending], data.reshape(-1), quiet)
+        )
 
     def _gather_shards(self, block_ids: list[int]) -> torch.Tensor:
         """Every head of the blocks, block-major (module doc): the workers copy theirs while rank 0
@@ -390,8 +394,8 @@ class KVOffload:
 
     def _offer(self) -> None:
         copied, self._copied = self._copied, []
-        for hashes, tokens, data in copied:
-            self.store.offer(hashes, tokens, memoryview(data.numpy().data))
+        for hashes, tokens, data, quiet in copied:
+            self.store.offer(hashes, tokens, memoryview(data.numpy().data), quiet)
             self.offered_blocks += len(hashes)
 
     def stats(self) -> StoreStats:

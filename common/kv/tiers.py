@@ -39,11 +39,15 @@ KV events. Once `enable_events` is called, every block hash a tier comes to hold
 a read can return it) or lets go of (the LRU, a record that did not verify) is recorded as
 (held, hash, tier name), under the store's lock; `drain_events` hands them to the service's KV event
 publisher (common/cluster/kv_events.py), `held` lists every (hash, tier) for a snapshot. A write that
-was dropped (queue full), filtered or failed stores nothing, so it is never published.
+was dropped (queue full), filtered or failed stores nothing, so it is never published. Keys offered
+`quiet` (a layer group's pages after the first: keys no prompt's hash is, so no router could match
+them) are held and read like any, with no event and out of `held`; a chunk promoted from the disk
+keeps them quiet.
 
-Reads run on the caller's thread (the engine's, at admission; TODO(issue 32): reads overlapped with
-compute, layer by layer). The index is guarded by one lock, held for index changes only, never across
-I/O.
+Reads run on the caller's thread (the engine's, at admission): the record read and verified in host
+memory; putting the verified bytes into the pool is the pool's side (common/kv/offload.py: on a GPU
+layer by layer while the step computes, common/kv/layer_loads.py). The index is guarded by one
+lock, held for index changes only, never across I/O.
 
 Prefetch on arrival. When a request reaches the engine (`add_request`), `prefetch(*runs)` is handed the
 keys its admission's reads will ask for: the prompt's leading block hashes past the pool's prefix (with
@@ -80,7 +84,7 @@ import time
 import zlib
 from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Container, Sequence
+from collections.abc import Collection, Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,6 +254,7 @@ class _Chunk:
     nbytes: int
     record: bytearray | None = None  # RAM: the record itself; disk: in the chunk's file
     prefetch: _Prefetch | None = None  # RAM: the prefetch that promoted it from the disk
+    quiet: frozenset[int] = frozenset()  # keys held without KV events (offer's `quiet`)
 
 
 TierEvent = KVEvent  # (held, block hash, tier name): a tier's KV events are the block manager's kind
@@ -300,7 +305,7 @@ class _Tier:
             if h in self.where:
                 continue
             self.where[h] = (c.key, i)
-            if self.events is not None:
+            if self.events is not None and h not in c.quiet:
                 self.events.append((True, h, self.name))
         self.stats.bytes += c.nbytes
         self.stats.blocks += len(c.hashes)
@@ -316,7 +321,7 @@ class _Tier:
         for i, h in enumerate(c.hashes):
             if self.where.get(h) == (c.key, i):
                 del self.where[h]
-                if self.events is not None:
+                if self.events is not None and h not in c.quiet:
                     self.events.append((False, h, self.name))
         self.stats.bytes -= c.nbytes
         self.stats.blocks -= len(c.hashes)
@@ -327,6 +332,7 @@ class _Offer:
     hashes: list[int]
     tokens: list[tuple[int, ...]]
     payload: memoryview
+    quiet: frozenset[int] = frozenset()
 
 
 class TierStore:
@@ -397,14 +403,21 @@ class TierStore:
                 disk = False
             return ram or disk
 
-    def offer(self, hashes: list[int], tokens: list[tuple[int, ...]], payload: memoryview) -> bool:
+    def offer(
+        self,
+        hashes: list[int],
+        tokens: list[tuple[int, ...]],
+        payload: memoryview,
+        quiet: Collection[int] = (),
+    ) -> bool:
         """Queue whole blocks for the tiers (never waits). False, and counted, when the queue is full.
-        The payload must not change afterwards."""
+        The payload must not change afterwards. `quiet`: keys among `hashes` to hold without KV events
+        (no router matches them: a layer group's pages after the first, common/kv/layer_groups.py)."""
         assert payload.nbytes == len(hashes) * self.block_bytes, "whole blocks only"
         if self._closed or not hashes:
             return False
         try:
-            self._queue.put_nowait(_Offer(hashes, tokens, payload))
+            self._queue.put_nowait(_Offer(hashes, tokens, payload, frozenset(quiet)))
             return True
         except queue.Full:
             self.dropped_blocks += len(hashes)
@@ -601,11 +614,11 @@ class TierStore:
                 return
             dec = self._read_chunk(disk, chunk, observe=False)  # a failure: counted, forgotten, a miss
             if dec is not None:
-                self._promote(dec, job)
+                self._promote(dec, job, chunk.quiet)
         with self._lock:
             self._pf.completed += 1
 
-    def _promote(self, dec: Decoded, job: _Prefetch) -> None:
+    def _promote(self, dec: Decoded, job: _Prefetch, quiet: frozenset[int] = frozenset()) -> None:
         """Insert a verified disk record into RAM: the blocks the job asked for that RAM does not hold
         yet (re-encoded when that is not all of them: a chunk's other blocks, another prompt's or a
         later part of this one, would take RAM from what admissions read), in one index change (module
@@ -635,7 +648,7 @@ class TierStore:
                 return
             ram.room_for(len(rec), self._pinned)
             self._keys += 1
-            ram.add(_Chunk(self._keys, hashes, len(rec), rec, prefetch=job))
+            ram.add(_Chunk(self._keys, hashes, len(rec), rec, prefetch=job, quiet=quiet))
             self._pf.blocks += len(hashes)
             for h in hashes:  # promoted: an admission from now on finds it in RAM, in time
                 if self._pf_pending.get(h) is job:
@@ -657,9 +670,16 @@ class TierStore:
         return out
 
     def held(self) -> list[tuple[int, str]]:
-        """Every (block hash, tier name) the tiers hold now, RAM's first: what a read can return."""
+        """Every (block hash, tier name) the tiers hold now, RAM's first: what a read can return (quiet
+        keys left out, as from the events)."""
         with self._lock:
-            return [(h, t.name) for t in (self.ram, self.disk) if t is not None for h in t.where]
+            return [
+                (h, t.name)
+                for t in (self.ram, self.disk)
+                if t is not None
+                for h, (key, _) in t.where.items()
+                if h not in t.chunks[key].quiet
+            ]
 
     def read_s_per_block(self) -> dict[str, float]:
         """Each tier's measured read cost: seconds of chunk reads (and their verification) per block
@@ -717,7 +737,8 @@ class TierStore:
             else:
                 too_large = False
                 self._keys += 1
-                chunk = _Chunk(self._keys, tuple(hashes), len(rec), rec if tier is self.ram else None)
+                record = rec if tier is self.ram else None
+                chunk = _Chunk(self._keys, tuple(hashes), len(rec), record, quiet=offer.quiet)
                 evicted = tier.room_for(len(rec))
         if too_large:
             self._log_once(tier.name, "too_large", f"a KV chunk of {len(rec)} bytes is larger than the tier")

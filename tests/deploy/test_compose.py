@@ -230,9 +230,7 @@ def test_health_checks_gate_startup(gpu: dict[str, Any]) -> None:
     # PONG only with the password (REDISCLI_AUTH): NOAUTH fails the check
     assert s["redis"]["healthcheck"]["test"] == [
         "CMD-SHELL",
-        as_printed(
-            'REDISCLI_AUTH="$(cat /run/secrets/redis/password)" redis-cli ping | grep -q PONG'
-        ),
+        as_printed('REDISCLI_AUTH="$(cat /run/secrets/redis/password)" redis-cli ping | grep -q PONG'),
     ]
     deps = s["router"]["depends_on"]
     assert {name: d["condition"] for name, d in deps.items()} == {

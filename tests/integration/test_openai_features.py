@@ -208,9 +208,7 @@ def test_logit_bias_forces_and_forbids(client, tiny, prompt, route) -> None:  # 
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     assert r.choices[0].text == tiny[1].decode([forced] * 4)
-    ban_id = local_generate(tiny, tiny[1].encode(prompt), SamplingParams(max_tokens=1))[
-        0
-    ]  # greedy's pick
+    ban_id = local_generate(tiny, tiny[1].encode(prompt), SamplingParams(max_tokens=1))[0]  # greedy's pick
     r2 = client.completions.create(
         model="default",
         prompt=prompt,

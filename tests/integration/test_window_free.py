@@ -234,10 +234,12 @@ def test_offload_tier_hits_give_the_same_tokens(mistral: Model, monkeypatch: pyt
     layer groups, each group's pages under its own key: every full group's for the blocks, each sliding
     group's for the window the hit reads). The read pages go into the pool layer by layer while the
     step computes, each layer's copy started late (with layer groups a page's slot is a layer of each
-    group: common/kv/layer_loads.py). The tokens equal transformers' both times; nothing leaks."""
+    group: common/kv/layer_loads.py). The tokens equal transformers' both times; nothing leaks; the
+    tiers' KV events name block hashes only (a later group's page keys are held unannounced)."""
     slow_copier(monkeypatch)
     e = engine(mistral, num_kv_blocks=mistral.pool + 2, kv_offload_ram_gb=0.05, kv_offload_load="layerwise")
     assert e.kv_offload is not None and e.kv_offload.loads is not None
+    e.block_manager.enable_kv_events()
     for _ in range(2):
         for prompt, want in zip(PROMPTS, mistral.expected, strict=True):
             assert run(e, [prompt]) == [want]
@@ -245,6 +247,11 @@ def test_offload_tier_hits_give_the_same_tokens(mistral: Model, monkeypatch: pyt
     # its first chunk (16 tokens: the 3 blocks before its last, all it read before)
     assert e.block_manager.tier_hits > 3 * 3, e.block_manager.tier_hits
     e.kv_offload.flush()
+    assert e.kv_offload.store.wait_idle(WAIT_S)
+    events = e.block_manager.drain_kv_events()
+    device = {h for held, h, t in events if held and t == "device"}
+    tiered = {h for held, h, t in events if held and t == "ram"}
+    assert tiered and tiered <= device, "a tier announced a key that is no block hash"
     check_all_back(e)
 
 

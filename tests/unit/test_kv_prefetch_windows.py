@@ -37,7 +37,7 @@ class AskedTier:
         self.prefetched: list[list[int]] = []
         self.loaded: list[list[int]] = []
 
-    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...], publish: bool = True) -> None:
         pass
 
     def holds(self, keys: Sequence[int]) -> list[bool]:

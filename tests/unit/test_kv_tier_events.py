@@ -75,6 +75,32 @@ def test_disk_events_only_past_the_reuse_filter_and_removed_when_a_read_fails(tm
         s.close()
 
 
+def test_quiet_keys_are_held_and_read_but_never_announced(tmp_path: Path) -> None:
+    """A layer group's pages after the first are offered quiet (keys no prompt's hash is): RAM and disk
+    hold them and a read returns them, but no event and no snapshot names them, also once a prefetch
+    promotes them from the disk back into RAM."""
+    s = store(tmp_path, ram_blocks=2, disk_blocks=8)
+    s.enable_events()
+    try:
+        hashes, toks, payload = blocks(100, 2)
+        loud, quiet = hashes
+        for h in hashes + hashes:  # evicted twice: past the disk's reuse filter
+            s.wants(h)
+        assert s.offer(hashes, toks, payload, quiet=[quiet]) and s.wait_idle(10)
+        assert sorted(s.drain_events()) == sorted([(True, loud, "ram"), (True, loud, "disk")])
+        assert set(s.held()) == {(loud, "ram"), (loud, "disk")}
+        assert len(s.read(hashes, toks)) == 2, "a quiet key is read like any"
+        put(s, 500, n=2)  # pushes the chunk out of RAM
+        assert s.ram is not None and not s.ram.holds(quiet)
+        assert [e for e in s.drain_events() if e[1] in hashes] == [(False, loud, "ram")]
+        assert s.prefetch(hashes) and s.wait_prefetched(10)
+        assert s.ram.holds(quiet) and s.ram.holds(loud)
+        assert [e for e in s.drain_events() if e[1] in hashes] == [(True, loud, "ram")]
+        assert {h for h, _ in s.held()} & set(hashes) == {loud}
+    finally:
+        s.close()
+
+
 def test_a_dropped_offer_is_never_published(tmp_path: Path) -> None:
     rec = len(encode(DIGEST, BS, *blocks(0, 1)))
     s = StuckDisk(DIGEST, BS, BB, disk_dir=tmp_path, disk_bytes=64 * rec, queue_chunks=1)
@@ -106,9 +132,10 @@ class StoreTier:
     def __init__(self, s: TierStore) -> None:
         self.s = s
 
-    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...], publish: bool = True) -> None:
         if self.s.wants(block_hash):
-            self.s.offer([block_hash], [tokens], memoryview(bytes([block_id % 256]) * BB))
+            quiet = () if publish else [block_hash]
+            self.s.offer([block_hash], [tokens], memoryview(bytes([block_id % 256]) * BB), quiet)
             assert self.s.wait_idle(10)
 
     def load(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]], block_ids: Sequence[int]) -> int:

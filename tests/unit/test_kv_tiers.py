@@ -499,7 +499,7 @@ class RecordingTier:
     evictions: list[tuple[int, int]] = field(default_factory=list)  # (block id, hash)
     loads: list[list[int]] = field(default_factory=list)
 
-    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+    def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...], publish: bool = True) -> None:
         self.evictions.append((block_id, block_hash))
         self.held[block_hash] = tokens
 
