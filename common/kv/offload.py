@@ -266,12 +266,19 @@ class KVOffload:
         if store.slot is not None:
             tiers.append(f"disk {disk_gb:g} GiB in {store.slot}")
         ranks = f", every KV head of the {len(head_ranges)} ranks" if head_ranges is not None else ""
-        log.info("KV offload tiers: %s (%d KiB a block%s)", ", ".join(tiers), block_bytes // 1024, ranks)
         try:
-            return cls(cache, store, peers, head_ranges, load_mode)
+            off = cls(cache, store, peers, head_ranges, load_mode)
         except BaseException:
             store.close()
             raise
+        how = f"layer by layer ({off.loads.mode})" if off.loads is not None else "whole before the step"
+        if peers is not None and load_mode in ("layerwise", "inline"):
+            how += f" (tensor parallelism: not {load_mode})"
+        log.info(
+            "KV offload tiers: %s (%d KiB a block%s); hits go into the KV cache %s",
+            ", ".join(tiers), block_bytes // 1024, ranks, how,
+        )  # fmt: skip
+        return off
 
     # --- the block manager's OffloadTier ----------------------------------------------------------
     def evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...], publish: bool = True) -> None:
