@@ -8,7 +8,8 @@ tiers. The prefill service's tier holds every prompt; the decode service's only 
    suffix; the router predicted both hits (its KV index follows the tiers).
 2. C and D push A out of the decode service's small tier (not the prefill service's): A again is read
    back on the prefill side and pushed whole, as any prefill.
-Every answer equals the plain engine's (tiers off, no split), token for token.
+Every answer equals the plain engine's (tiers off, no split), token for token. The prefill service
+puts its hits into its pool layer by layer while the step computes, the decode service whole.
 """
 
 from __future__ import annotations
@@ -47,7 +48,12 @@ def stack(tmp_path_factory, redis_url):  # type: ignore[no-untyped-def]
     env = {"SPLITSERVE_NUM_KV_BLOCKS": str(POOL_BLOCKS)}
     decode_tier_gb = 18 * BLOCK_BYTES / 2**30  # one prompt's blocks, not two
     try:
-        prefill = cluster.start("prefill", *FLAGS, "--kv-offload-ram-gb", "0.25", env=env)
+        # the prefill service puts its tier hits in layer by layer while the step computes (a copy
+        # thread; its KV sender reads each layer after the layer's wait), the decode service whole
+        # (auto, on a CPU)
+        prefill = cluster.start(
+            "prefill", *FLAGS, "--kv-offload-ram-gb", "0.25", "--kv-offload-load", "layerwise", env=env
+        )
         decode = cluster.start("decode", *FLAGS, "--kv-offload-ram-gb", f"{decode_tier_gb:.9f}", env=env)
         router = cluster.start("router", "--local-prefill-threshold", "1")  # every prompt split
         yield prefill, decode, router
