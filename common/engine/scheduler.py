@@ -6,7 +6,9 @@ Every step re-decides the batch (Orca). Order of work within one step's token bu
      block and finds none preempts the running sequence the policy picks (`victim`)
   2. sequences swapped out to host memory come back before anything new is admitted
   3. waiting sequences are admitted, in the policy's order, while KV blocks, `max_num_seqs` and the
-     budget allow; with every batch slot taken, the policy may have one start in place of a running one
+     budget allow; with every batch slot taken, the policy may have one start in place of a running one.
+     One whose offload-tier prefetch still brings its blocks from the disk into RAM waits (head of
+     line) while others run, rather than read the disk on the engine's thread and stall them
 The queue policy (`fcfs`, `priority` with aging, tenant fair share `fair`) is an object chosen once from
 `SchedulerConfig.policy` and called at a few hooks: common/engine/policy/base.py says which and when.
 The static-batching baseline is its own scheduler (common/engine/static_batching.py). `tenant_served`
@@ -295,6 +297,12 @@ class Scheduler:
             seq = self.policy.claimant(self.waiting, taken, self) if full else next(order, None)
             if seq is None or (newcomers is not None and seq.tenant not in newcomers):
                 break
+            if self.running and self._prefetching(seq):
+                # its blocks are on their way from the disk into RAM (the tiers' prefetch thread): the
+                # running sequences step meanwhile, where its admission would read the disk on this thread
+                # and stall them; it is admitted, reading RAM, once the prefetch is done
+                self.stats["prefetch_deferred"] += 1
+                break
             chunk = min(seq.num_tokens, budget) if newcomers is not None else self._chunk(seq, budget)
             if chunk == 0:
                 break
@@ -325,6 +333,17 @@ class Scheduler:
             budget -= n
         self.waiting = _without(self.waiting, taken)
         return budget
+
+    def _prefetching(self, seq: Sequence) -> bool:
+        """Whether the prefetch started on seq's arrival still brings its blocks into RAM (and its wait
+        has not run out: PREFETCH_WAIT_S bounds it, a stuck disk must not hold it back for good)."""
+        keys, tier = seq.prefetch_keys, self.bm.tier
+        if keys is None:
+            return False
+        if tier is None or self.clock() > seq.prefetch_deadline or not tier.prefetching(keys):
+            seq.prefetch_keys = None  # done, or waited for long enough: the admission reads what it finds
+            return False
+        return True
 
     # --- billing and slots (what the policy is told and reads) --------------------------------------
     def _charge_admission(self, seq: Sequence) -> None:

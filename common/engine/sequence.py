@@ -65,6 +65,10 @@ class Sequence:
         self.grammar: GrammarMatcher | None = None  # structured output: advanced over every output token
         # params.prompt_logprobs: one entry per prompt token computed so far (None for the first)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        # the offload tiers' prefetch started on its arrival: the keys it brings from the disk into RAM,
+        # and until when (the scheduler's clock) its admission may wait for them while others run
+        self.prefetch_keys: list[int] | None = None
+        self.prefetch_deadline = 0.0
 
     def __repr__(self) -> str:
         return (

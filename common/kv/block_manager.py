@@ -87,6 +87,10 @@ class OffloadTier(Protocol):
         never waits). Whether a prefetch started."""
         ...
 
+    def prefetching(self, keys: Seq[int]) -> bool:
+        """Whether a prefetch started by `prefetch` still brings any of `keys` from the disk."""
+        ...
+
     def enable_events(self) -> None:
         """Record the tier's own KV events from now on."""
 
@@ -354,15 +358,15 @@ class BlockManager:
         self.tier_hits += loaded
         return loaded
 
-    def prefetch(self, seq: BlockOwner, max_chunk: int | None = None) -> bool:
+    def prefetch(self, seq: BlockOwner, max_chunk: int | None = None) -> list[int] | None:
         """A sequence arrived: hand the offload tier the hashes its admission would ask the tier for if
         the pool stayed as it is now (the full prompt blocks after the pool's prefix, up to a hash the
         pool holds), so it can start reading them (common/kv/tiers.py, "Prefetch on arrival"). With a
         window, `max_chunk` is the admission's first chunk (the most a step computes; None: the whole
-        prompt): it takes blocks for the run the tiers hold and that chunk (`allocate`). Whether the
-        tier started a prefetch."""
+        prompt): it takes blocks for the run the tiers hold and that chunk (`allocate`). The keys, if
+        the tier started a prefetch (`OffloadTier.prefetching` tells when it is done); else None."""
         if self.tier is None or not self.enable_prefix_caching:
-            return False
+            return None
         n = len(seq.token_ids)
         limit = n - 1
         hits = self._prefix_hits(seq.token_ids, limit, _root(seq))
@@ -371,7 +375,7 @@ class BlockManager:
             target = self._target(n, len(hits) + self._tier_run(seq, hits, limit), max_chunk)
         end = min(limit // self.block_size, self.blocks_needed(target) - (target < n))  # as allocate
         hashes = self._tier_hashes(seq, hits, end)
-        return bool(hashes) and self.tier.prefetch(hashes)
+        return hashes if hashes and self.tier.prefetch(hashes) else None
 
     def can_append(self, seq: BlockOwner, num_new_tokens: int = 1) -> bool:
         need = self.blocks_needed(len(seq.token_ids) + num_new_tokens - 1) - len(seq.block_table)

@@ -505,25 +505,25 @@ class GroupedBlockManager(BlockManager):
             seq.num_hashed_blocks = i + 1
         return new
 
-    def prefetch(self, seq: GroupOwner, max_chunk: int | None = None) -> bool:  # type: ignore[override]
+    def prefetch(self, seq: GroupOwner, max_chunk: int | None = None) -> list[int] | None:  # type: ignore[override]
         """As BlockManager.prefetch, the keys `_load_groups` would read if the pool stayed as it is: each
         full group's for the blocks of the tier run after the pool's hit (`_grouped_run`), each sliding
         group's for the window before its end; one run per group. Nothing when the tiers hold no run
         with whole windows (such a load reads nothing either) or the pool has no room for one."""
         if self.tier is None or not self.enable_prefix_caching:
-            return False
+            return None
         n = len(seq.token_ids)
         m, held = self._grouped_hits(seq, n - 1, 0)
         room = max_chunk if max_chunk is not None else n
         run = self._grouped_run(seq, held, n - 1, room)
         if not run:
-            return False
+            return None
         hashes = self._tier_hashes(seq, held[0], m + run)
         runs = []
         for g, w in enumerate(self.windows):
             start = m if w is None else max(m, self._first_live_of(g, (m + run) * self.block_size))
             runs.append([group_key(h, g) for h in hashes[start - m :]])
-        return self.tier.prefetch(*runs)
+        return [k for r in runs for k in r] if self.tier.prefetch(*runs) else None
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -333,6 +333,9 @@ class KVOffload:
     def prefetch(self, *runs: Sequence[int]) -> bool:
         return self.store.prefetch(*runs)
 
+    def prefetching(self, keys: Sequence[int]) -> bool:
+        return self.store.prefetching(keys)
+
     def holds(self, keys: Sequence[int]) -> list[bool]:
         return self.store.holds(keys)
 

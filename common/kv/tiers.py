@@ -61,12 +61,15 @@ a reader sees the whole chunk or none of it, and the block's (held, hash, "ram")
 then. A promotion evicts RAM's LRU chunks as any RAM write does, except those an admission's read is
 reading now (pinned for the read's length); it is given up when only pinned chunks could make room.
 Bounded: at most `prefetch_jobs` prefetches queued or running; an arrival past that is dropped
-(counted). A block already covered by a pending prefetch is not asked for twice. The admission never
-waits for a prefetch: one that has not finished when the read comes is *late* — the read goes to the
-disk as before, and a late prefetch reads no further chunk (the chunk it is reading is still promoted;
-one that has not started is skipped). `PrefetchStats`: started, dropped, completed, in time (an
-admission read a block it promoted from RAM), late, and the blocks promoted. Prefetch reads stay out of
-`read_latency` (the router's read cost per block returned).
+(counted). A block already covered by a pending prefetch is not asked for twice. `prefetching(keys)`
+says whether one still brings any of them: the scheduler leaves such a request waiting while other
+sequences run (common/engine/scheduler.py), so its admission reads RAM; the engine's thread never
+blocks on a prefetch. One that has not finished when the read comes (nothing else ran, or its wait ran
+out) is *late* — the read goes to the disk as before, and a late prefetch reads no further chunk (the
+chunk it is reading is still promoted; one that has not started is skipped). `PrefetchStats`:
+started, dropped, completed, in time (an admission read a block it promoted from RAM), late, and the
+blocks promoted. Prefetch reads stay out of `read_latency` (the router's read cost per block
+returned).
 """
 
 from __future__ import annotations
@@ -574,6 +577,11 @@ class TierStore:
         self._pf_queue.put(job)
         return True
 
+    def prefetching(self, keys: Sequence[int]) -> bool:
+        """Whether a prefetch queued or running still brings any of `keys` into RAM (an index lookup)."""
+        with self._lock:
+            return bool(self._pf_pending) and any(k in self._pf_pending for k in keys)
+
     def _prefetch_loop(self) -> None:
         while True:
             job = self._pf_queue.get()
@@ -593,7 +601,7 @@ class TierStore:
 
     def wait_prefetched(self, timeout: float | None = None) -> bool:
         """Wait until no prefetch is queued or running; False on timeout (for tests and benchmarks: the
-        engine never waits for one)."""
+        engine's thread never blocks on one)."""
         with self._pf_idle:
             return self._pf_idle.wait_for(lambda: self._pf_in_flight == 0, timeout)
 

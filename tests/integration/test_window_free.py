@@ -22,6 +22,7 @@ one full and two sliding layer groups, each with its table: common/kv/layer_grou
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -291,4 +292,65 @@ def test_a_prefetch_on_arrival_brings_a_windowed_models_blocks_into_ram(
     assert (pf.completed, pf.in_time, pf.late, pf.dropped) == (1, 1, 0, 0) and pf.blocks > 0, pf
     assert tier(e, "disk").read_latency.counts == disk_reads, "the admission read no disk chunk"
     assert e.block_manager.tier_hits > hits
+    e.close()
+
+
+@torch.inference_mode()
+def test_an_admission_waits_for_its_prefetch_while_another_sequence_decodes(
+    mistral: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompt 0's blocks on the disk only, as above, and a disk that answers the prefetch only when the
+    test lets it. Prompt 0 arrives while another sequence decodes: its admission waits for the
+    prefetch (the other one steps on, and the engine's thread reads no disk), then reads RAM; every
+    token equals transformers'."""
+    from common.kv import tiers
+
+    e = engine(mistral, num_kv_blocks=mistral.pool + 2)
+    ram_gb = 2 * (mistral.pool + 2) * e.kv_cache.spec.bytes_per_block / 2**30
+    e = engine(
+        mistral, num_kv_blocks=mistral.pool + 8, kv_offload_ram_gb=ram_gb,
+        kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01,
+    )  # fmt: skip
+    assert e.kv_offload is not None
+    store = e.kv_offload.store
+    for p in (0, 1, 2, 0, 1, 2):
+        assert run(e, [PROMPTS[p]]) == [mistral.expected[p]]
+        e.kv_offload.flush()
+        assert store.wait_idle(WAIT_S)
+    other = torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(9)).tolist()
+    rid_other = e.add_request(other, PARAMS)
+    got: dict[str, list[int]] = {rid_other: []}
+
+    def step() -> list[str]:
+        result = e.step()
+        for o in result.outputs:
+            got[o.request_id] += o.token_ids
+        return [a.request_id for a in result.admitted]
+
+    step()  # the other sequence runs
+    gate, reads = threading.Event(), []
+    real = tiers._read_file
+
+    def read_file(path: Path) -> bytearray:
+        reads.append(threading.current_thread().name)
+        assert gate.wait(WAIT_S), "the test never opened the disk"
+        return real(path)
+
+    monkeypatch.setattr(tiers, "_read_file", read_file)
+    started = store.stats().prefetch.started
+    rid = e.add_request(PROMPTS[0], PARAMS)
+    got[rid] = []
+    assert store.stats().prefetch.started == started + 1, "prompt 0's blocks are on the disk only"
+    for _ in range(3):
+        decoded = len(got[rid_other])
+        assert rid not in step(), "admitted while its prefetch still reads the disk"
+        assert len(got[rid_other]) == decoded + 1, "the other sequence steps on meanwhile"
+    assert e.scheduler.stats["prefetch_deferred"] == 3
+    gate.set()
+    assert store.wait_prefetched(WAIT_S)
+    while e.has_unfinished():
+        step()
+    assert got[rid] == mistral.expected[0]
+    assert reads and set(reads) == {"kv-tier-prefetch"}, "the engine's thread read no disk"
+    assert store.stats().prefetch.in_time >= 1
     e.close()

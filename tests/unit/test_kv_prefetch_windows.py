@@ -84,7 +84,10 @@ def admit(bm: BlockManager, tier: AskedTier, tokens: list[int], max_chunk: int, 
     room = min(len(tokens), max_chunk)
     if not bm.can_allocate(seq, room=room):
         return
-    started = bm.prefetch(seq, max_chunk)
+    keys = bm.prefetch(seq, max_chunk)
+    started = keys is not None
+    # what the scheduler asks the tier about while the admission waits: the keys the prefetch brings
+    assert (keys or []) == [k for run in tier.prefetched for k in run]
     before = bm.tier_hits
     bm.allocate(seq, room=room)
     bm.check_integrity()

@@ -378,3 +378,65 @@ def test_swap_moves_only_held_blocks_and_swap_in_keeps_the_holes() -> None:
     assert not s.has_work() and swapped and with_holes >= 1, (swapped, with_holes)
     assert max(swapped) <= 5 and all(a.num_output_tokens == 40 for a in seqs)
     assert s.bm.num_free_blocks == 9 and s.swap_blocks_used == 0
+
+
+class PrefetchingTier:
+    """The part of an offload tier the scheduler asks: whether a prefetch still brings these keys."""
+
+    def __init__(self) -> None:
+        self.busy = True
+        self.asked: list[list[int]] = []
+
+    def prefetching(self, keys: list[int]) -> bool:
+        self.asked.append(list(keys))
+        return self.busy
+
+    def holds(self, keys: list[int]) -> list[bool]:  # (the admission's look at the tiers: nothing there)
+        return [False] * len(keys)
+
+    def load(self, *_: object) -> int:
+        return 0
+
+    def evicted(self, *_: object, **__: object) -> None:
+        pass
+
+
+def test_an_admission_waits_for_its_prefetch_while_others_run() -> None:
+    """A waiting sequence whose blocks a prefetch still brings from the disk is not admitted while
+    another runs (the running one steps on; no disk read on the engine's thread), and is once the
+    prefetch is done; with nothing else running, or past its deadline, it is admitted at once."""
+    now = [0.0]
+    s = make(clock=lambda: now[0])
+    tier = PrefetchingTier()
+    s.bm.tier = tier  # type: ignore[assignment]
+    a, b = seq(6, max_tokens=20), seq(6, start=50)
+    s.add(a)
+    s.postprocess(out := s.schedule(), fake_run(out))
+    b.prefetch_keys, b.prefetch_deadline = [11, 12], 5.0
+    s.add(b)
+    for _ in range(3):
+        out = s.schedule()
+        assert [q for q, _ in out.scheduled] == [a], "b waits for its prefetch while a runs"
+        s.postprocess(out, fake_run(out))
+    assert s.stats["prefetch_deferred"] == 3 and tier.asked[-1] == [11, 12]
+    tier.busy = False
+    out = s.schedule()
+    assert out.admitted == [b] and b.prefetch_keys is None
+    s.postprocess(out, fake_run(out))
+    drain(s)
+    # nothing else running: admitted at once, prefetch or not
+    c = seq(6, start=90)
+    c.prefetch_keys, c.prefetch_deadline, tier.busy = [13], 5.0, True
+    s.add(c)
+    assert s.schedule().admitted == [c]
+    drain(s)
+    # past its deadline: admitted while others run (a stuck disk holds nothing back for good)
+    d, e = seq(6, max_tokens=20, start=130), seq(6, start=170)
+    s.add(d)
+    s.postprocess(out := s.schedule(), fake_run(out))
+    e.prefetch_keys, e.prefetch_deadline = [14], 5.0
+    s.add(e)
+    s.postprocess(out := s.schedule(), fake_run(out))
+    assert not out.admitted
+    now[0] = 5.5
+    assert s.schedule().admitted == [e]
