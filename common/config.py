@@ -86,6 +86,14 @@ class EngineConfig(BaseSettings):
     kv_offload_disk_gb: float = Field(
         16.0, gt=0, allow_inf_nan=False, description="the disk tier's size limit, per service"
     )
+    kv_offload_prefetch_wait_s: float = Field(
+        5.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long a request may wait, while others run, for the offload tiers to bring its "
+        "blocks from the disk into RAM before it is admitted (its admission then reads RAM; reading the "
+        "disk at admission would stall every running request's step); 0: never wait",
+    )
     kv_offload_load: Literal["auto", "layerwise", "inline", "whole"] = Field(
         "auto",
         description="how a tier hit's blocks go into the KV cache: layerwise (each layer copied while the "

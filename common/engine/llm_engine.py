@@ -68,9 +68,6 @@ if TYPE_CHECKING:  # imported lazily: only an engine with tensor parallelism nee
 
 log = logging.getLogger("splitserve.engine")
 
-# how long an admission may wait for the prefetch its arrival started (the offload tiers bringing its
-# blocks from the disk into RAM) while other sequences run: a bound for a stuck disk, not a budget
-PREFETCH_WAIT_S = 5.0
 FAULT = "error"  # finish_reason "error: <why>": the engine failed on this request (see the module doc)
 MAX_FAULTS, FAULT_WINDOW_S = 8, 60.0
 # what a fault of the device itself says (the CUDA context may be gone: nothing on it can be trusted)
@@ -449,10 +446,12 @@ class LLMEngine:
         if self.kv_offload is not None and seq.prompt_logprobs is None:  # (prompt logprobs: no reuse)
             # the tiers start reading its disk blocks into RAM now (a window's admission: its first chunk
             # after the run the tiers hold, so the prefetch needs that chunk's size); its admission waits
-            # for them while other sequences run (scheduler, `_prefetching`), up to PREFETCH_WAIT_S
+            # for them while other sequences run (scheduler, `_prefetching`), up to
+            # kv_offload_prefetch_wait_s (a bound for a stuck disk)
             keys = self.block_manager.prefetch(seq, self.config.max_num_batched_tokens)
-            if keys:
-                seq.prefetch_keys, seq.prefetch_deadline = keys, self.scheduler.clock() + PREFETCH_WAIT_S
+            wait = self.config.kv_offload_prefetch_wait_s
+            if keys and wait > 0:
+                seq.prefetch_keys, seq.prefetch_deadline = keys, self.scheduler.clock() + wait
         return seq.seq_id
 
     @property

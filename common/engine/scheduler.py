@@ -336,7 +336,7 @@ class Scheduler:
 
     def _prefetching(self, seq: Sequence) -> bool:
         """Whether the prefetch started on seq's arrival still brings its blocks into RAM (and its wait
-        has not run out: PREFETCH_WAIT_S bounds it, a stuck disk must not hold it back for good)."""
+        has not run out: kv_offload_prefetch_wait_s bounds it, a stuck disk must not hold it back)."""
         keys, tier = seq.prefetch_keys, self.bm.tier
         if keys is None:
             return False
