@@ -21,7 +21,7 @@ SCENARIO_DEFAULTS: dict[str, dict[str, Any]] = {
     "sessions": {"tiers": 6},  # prefix: 4
     "system_notes": {"tiers": 6},  # prefix: 10
     "kv_cache_mb": {"tiers": 32},
-    "prompt_tokens": {"overlap": 2048, "window": 4096, "tier-load": 2048},
+    "prompt_tokens": {"overlap": 2048, "window": 4096, "tier-load": 2048, "tier-stall": 2048},
     "slo_ttft_ms": {"goodput": None},  # goodput: derived from its profile and workload (bench/goodput.py)
     "slo_tpot_ms": {"goodput": None},
 }
@@ -46,6 +46,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "matmul": "matmul",
     "tiers": "tiers",
     "tier-load": "tier_load",
+    "tier-stall": "tier_stall",
     "fleet": "fleet",
     "chaos-fleet": "chaos_fleet",
     "window": "window",
@@ -97,8 +98,8 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
-        "prefix | fairness | kv-dtype | tp | matmul | tiers | tier-load | fleet | chaos-fleet | window | "
-        "planner | goodput | all",
+        "prefix | fairness | kv-dtype | tp | matmul | tiers | tier-load | tier-stall | fleet | chaos-fleet | "
+        "window | planner | goodput | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(
@@ -314,6 +315,6 @@ def add_bench_parser(sub: Any) -> None:
         "--prompt-tokens",
         type=int,
         default=None,
-        help="overlap, tier-load: prompt length (2048); window: (4096)",
+        help="overlap, tier-load, tier-stall: prompt length (2048); window: (4096)",
     )
     b.set_defaults(func=_run)
