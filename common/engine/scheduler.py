@@ -209,13 +209,12 @@ class Scheduler:
         taken: list[Sequence] = []
         order = self.policy.admission_order(self.reserving, self, by_priority=False)
         while True:
-            if self.num_active < self.config.max_num_seqs:
-                seq = next(order, None)
-            else:  # as in _admit
-                seq = self.policy.claimant(self.reserving, taken, self)
-                if seq is not None and self._make_room(seq, out) is None:
-                    break
-            if seq is None:
+            full = self.num_active >= self.config.max_num_seqs
+            # as in _admit: every batch slot taken, the policy may still have one start
+            seq = self.policy.claimant(self.reserving, taken, self) if full else next(order, None)
+            if seq is None or self._defer(seq):
+                break
+            if full and self._make_room(seq, out) is None:
                 break
             # decoding starts at the prompt's end: the blocks before its window are holes from the start
             # (the prefill service sends no layer of them; common/connector/prefill.py)
@@ -297,11 +296,7 @@ class Scheduler:
             seq = self.policy.claimant(self.waiting, taken, self) if full else next(order, None)
             if seq is None or (newcomers is not None and seq.tenant not in newcomers):
                 break
-            if self.running and self._prefetching(seq):
-                # its blocks are on their way from the disk into RAM (the tiers' prefetch thread): the
-                # running sequences step meanwhile, where its admission would read the disk on this thread
-                # and stall them; it is admitted, reading RAM, once the prefetch is done
-                self.stats["prefetch_deferred"] += 1
+            if self._defer(seq):
                 break
             chunk = min(seq.num_tokens, budget) if newcomers is not None else self._chunk(seq, budget)
             if chunk == 0:
@@ -333,6 +328,16 @@ class Scheduler:
             budget -= n
         self.waiting = _without(self.waiting, taken)
         return budget
+
+    def _defer(self, seq: Sequence) -> bool:
+        """Whether seq's admission (or reservation) waits this step: its blocks are on their way from
+        the disk into RAM (the tiers' prefetch thread) and other sequences run, which step meanwhile,
+        where its admission would read the disk on the engine's thread and stall them; it is admitted,
+        reading RAM, once the prefetch is done."""
+        if self.running and self._prefetching(seq):
+            self.stats["prefetch_deferred"] += 1
+            return True
+        return False
 
     def _prefetching(self, seq: Sequence) -> bool:
         """Whether the prefetch started on seq's arrival still brings its blocks into RAM (and its wait

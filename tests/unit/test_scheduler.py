@@ -440,3 +440,25 @@ def test_an_admission_waits_for_its_prefetch_while_others_run() -> None:
     assert not out.admitted
     now[0] = 5.5
     assert s.schedule().admitted == [e]
+
+
+def test_a_reservation_waits_for_its_prefetch_while_others_decode() -> None:
+    """On a decode service a reservation's blocks may come back from the tiers too (it then receives
+    only the suffix): one whose prefetch still reads the disk is not reserved while another decodes."""
+    s = make()
+    tier = PrefetchingTier()
+    s.bm.tier = tier  # type: ignore[assignment]
+    a = seq(6, max_tokens=20)
+    s.add(a)
+    s.postprocess(out := s.schedule(), fake_run(out))
+    b = seq(6, start=50, remote_kv="receive")
+    b.prefetch_keys, b.prefetch_deadline = [21], 5.0
+    s.add(b)
+    for _ in range(2):
+        out = s.schedule()
+        assert not out.admitted and b.status is SequenceStatus.WAITING
+        s.postprocess(out, fake_run(out))
+    tier.busy = False
+    out = s.schedule()
+    assert out.admitted == [b] and b.status is SequenceStatus.PARKED
+    assert s.stats["prefetch_deferred"] == 2
