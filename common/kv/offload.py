@@ -19,12 +19,12 @@ CPU pool, where a copy thread only competes with the step for the cores: `bench 
 tensor parallelism, whose ranks each write their heads) copies them in before `load` returns
 (`put_blocks`, then `scatter_blocks`: into a GPU pool one copy, one `index_copy_` each for K and
 V, waited for: a loaded block may be pushed by a prefill's KV sender, which reads outside the
-compute stream's order). Either way the
-block manager hashes the blocks at once: no reader outside a step's layers sees them before the
-copies are done. Earlier, when the request arrived, `prefetch` handed the store the same hashes:
-its prefetch worker brings the disk-only ones into RAM meanwhile (common/kv/tiers.py, "Prefetch on
-arrival"), so `load` reads them from RAM when the prefetch finished first, and from the disk as before
-when not.
+compute stream's order). Either way the block manager hashes the blocks at once: no reader outside
+a step's layers sees them before the copies are done. Earlier, when the request arrived, `prefetch`
+handed the store the same hashes: its prefetch worker brings the disk-only ones into RAM meanwhile
+(common/kv/tiers.py, "Prefetch on arrival"), and while it does the scheduler leaves the request
+waiting if others run, so `load` reads them from RAM; from the disk as before when the prefetch was
+not done (nothing else ran, or its wait ran out).
 
 Tensor parallelism (`peers`: the worker ranks, common/engine/tp_workers.py). Every rank's pool has
 the same blocks, each with only its own KV heads; rank 0 (this object) holds the one store, and a
