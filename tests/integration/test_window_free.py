@@ -296,20 +296,22 @@ def test_a_prefetch_on_arrival_brings_a_windowed_models_blocks_into_ram(
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("wait_s", [5.0, 0.0], ids=["wait", "no-wait"])
 def test_an_admission_waits_for_its_prefetch_while_another_sequence_decodes(
-    mistral: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    mistral: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait_s: float
 ) -> None:
     """Prompt 0's blocks on the disk only, as above, and a disk that answers the prefetch only when the
     test lets it. Prompt 0 arrives while another sequence decodes: its admission waits for the
     prefetch (the other one steps on, and the engine's thread reads no disk), then reads RAM; every
-    token equals transformers'."""
+    token equals transformers'. With the wait off (`kv_offload_prefetch_wait_s` 0, the disk open) it
+    is admitted at once."""
     from common.kv import tiers
 
     e = engine(mistral, num_kv_blocks=mistral.pool + 2)
     ram_gb = 2 * (mistral.pool + 2) * e.kv_cache.spec.bytes_per_block / 2**30
     e = engine(
         mistral, num_kv_blocks=mistral.pool + 8, kv_offload_ram_gb=ram_gb,
-        kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01,
+        kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01, kv_offload_prefetch_wait_s=wait_s,
     )  # fmt: skip
     assert e.kv_offload is not None
     store = e.kv_offload.store
@@ -338,9 +340,18 @@ def test_an_admission_waits_for_its_prefetch_while_another_sequence_decodes(
 
     monkeypatch.setattr(tiers, "_read_file", read_file)
     started = store.stats().prefetch.started
+    if not wait_s:
+        gate.set()
     rid = e.add_request(PROMPTS[0], PARAMS)
     got[rid] = []
     assert store.stats().prefetch.started == started + 1, "prompt 0's blocks are on the disk only"
+    if not wait_s:
+        assert rid in step() and e.scheduler.stats["prefetch_deferred"] == 0, "no wait: admitted at once"
+        while e.has_unfinished():
+            step()
+        assert got[rid] == mistral.expected[0]
+        e.close()
+        return
     for _ in range(3):
         decoded = len(got[rid_other])
         assert rid not in step(), "admitted while its prefetch still reads the disk"
