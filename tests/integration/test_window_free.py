@@ -256,6 +256,24 @@ def test_offload_tier_hits_give_the_same_tokens(mistral: Model, monkeypatch: pyt
     check_all_back(e)
 
 
+def disk_tier_engine(m: Model, tmp_path: Path, spare: int = 2, **update: Any) -> LLMEngine:
+    """An engine with a pool of `m.pool + spare` blocks, a RAM tier of about two pools and a disk tier,
+    after the three prompts ran twice, one at a time: prompt 0's blocks are on the disk only (each
+    block is written there on its second eviction, and prompts 1 and 2 pushed it out of RAM)."""
+    e = engine(m, num_kv_blocks=m.pool + 2)
+    ram_gb = 2 * (m.pool + 2) * e.kv_cache.spec.bytes_per_block / 2**30
+    e = engine(
+        m, num_kv_blocks=m.pool + spare, kv_offload_ram_gb=ram_gb,
+        kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01, **update,
+    )  # fmt: skip
+    assert e.kv_offload is not None
+    for p in (0, 1, 2, 0, 1, 2):
+        assert run(e, [PROMPTS[p]]) == [m.expected[p]]
+        e.kv_offload.flush()
+        assert e.kv_offload.store.wait_idle(WAIT_S)
+    return e
+
+
 @torch.inference_mode()
 def test_a_prefetch_on_arrival_brings_a_windowed_models_blocks_into_ram(
     mistral: Model, tmp_path: Path
@@ -266,18 +284,9 @@ def test_a_prefetch_on_arrival_brings_a_windowed_models_blocks_into_ram(
     layer groups, each group's pages under its own key); once it finished, the admission reads RAM only,
     and the tokens equal transformers'. The test waits for the prefetch (a condition); the engine
     never does."""
-    e = engine(mistral, num_kv_blocks=mistral.pool + 2)
-    ram_gb = 2 * (mistral.pool + 2) * e.kv_cache.spec.bytes_per_block / 2**30
-    e = engine(
-        mistral, num_kv_blocks=mistral.pool + 2, kv_offload_ram_gb=ram_gb,
-        kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01,
-    )  # fmt: skip
+    e = disk_tier_engine(mistral, tmp_path)
     assert e.kv_offload is not None
     store = e.kv_offload.store
-    for p in (0, 1, 2, 0, 1, 2):
-        assert run(e, [PROMPTS[p]]) == [mistral.expected[p]]
-        e.kv_offload.flush()
-        assert store.wait_idle(WAIT_S)
     assert store.ram is not None and store.disk is not None
     disk_reads = tier(e, "disk").read_latency.counts
     hits = e.block_manager.tier_hits
@@ -307,18 +316,9 @@ def test_an_admission_waits_for_its_prefetch_while_another_sequence_decodes(
     is admitted at once."""
     from common.kv import tiers
 
-    e = engine(mistral, num_kv_blocks=mistral.pool + 2)
-    ram_gb = 2 * (mistral.pool + 2) * e.kv_cache.spec.bytes_per_block / 2**30
-    e = engine(
-        mistral, num_kv_blocks=mistral.pool + 8, kv_offload_ram_gb=ram_gb,
-        kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01, kv_offload_prefetch_wait_s=wait_s,
-    )  # fmt: skip
+    e = disk_tier_engine(mistral, tmp_path, spare=8, kv_offload_prefetch_wait_s=wait_s)
     assert e.kv_offload is not None
     store = e.kv_offload.store
-    for p in (0, 1, 2, 0, 1, 2):
-        assert run(e, [PROMPTS[p]]) == [mistral.expected[p]]
-        e.kv_offload.flush()
-        assert store.wait_idle(WAIT_S)
     other = torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(9)).tolist()
     rid_other = e.add_request(other, PARAMS)
     got: dict[str, list[int]] = {rid_other: []}
