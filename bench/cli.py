@@ -191,6 +191,11 @@ def add_bench_parser(sub: Any) -> None:
     )
     r.add_argument("--tiers-disk-gb", type=float, default=1.0, help="tiers: the disk tier (in a temp dir)")
     r.add_argument(
+        "--cold-disk",
+        action="store_true",
+        help="tier-stall: drop the disk tier's files from the page cache before each hit (cold reads)",
+    )
+    r.add_argument(
         "--chat-template",
         default=None,
         help="tiers: the routers' --chat-template (a Jinja template or its file), for a --model without one",

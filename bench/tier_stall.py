@@ -17,11 +17,14 @@ over `--rounds` rounds (the sides alternate, A B, B A, ...), of
 - `decode_step_ms`: the median step before P arrived (the running requests alone);
 - `deferred_steps`: steps P waited for its prefetch (0 with the wait off).
 Before each round P is checked to be on the disk only, and its tokens must equal on both sides.
+`--cold-disk`: the disk tier's files are dropped from the page cache before each hit (fsync, then
+posix_fadvise DONTNEED), so its reads go to the device.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -52,7 +55,10 @@ def _ids(tok: Any, n: int, salt: str) -> list[int]:
 
 
 class Side:
-    def __init__(self, model: Any, tok: Any, wait_s: float, n: int, disk_dir: str) -> None:
+    def __init__(
+        self, model: Any, tok: Any, wait_s: float, n: int, disk_dir: str, cold: bool = False
+    ) -> None:
+        self.cold = cold
         self.prompt = _ids(tok, n, "Story one.")
         self.fillers = [_ids(tok, n, "Story two."), _ids(tok, n, "Story three.")]
         self.turn = _ids(tok, NEW, "And then?")
@@ -85,6 +91,19 @@ class Side:
         off.flush()
         assert off.store.wait_idle(60) and off.store.wait_prefetched(60)
 
+    def _drop_page_cache(self) -> None:
+        """The disk tier's files out of the page cache (written back first): the hit's reads go to the
+        device, as a cold or network disk's would."""
+        slot = self.engine.kv_offload.store.slot  # type: ignore[union-attr]
+        assert slot is not None
+        for path in slot.iterdir():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
     def _disk_only(self) -> bool:
         store = self.engine.kv_offload.store  # type: ignore[union-attr]
         assert store.ram is not None and store.disk is not None
@@ -98,6 +117,8 @@ class Side:
             e.generate([f], one)
             self._settle()
         assert self._disk_only(), "P must be on the disk only before its hit"
+        if self.cold:
+            self._drop_page_cache()
         decode = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0.0, ignore_eos=True)
         for s in self.short:
             e.add_request(s, decode)
@@ -138,7 +159,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n = args.prompt_tokens or 2048
     load_before = load_avg()
     with tempfile.TemporaryDirectory(prefix="splitserve-tier-stall-") as tmp:
-        sides = {name: Side(model, tok, wait, n, f"{tmp}/{name}") for name, wait in SIDES.items()}
+        sides = {
+            name: Side(model, tok, wait, n, f"{tmp}/{name}", args.cold_disk) for name, wait in SIDES.items()
+        }
         try:
             alternate({name: s.round for name, s in sides.items()}, args.rounds, "tier-stall")
         finally:
@@ -153,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "rounds": args.rounds,
         "tokens_equal": sides["wait"].tokens == sides["no_wait"].tokens,
+        "cold_disk": bool(args.cold_disk),
     }
     for name in SIDES:
         for key in ("stall_ms", "ttft_ms", "decode_step_ms", "deferred_steps"):
