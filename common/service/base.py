@@ -239,8 +239,12 @@ class Service:
         back: the pool's free and total blocks, the transfers (leases) left, the requests handed back,
         those that did not end in time, the parts of the stop that did not stop in time, and whether
         the KV transport let go of the pool's memory (only then may it be freed). Every wait is
-        bounded: a switch takes at most about drain_timeout_s + HANDBACK_WAIT_S + the stop's bounds."""
-        await self.drain()
+        bounded: a switch takes at most about drain_timeout_s + HANDBACK_WAIT_S + the stop's bounds.
+        The drain timeout counts from the switch: leaving the registry runs beside it (a heartbeat
+        whose Redis command hangs can take its 5 s bound to stop, and what runs would finish there
+        instead of being handed back on time)."""
+        leaving = asyncio.ensure_future(self.drain())
+        await asyncio.sleep(0)  # drain() ran to its first await: draining, new work gets a 503
         await _wait_ended(list(self.jobs.values()), self.cfg.drain_timeout_s)
         ended = list(self.jobs.values())
         for job in ended:
@@ -248,6 +252,7 @@ class Service:
                 Interrupt(job.request_id, f"{self.cfg.worker_name} is switching roles", HANDED_BACK)
             )
         stuck = await _wait_ended(ended, HANDBACK_WAIT_S)
+        await leaving  # bounded (stop_bounded)
         if stuck:
             log.error(
                 "%s: %d request(s) did not let go within %.0f s of being handed back: %s",
