@@ -3,7 +3,7 @@ engine with tiers, and a tier's figures."""
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -76,13 +76,32 @@ def damage(store: TierStore, prompt: list[int], fault: str) -> None:
             f.unlink()
 
 
-def slow_copier(monkeypatch: pytest.MonkeyPatch, s: float = 0.01) -> None:
-    """Tier reads put in layer by layer (common/kv/layer_loads.py) start each layer's copy `s` late: a
-    layer whose attention did not wait for its copy would read what its pages held before."""
-    copy = LayerLoads._copy_slot
+def slow_copier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tier reads put in layer by layer (common/kv/layer_loads.py) copy each slot only once a reader asked
+    for it (`LayerLoads.wait`: a layer's wait, or a settle): a layer that read its pages without waiting
+    finds what they held before. A condition, no sleep; a new load starts unasked."""
+    asked: dict[int, int] = {}  # id(LayerLoads) -> the highest slot a reader asked for
+    cv = threading.Condition()
+    real_add, real_wait, real_copy = LayerLoads.add, LayerLoads.wait, LayerLoads._copy_slot
 
-    def slowed(self: LayerLoads, load: object, slot: int) -> None:
-        time.sleep(s)
-        copy(self, load, slot)  # type: ignore[arg-type]
+    def add(self: LayerLoads, *a: object) -> None:
+        with cv:
+            asked[id(self)] = -1
+        real_add(self, *a)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(LayerLoads, "_copy_slot", slowed)
+    def wait(self: LayerLoads, slot: int) -> None:
+        with cv:
+            asked[id(self)] = max(asked.get(id(self), -1), slot)
+            cv.notify_all()
+        real_wait(self, slot)
+
+    def copy(self: LayerLoads, load: object, slot: int) -> None:
+        with cv:
+            assert cv.wait_for(lambda: asked.get(id(self), -1) >= slot, WAIT_S), (
+                f"no reader asked for slot {slot}"
+            )
+        real_copy(self, load, slot)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LayerLoads, "add", add)
+    monkeypatch.setattr(LayerLoads, "wait", wait)
+    monkeypatch.setattr(LayerLoads, "_copy_slot", copy)

@@ -1,13 +1,12 @@
 """Tier reads put into the pool layer by layer (common/kv/layer_loads.py), on a small real pool.
 
-The copier is slowed in some tests (a sleep before each slot's copy): a wait that returned before its
-slot was copied would then find the slot still holding what the page held before, which the tests
-fill with a marker no load writes."""
+In some tests the copier copies a slot only once a reader asked for it (`slow_copier`, a condition):
+a wait that returned before its slot was copied would find the slot still holding what the page held
+before, which the tests fill with a marker no load writes."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
 from common.kv.layer_loads import LayerLoads, runs
 from common.kv.offload import gather_blocks
+from tests.support.tiers import slow_copier
 
 LAYERS, BLOCKS, BS, HEADS, HD = 4, 12, 4, 2, 8
 MARK = -7.0  # what every page holds before a load: no load's bytes
@@ -47,16 +47,6 @@ def assert_slot(c: PagedKVCache, src: PagedKVCache, ids: list[int], slot: int) -
         assert torch.equal(c.k[slot, bid], src.k[slot, i]) and torch.equal(c.v[slot, bid], src.v[slot, i])
 
 
-def slow(monkeypatch: pytest.MonkeyPatch, s: float = 0.02) -> None:
-    copy = LayerLoads._copy_slot
-
-    def slowed(self: LayerLoads, load: object, slot: int) -> None:
-        time.sleep(s)
-        copy(self, load, slot)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(LayerLoads, "_copy_slot", slowed)
-
-
 def test_runs_are_views_of_adjacent_buffers() -> None:
     rec, other = bytearray(range(48)), bytearray(range(100, 116))
     mv = memoryview(rec)
@@ -70,7 +60,7 @@ def test_runs_are_views_of_adjacent_buffers() -> None:
 
 @pytest.mark.parametrize("mode", ["thread", "inline"])
 def test_each_wait_finds_its_slot_copied_and_settle_all(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    slow(monkeypatch)
+    slow_copier(monkeypatch)
     c, (src, record) = cache(), source(5, 0)
     loads = LayerLoads(c, mode)
     c.loads = loads
@@ -79,6 +69,7 @@ def test_each_wait_finds_its_slot_copied_and_settle_all(monkeypatch: pytest.Monk
         loads.add(ids, blocks_of(record, 5))
         assert loads.pending
         for layer in range(LAYERS):
+            assert bool((c.k[layer, ids] == MARK).all()), "copied before a reader asked"
             c.before_layer(layer)
             assert_slot(c, src, ids, layer)
         c.settle_loads()
@@ -117,7 +108,7 @@ def test_the_copier_runs_while_the_caller_computes(monkeypatch: pytest.MonkeyPat
 
 def test_a_load_into_a_page_still_being_written_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A page given back and taken again in one schedule: the second load's bytes win, whole."""
-    slow(monkeypatch, 0.01)
+    slow_copier(monkeypatch)
     c, (a, rec_a), (b, rec_b) = cache(), source(3, 2), source(2, 3)
     loads = LayerLoads(c, "thread")
     try:
@@ -147,7 +138,7 @@ def test_a_failed_copy_fails_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_swaps_and_copies_out_settle_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pool's bulk readers and writers outside the forward (swap out/in) see the loads done."""
-    slow(monkeypatch)
+    slow_copier(monkeypatch)
     c, (src, record) = cache(), source(2, 5)
     loads = LayerLoads(c, "thread")
     c.loads = loads
