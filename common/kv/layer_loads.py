@@ -9,7 +9,8 @@ model's forward waits for a slot (`wait`, from `PagedKVCache.before_layer`) only
 that reads it. The copies of layer l + 1 run while layer l computes.
 
 The copier, the same code on either device:
-- a CUDA pool: a copy stream. `add` stages the blocks in pinned host memory and queues, per slot, the
+- a CUDA pool: a copy stream. `add` stages the blocks in pinned host memory (unless they are pinned
+  already: the RAM tier's own memory, common/kv/tiers.py) and queues, per slot, the
   host-to-device copy and the `index_copy_` into the pool on that stream, each slot closed by an
   event; `wait` makes the compute stream wait for the slot's event (the host does not wait). The
   copy stream first waits for the compute stream: the pages it writes were read by earlier kernels.
@@ -115,6 +116,7 @@ class LayerLoads:
         self.copy_s = 0.0  # seconds the copier spent copying (thread, inline); read for the tiers' cost
         self.wait_s = 0.0  # seconds the pool's readers waited for copies: what the overlap left exposed
         self.loaded_blocks = 0
+        self.staged_bytes = 0  # CUDA: bytes copied into pinned memory first (0 from the RAM tier)
         self._stream: Any = None
         self._thread: threading.Thread | None = None
         if mode == "cuda":
@@ -243,8 +245,12 @@ class LayerLoads:
                 self._cv.wait(1.0)
 
     def _queue_cuda(self, load: _Load, dev: torch.device) -> None:
-        """Stage the load in pinned memory and queue its copies, slot by slot, on the copy stream."""
-        load.data = [d.pin_memory() for d in load.data]
+        """Queue the load's copies, slot by slot, on the copy stream: from where its bytes are when
+        they are pinned (the RAM tier's slots), else staged in pinned memory first (a disk read)."""
+        for i, d in enumerate(load.data):
+            if not d.is_pinned():
+                load.data[i] = d.pin_memory()
+                self.staged_bytes += d.numel() * d.element_size()
         load.ids = [i.to(dev) for i in load.ids]
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(dev))

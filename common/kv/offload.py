@@ -17,9 +17,10 @@ other reader or writer of the pool (the engine after the step, swaps, the evicte
 a replayed CUDA graph) settles the copies first (common/kv/layer_loads.py). "whole" ("auto" for a
 CPU pool, where a copy thread only competes with the step for the cores: `bench tier-load`; and
 tensor parallelism, whose ranks each write their heads) copies them in before `load` returns
-(`put_blocks`, then `scatter_blocks`: into a GPU pool one copy, one `index_copy_` each for K and
-V, waited for: a loaded block may be pushed by a prefill's KV sender, which reads outside the
-compute stream's order). Either way the block manager hashes the blocks at once: no reader outside
+(`put_blocks`, then `scatter_blocks`: into a GPU pool one copy a run of the RAM tier's pinned
+slots, or one of a pinned staging buffer for a disk read, one `index_copy_` each for K and V,
+waited for: a loaded block may be pushed by a prefill's KV sender, which reads outside the compute
+stream's order). Either way the block manager hashes the blocks at once: no reader outside
 a step's layers sees them before the copies are done. Earlier, when the request arrived, `prefetch`
 handed the store the same hashes: its prefetch worker brings the disk-only ones into RAM meanwhile
 (common/kv/tiers.py, "Prefetch on arrival"), and while it does the scheduler leaves the request
@@ -57,12 +58,12 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from common.kv.kv_cache import KVCacheSpec, PagedKVCache
-from common.kv.layer_loads import LayerLoads
+from common.kv.layer_loads import LayerLoads, runs
 from common.kv.tiers import StoreStats, TierEvent, TierStore
 
 log = logging.getLogger("splitserve.kv_tiers")
@@ -112,18 +113,28 @@ def stage_blocks(bufs: Sequence[memoryview], shape: tuple[int, ...], pin: bool =
     return out
 
 
-def put_blocks(cache: PagedKVCache, block_ids: Sequence[int], bufs: Sequence[memoryview]) -> None:
+def put_blocks(cache: PagedKVCache, block_ids: Sequence[int], bufs: Sequence[memoryview]) -> int:
     """Write blocks read from a tier (each buffer one block of this cache's heads, block-major: one
     `gather_blocks` block) into the pool's blocks `block_ids`; done on return (`scatter_blocks`). On
     the CPU each block is written from its own buffer (staging them first took 4x as long here); for a
-    GPU they are staged in one pinned buffer, for one copy to the device."""
+    GPU, buffers in pinned memory (the RAM tier's own slots) are copied from where they are, one copy
+    a run of adjacent ones, and the rest are staged in one pinned buffer first. Returns the bytes
+    staged (0 on a CPU, or when every buffer was pinned)."""
     s = cache.spec
     shape = (2, s.shape[0], s.block_size, s.num_kv_heads, s.head_dim * cache.k.element_size())
     if not cache.k.is_cuda:
         for buf, bid in zip(bufs, block_ids, strict=True):
             _scatter(cache, [bid], torch.frombuffer(buf, dtype=torch.uint8).view(1, *shape))
-        return
-    scatter_blocks(cache, block_ids, stage_blocks(bufs, shape, pin=True))
+        return 0
+    parts = runs(bufs, shape)
+    if all(d.is_pinned() for _, d in parts):
+        for first, d in parts:
+            _scatter(cache, block_ids[first : first + len(d)], d, wait=False)
+        torch.cuda.current_stream(cache.k.device).synchronize()
+        return 0
+    staged = stage_blocks(bufs, shape, pin=True)
+    scatter_blocks(cache, block_ids, staged)
+    return staged.numel()
 
 
 def scatter_blocks(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Tensor) -> None:
@@ -141,8 +152,9 @@ def scatter_blocks(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Te
     _scatter(cache, block_ids, data)
 
 
-def _scatter(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Tensor) -> None:
-    """`scatter_blocks` without the shape check (data is known to be the shape)."""
+def _scatter(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Tensor, wait: bool = True) -> None:
+    """`scatter_blocks` without the shape check (data is known to be the shape); `wait=False`: the
+    caller waits for the device (the copy reads `data` until then)."""
     if not cache.k.is_cuda:
         kv = data.view(cache.spec.dtype)  # (n, 2, L, bs, kv_heads, hd)
         for i, bid in enumerate(block_ids):
@@ -154,7 +166,15 @@ def _scatter(cache: PagedKVCache, block_ids: Sequence[int], data: torch.Tensor) 
     idx = torch.tensor(list(block_ids), dtype=torch.long).to(dev, non_blocking=True)
     cache.k.view(torch.uint8).index_copy_(1, idx, kv[:, 0].transpose(0, 1))
     cache.v.view(torch.uint8).index_copy_(1, idx, kv[:, 1].transpose(0, 1))
-    torch.cuda.current_stream(dev).synchronize()
+    if wait:
+        torch.cuda.current_stream(dev).synchronize()
+
+
+def _pinned(nbytes: int) -> Any:
+    """The RAM tier's memory for a GPU pool (common/kv/tiers.HostArena): pinned host memory, so copies
+    to the device run from it asynchronously. `nbytes` is a power of two: the pinned allocator rounds
+    every allocation up to one, so the tier's limit holds exactly."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 class ShardPeers(Protocol):
@@ -228,6 +248,7 @@ class KVOffload:
         # parallelism: the scatter to every rank and their acknowledgements), over the blocks loaded
         self.copy_in_s = 0.0
         self.copy_in_blocks = 0
+        self.staged_bytes = 0  # GPU: read bytes copied into pinned memory first (0 from the RAM tier)
         # layer by layer while the step computes (common/kv/layer_loads.py), or None: each load whole
         # before the step (`load_mode` "whole", "auto" on a CPU pool; with tensor parallelism always)
         if load_mode == "auto":
@@ -261,6 +282,7 @@ class KVOffload:
             ram_bytes=int(ram_gb * 2**30),
             disk_dir=os.path.expanduser(disk_dir) if disk_dir else None,
             disk_bytes=int(disk_gb * 2**30),
+            ram_allocate=_pinned if cache.k.is_cuda else None,
         )
         tiers = [f"RAM {ram_gb:g} GiB"] if ram_gb > 0 else []
         if store.slot is not None:
@@ -310,7 +332,7 @@ class KVOffload:
             self.loads.add(ids, got)
             return len(got)
         if self.peers is None:
-            put_blocks(self.cache, ids, got)
+            self.staged_bytes += put_blocks(self.cache, ids, got)
             return len(got)
         return len(got) if self._load_shards(got, ids) else 0
 

@@ -17,6 +17,19 @@ limit first evicts the least recently used ones, and one larger than the whole t
   are then a miss, never an error.
 Both tiers are written to (write-through): a block evicted from RAM may still be on disk.
 
+RAM memory. The RAM tier's blocks live in a `HostArena`: fixed slots of one block's payload each,
+allocated in segments (a power of two bytes, at most 256 MiB) as they are first needed, never more
+than the tier's size in all, so its limit is a limit on memory, not on a count. A chunk's record is
+its head (kept as a small bytes object: ~8 bytes per token) and its blocks' slots. For a GPU pool
+the segments are pinned host memory (common/kv/offload.py passes the allocator): a read hands back
+views of the slots themselves, from which the copies to the device run asynchronously with no
+staging copy; on a CPU pool they are anonymous memory maps — the same code. A slot goes back to the
+free list only when its chunk has left the index *and* nothing refers to its bytes any more: a read
+hands out views of numpy arrays whose finalizers report them gone, and a tensor made from a view
+(an asynchronous copy's source) keeps them alive, so the LRU can never hand a slot to a new write
+while a copy still reads it. A write that finds the room but not the free slots (readers still hold
+them) stores nothing (`write_failures["busy"]`).
+
 What comes out. `read(hashes, tokens)` returns the verified bytes of the longest run of leading
 blocks some tier holds, RAM first. Every chunk is stored as one record, the same bytes in RAM and on
 disk: a header (magic, format version, the model/KV-layout digest, block count, block size, payload
@@ -44,10 +57,10 @@ was dropped (queue full), filtered or failed stores nothing, so it is never publ
 them) are held and read like any, with no event and out of `held`; a chunk promoted from the disk
 keeps them quiet.
 
-Reads run on the caller's thread (the engine's, at admission): the record read and verified in host
-memory; putting the verified bytes into the pool is the pool's side (common/kv/offload.py: on a GPU
-layer by layer while the step computes, common/kv/layer_loads.py). The index is guarded by one
-lock, held for index changes only, never across I/O.
+Reads run on the caller's thread (the engine's, at admission): the record read (from RAM: views of
+its slots) and verified in host memory; putting the verified bytes into the pool is the pool's side
+(common/kv/offload.py: on a GPU layer by layer while the step computes, common/kv/layer_loads.py).
+The index is guarded by one lock, held for index changes only, never across I/O.
 
 Prefetch on arrival. When a request reaches the engine (`add_request`), `prefetch(*runs)` is handed the
 keys its admission's reads will ask for: the prompt's leading block hashes past the pool's prefix (with
@@ -56,7 +69,7 @@ hold (what a read would return), less what RAM holds already, is one *prefetch*:
 own (never the engine's) reads the disk chunks holding those blocks, verifies them as a read does (a
 failure is counted in `verify_failures` and the chunk forgotten: a miss, exactly as a read's) and
 inserts the blocks asked for into RAM (a chunk's others stay on the disk only), where the admission's
-read then finds them. The insert is one index change under the lock, of a record complete in memory, so
+read then finds them. The insert is one index change under the lock, of a record complete in its slots, so
 a reader sees the whole chunk or none of it, and the block's (held, hash, "ram") event is recorded only
 then. A promotion evicts RAM's LRU chunks as any RAM write does, except those an admission's read is
 reading now (pinned for the read's length); it is given up when only pinned chunks could make room.
@@ -74,22 +87,29 @@ returned).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import errno
 import fcntl
+import heapq
 import logging
+import mmap
 import os
 import queue
 import struct
 import threading
 import time
+import weakref
 import zlib
 from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Collection, Container, Sequence
+from collections.abc import Callable, Collection, Container, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from common.prefix_hash import DISK, RAM, KVEvent
 
@@ -119,6 +139,29 @@ def _pad(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def encode_head(
+    digest: bytes,
+    block_size: int,
+    hashes: Sequence[int],
+    tokens: Sequence[Sequence[int]],
+    payload: Sequence[memoryview],
+) -> bytes:
+    """A record's head (see the module doc: header, hashes, tokens, padding) for the payload whose bytes
+    are the `payload` parts in order, its checksum taken over the head and those parts."""
+    n = len(hashes)
+    assert len(tokens) == n and all(len(t) == block_size for t in tokens), "whole blocks only"
+    meta = array("q", hashes).tobytes() + array("q", [t for blk in tokens for t in blk]).tobytes()
+    head = bytearray(_pad(_HEADER.size + len(meta)))
+    nbytes = sum(p.nbytes for p in payload)
+    _HEADER.pack_into(head, 0, MAGIC, VERSION, 0, digest, n, block_size, nbytes, 0)
+    head[_HEADER.size : _HEADER.size + len(meta)] = meta
+    crc = zlib.crc32(head)
+    for part in payload:
+        crc = zlib.crc32(part, crc)
+    struct.pack_into("<I", head, _CRC_AT, crc)
+    return bytes(head)
+
+
 def encode(
     digest: bytes,
     block_size: int,
@@ -126,39 +169,68 @@ def encode(
     tokens: Sequence[Sequence[int]],
     payload: memoryview,
 ) -> bytearray:
-    """One chunk's record (see the module doc): header, hashes, tokens, padding, payload."""
-    n = len(hashes)
-    assert len(tokens) == n and all(len(t) == block_size for t in tokens), "whole blocks only"
-    meta = array("q", hashes).tobytes() + array("q", [t for blk in tokens for t in blk]).tobytes()
-    head = _pad(_HEADER.size + len(meta))
-    rec = bytearray(head + payload.nbytes)
-    _HEADER.pack_into(rec, 0, MAGIC, VERSION, 0, digest, n, block_size, payload.nbytes, 0)
-    rec[_HEADER.size : _HEADER.size + len(meta)] = meta
-    rec[head:] = payload
-    struct.pack_into("<I", rec, _CRC_AT, zlib.crc32(rec))
-    return rec
+    """One chunk's record in one buffer (the disk's): its head (`encode_head`), then the payload."""
+    return bytearray(encode_head(digest, block_size, hashes, tokens, [payload])) + payload
 
 
 @dataclass(frozen=True)
 class Decoded:
     hashes: tuple[int, ...]
     tokens: tuple[tuple[int, ...], ...]
-    payload: memoryview  # the record's payload: block i is payload[i * block_bytes : (i + 1) * block_bytes]
+    blocks: Sequence[memoryview]  # block i's payload bytes (block_bytes), views of the record's memory
 
 
 def decode(rec: bytearray, digest: bytes, block_size: int, block_bytes: int) -> Decoded:
     """The record's contents, verified (module doc); VerifyError naming the cause otherwise."""
     if len(rec) < _HEADER.size:
         raise VerifyError("truncated", f"{len(rec)} bytes, shorter than a header")
-    magic, version, _, got_digest, n, bs, payload_len, crc = _HEADER.unpack_from(rec, 0)
+    mv = memoryview(rec)
+    head = _head_len(mv)
+    payload = mv[head:]
+    hashes, toks = _verify(mv[:head], [payload], len(rec), digest, block_size, block_bytes)
+    blocks = [payload[i * block_bytes : (i + 1) * block_bytes] for i in range(len(hashes))]
+    return Decoded(hashes, toks, blocks)
+
+
+def decode_parts(
+    head: bytes, blocks: Sequence[memoryview], digest: bytes, block_size: int, block_bytes: int
+) -> Decoded:
+    """A record kept as its head and one buffer per block (the RAM tier's), verified as `decode` does."""
+    if len(head) < _HEADER.size:
+        raise VerifyError("truncated", f"a head of {len(head)} bytes, shorter than a header")
+    if _head_len(memoryview(head)) != len(head):
+        raise VerifyError("truncated", f"a head of {len(head)} bytes, the header says otherwise")
+    total = len(head) + sum(b.nbytes for b in blocks)
+    hashes, toks = _verify(memoryview(head), blocks, total, digest, block_size, block_bytes)
+    if len(blocks) != len(hashes):
+        raise VerifyError("truncated", f"{len(blocks)} block buffers for {len(hashes)} blocks")
+    return Decoded(hashes, toks, blocks)
+
+
+def _head_len(mv: memoryview) -> int:
+    n, bs = _HEADER.unpack_from(mv, 0)[4:6]
+    return _pad(_HEADER.size + 8 * n + 8 * n * bs)
+
+
+def _verify(
+    head: memoryview,
+    payload: Sequence[memoryview],
+    total: int,
+    digest: bytes,
+    block_size: int,
+    block_bytes: int,
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """Check a record (its head, its payload in parts; `total`: the record's length) and return its
+    block hashes and tokens; VerifyError naming the cause otherwise."""
+    magic, version, _, got_digest, n, bs, payload_len, crc = _HEADER.unpack_from(head, 0)
     if magic != MAGIC:
         raise VerifyError("checksum", f"bad magic {magic!r}")
-    meta_len = 8 * n + 8 * n * bs
-    head = _pad(_HEADER.size + meta_len)
-    if len(rec) != head + payload_len:
-        raise VerifyError("truncated", f"{len(rec)} bytes, the header says {head + payload_len}")
-    mv = memoryview(rec)
-    actual = zlib.crc32(mv[_CRC_AT + 4 :], zlib.crc32(b"\0\0\0\0", zlib.crc32(mv[:_CRC_AT])))  # field as 0
+    if total != len(head) + payload_len:
+        raise VerifyError("truncated", f"{total} bytes, the header says {len(head) + payload_len}")
+    # the checksum field counted as 0
+    actual = zlib.crc32(head[_CRC_AT + 4 :], zlib.crc32(b"\0\0\0\0", zlib.crc32(head[:_CRC_AT])))
+    for part in payload:
+        actual = zlib.crc32(part, actual)
     if actual != crc:
         raise VerifyError("checksum", f"crc32 {actual:08x}, stored {crc:08x}")
     if version != VERSION or got_digest != digest or bs != block_size or payload_len != n * block_bytes:
@@ -166,10 +238,95 @@ def decode(rec: bytearray, digest: bytes, block_size: int, block_bytes: int) -> 
             "layout", f"version {version}, digest {got_digest.hex()}, block size {bs}, payload {payload_len}"
         )
     words = array("q")
-    words.frombytes(mv[_HEADER.size : _HEADER.size + meta_len])
+    words.frombytes(head[_HEADER.size : _HEADER.size + 8 * n + 8 * n * bs])
     hashes = tuple(words[:n])
     toks = tuple(tuple(words[n + i * bs : n + (i + 1) * bs]) for i in range(n))
-    return Decoded(hashes, toks, mv[head:])
+    return hashes, toks
+
+
+class HostArena:
+    """The RAM tier's memory (module doc, "RAM memory"): `slots` fixed slots of one block's payload
+    each (`stride`: block_bytes rounded up to _ALIGN), in segments of a power of two bytes (at most
+    SEGMENT) allocated when a slot in them is first taken, never more than `capacity` bytes in all.
+    `allocate(nbytes)`: a writable buffer; by default an anonymous mmap (its pages are touched only
+    when written), for a GPU pool pinned host memory (common/kv/offload.py). Not thread-safe: the
+    store's lock guards it."""
+
+    SEGMENT = 1 << 28
+
+    def __init__(self, block_bytes: int, capacity: int, allocate: Callable[[int], Any] | None = None) -> None:
+        self.stride = _pad(block_bytes)
+        self.block_bytes = block_bytes
+        self._allocate = allocate or (lambda n: mmap.mmap(-1, n))
+        self._first: list[int] = []  # per segment: its first slot
+        self._size: list[int] = []  # per segment: its bytes
+        left, slots = capacity, 0
+        while left >= self.stride:
+            size = min(self.SEGMENT, 1 << (left.bit_length() - 1))  # a power of two: the pinned
+            if size < self.stride:  # allocator rounds every allocation up to one
+                break
+            self._first.append(slots)
+            self._size.append(size)
+            slots += size // self.stride
+            left -= size
+        self.slots = slots
+        self._seg: list[Any] = [None] * len(self._first)
+        self._raw: list[memoryview | None] = [None] * len(self._first)
+        self._free = list(range(slots))  # a heap: the lowest free slot first, so a chunk's slots
+        # tend to be adjacent (one copy a run) and the touched memory stays compact
+        self.allocated_bytes = 0  # segments allocated so far
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n free slots, lowest first; None when fewer are free."""
+        if n > len(self._free):
+            return None
+        out = [heapq.heappop(self._free) for _ in range(n)]
+        for s in out:
+            self._segment(s)
+        return out
+
+    def free(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            heapq.heappush(self._free, s)
+
+    def raw(self, slot: int) -> memoryview:
+        """Slot `slot`'s bytes (block_bytes), for the store's own writes and checks."""
+        seg = self._segment(slot)
+        raw = self._raw[seg]
+        assert raw is not None
+        at = (slot - self._first[seg]) * self.stride
+        return raw[at : at + self.block_bytes]
+
+    def export(self, slots: Sequence[int], gone: Callable[[], None]) -> list[memoryview]:
+        """Views of the slots' bytes (one a slot, in order) for readers: one numpy array per run of
+        adjacent slots, whose finalizer calls `gone` once nothing refers to it any more (no view of
+        it, no tensor made from one: a copy reading from them keeps them alive)."""
+        out: list[memoryview] = []
+        i = 0
+        while i < len(slots):
+            seg = self._segment(slots[i])
+            j = i + 1
+            while j < len(slots) and slots[j] == slots[j - 1] + 1 and self._segment(slots[j]) == seg:
+                j += 1
+            at = (slots[i] - self._first[seg]) * self.stride
+            arr = np.frombuffer(self._seg[seg], dtype=np.uint8, count=(j - i) * self.stride, offset=at)
+            weakref.finalize(arr, gone).atexit = False
+            mv = arr.data  # a memoryview whose object is arr: each slice keeps it alive
+            out.extend(mv[k * self.stride : k * self.stride + self.block_bytes] for k in range(j - i))
+            i = j
+        return out
+
+    def _segment(self, slot: int) -> int:
+        seg = bisect.bisect_right(self._first, slot) - 1
+        if self._seg[seg] is None:
+            self._seg[seg] = self._allocate(self._size[seg])
+            self._raw[seg] = memoryview(self._seg[seg]).cast("B")
+            self.allocated_bytes += self._size[seg]
+        return seg
 
 
 class Latency:
@@ -201,7 +358,7 @@ class TierStats:
     hits: int = 0  # blocks read back and verified
     misses: int = 0  # blocks looked up here and not returned (not held, or held and failed to verify)
     writes: int = 0  # blocks stored
-    write_failures: Counter[str] = field(default_factory=Counter)  # by cause: full, too_large, io
+    write_failures: Counter[str] = field(default_factory=Counter)  # by cause: full, too_large, io, busy
     verify_failures: Counter[str] = field(default_factory=Counter)  # by cause: VERIFY_CAUSES
     evicted: int = 0  # blocks the LRU let go of
     read_latency: Latency = field(default_factory=Latency)  # one chunk read and verified
@@ -255,7 +412,10 @@ class _Chunk:
     key: int
     hashes: tuple[int, ...]
     nbytes: int
-    record: bytearray | None = None  # RAM: the record itself; disk: in the chunk's file
+    head: bytes = b""  # RAM: the record's head (its payload: the slots); disk: all in the chunk's file
+    slots: list[int] | None = None  # RAM: the arena slots of its blocks, in order
+    exports: int = 0  # RAM: views of its slots handed to readers and still referred to
+    forgotten: bool = False  # RAM: out of the index (its slots are freed once `exports` is 0 too)
     prefetch: _Prefetch | None = None  # RAM: the prefetch that promoted it from the disk
     quiet: frozenset[int] = frozenset()  # keys held without KV events (offer's `quiet`)
 
@@ -268,8 +428,9 @@ class _Tier:
     Guarded by the store's lock; `events` (the store's, None while off) records what it comes to hold
     and lets go of."""
 
-    def __init__(self, name: str, capacity: int) -> None:
+    def __init__(self, name: str, capacity: int, on_forget: Callable[[_Chunk], None] | None = None) -> None:
         self.name = name
+        self.on_forget = on_forget  # called (under the lock) for each chunk it lets go of
         self.chunks: OrderedDict[int, _Chunk] = OrderedDict()
         self.where: dict[int, tuple[int, int]] = {}  # block hash -> (chunk key, index in the chunk)
         self.stats = TierStats(name, capacity)
@@ -328,6 +489,8 @@ class _Tier:
                     self.events.append((False, h, self.name))
         self.stats.bytes -= c.nbytes
         self.stats.blocks -= len(c.hashes)
+        if self.on_forget is not None:
+            self.on_forget(c)
 
 
 @dataclass
@@ -352,12 +515,19 @@ class TierStore:
         disk_bytes: int = 0,
         queue_chunks: int = 16,
         prefetch_jobs: int = PREFETCH_JOBS,
+        ram_allocate: Callable[[int], Any] | None = None,
     ) -> None:
+        """`ram_allocate`: how the RAM tier's memory is allocated (HostArena)."""
         assert len(digest) == 16, "the layout digest is 16 bytes"
         assert ram_bytes > 0 or disk_dir is not None, "a store needs a tier"
         self.digest, self.block_size, self.block_bytes = digest, block_size, block_bytes
         self._lock = threading.Lock()
-        self.ram = _Tier(RAM, ram_bytes) if ram_bytes > 0 else None
+        self.arena: HostArena | None = None
+        self.ram: _Tier | None = None
+        self._gone: deque[_Chunk] = deque()  # RAM chunks an exported view of has died (HostArena.export)
+        if ram_bytes > 0:
+            self.arena = HostArena(block_bytes, ram_bytes, ram_allocate)
+            self.ram = _Tier(RAM, self.arena.slots * self.arena.stride, self._ram_forgot)
         self.disk = _Tier(DISK, disk_bytes) if disk_dir is not None else None
         self.slot: Path | None = None
         self._slot_fd: int | None = None
@@ -430,7 +600,9 @@ class TierStore:
     def read(self, hashes: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[memoryview]:
         """The verified bytes of the longest run of leading blocks some tier holds (RAM first), one
         memoryview of `block_bytes` per block; it stops at the first block no tier returns. The RAM
-        chunks holding `hashes` are pinned while it runs: a prefetch does not evict them."""
+        chunks holding `hashes` are pinned while it runs: a prefetch does not evict them. A view of
+        RAM is of the tier's own memory, kept from reuse for as long as anything refers to it (a
+        tensor made from it included): copy what is needed and let go of the views."""
         out: list[memoryview] = []
         cache: dict[tuple[str, int], Decoded | None] = {}  # chunks read in this call
         pins = self._pin(hashes)
@@ -506,19 +678,26 @@ class TierStore:
             if job is not None and not job.outcome:  # a prefetch brought this block here in time
                 job.outcome = "in_time"
                 self._pf.in_time += 1
-        return dec.payload[index * self.block_bytes : (index + 1) * self.block_bytes]
+        return dec.blocks[index]
 
     def _read_chunk(self, tier: _Tier, chunk: _Chunk, observe: bool = True) -> Decoded | None:
-        """The chunk's record, read and verified (its bytes: `payload.obj`); None, counted and the chunk
-        forgotten, if it fails (module doc). `observe`: its time goes into the tier's read latency."""
+        """The chunk's record, read and verified; None, counted and the chunk forgotten, if it fails
+        (module doc); None too for a RAM chunk the LRU let go of since it was looked up. `observe`: its
+        time goes into the tier's read latency."""
         t0 = time.perf_counter()
         try:
-            if chunk.record is not None:
-                rec = chunk.record
+            if chunk.slots is not None:  # RAM: views of its slots, which stay its own while they live
+                assert self.arena is not None
+                with self._lock:
+                    if chunk.forgotten:
+                        return None
+                    views = self.arena.export(chunk.slots, lambda: self._gone.append(chunk))
+                    chunk.exports += len({id(v.obj) for v in views})
+                dec = decode_parts(chunk.head, views, self.digest, self.block_size, self.block_bytes)
             else:
                 assert self.slot is not None
                 rec = _read_file(self.slot / _name(chunk.key))
-            dec = decode(rec, self.digest, self.block_size, self.block_bytes)
+                dec = decode(rec, self.digest, self.block_size, self.block_bytes)
         except VerifyError as e:
             self._failed(tier, chunk, e)
             return None
@@ -539,7 +718,7 @@ class TierStore:
                 return
             tier.stats.verify_failures[e.cause] += 1
             gone = tier.drop(chunk.key)
-        if gone is not None and gone.record is None and self.slot is not None:
+        if gone is not None and gone.slots is None and self.slot is not None:
             with contextlib.suppress(OSError):
                 (self.slot / _name(chunk.key)).unlink()
         self._log_once(tier.name, e.cause, f"a KV chunk did not read back ({e}): a miss, recomputed")
@@ -628,39 +807,90 @@ class TierStore:
 
     def _promote(self, dec: Decoded, job: _Prefetch, quiet: frozenset[int] = frozenset()) -> None:
         """Insert a verified disk record into RAM: the blocks the job asked for that RAM does not hold
-        yet (re-encoded when that is not all of them: a chunk's other blocks, another prompt's or a
-        later part of this one, would take RAM from what admissions read), in one index change (module
-        doc)."""
+        yet (a chunk's other blocks, another prompt's or a later part of this one, would take RAM from
+        what admissions read), in one index change (module doc)."""
         ram = self.ram
         assert ram is not None
         wanted = set(job.hashes)
         with self._lock:
             keep = [i for i, h in enumerate(dec.hashes) if h in wanted and not ram.holds(h)]
-        if not keep:
-            return
-        rec = dec.payload.obj
-        assert isinstance(rec, bytearray)
-        if len(keep) < len(dec.hashes):
-            bb = self.block_bytes
-            payload = memoryview(b"".join(dec.payload[i * bb : (i + 1) * bb] for i in keep))
-            rec = encode(
-                self.digest, self.block_size, [dec.hashes[i] for i in keep], [dec.tokens[i] for i in keep],
-                payload,
+        if keep:
+            self._put_ram(
+                [dec.hashes[i] for i in keep], [dec.tokens[i] for i in keep], [dec.blocks[i] for i in keep],
+                quiet, job,
             )  # fmt: skip
-        hashes = tuple(dec.hashes[i] for i in keep)
+
+    def _put_ram(
+        self,
+        hashes: list[int],
+        tokens: list[tuple[int, ...]],
+        blocks: Sequence[memoryview],
+        quiet: frozenset[int],
+        job: _Prefetch | None = None,
+    ) -> None:
+        """Store blocks in RAM as one chunk: the LRU makes room (a promotion's, for `job`, evicts no
+        chunk an admission's read is reading, and is given up if only those could make room), free
+        slots are taken, the blocks copied into them and the chunk indexed once its head is made.
+        Slots a reader still refers to stay taken (HostArena.export): with too few free, a write is
+        not stored (`write_failures["busy"]`), a promotion counted in `no_room`."""
+        ram, arena = self.ram, self.arena
+        assert ram is not None and arena is not None
+        t0 = time.perf_counter()
+        n = len(hashes)
+        nbytes = n * arena.stride
         with self._lock:
-            if all(ram.holds(h) for h in hashes):  # a write raced it in meanwhile
+            self._reap()
+            if job is not None:
+                if all(ram.holds(h) for h in hashes):  # a write raced it in meanwhile
+                    return
+                if not ram.fits(nbytes, self._pinned):
+                    self._pf.no_room += 1
+                    return
+                ram.room_for(nbytes, self._pinned)
+            elif nbytes > ram.stats.capacity_bytes:
+                ram.stats.write_failures["too_large"] += n
+                self._log_once(RAM, "too_large", f"a KV chunk of {n} blocks is larger than the tier")
                 return
-            if not ram.fits(len(rec), self._pinned):
-                self._pf.no_room += 1
+            else:
+                ram.room_for(nbytes)
+            slots = arena.alloc(n)
+            if slots is None:  # the room is there, but readers still hold the slots that make it
+                if job is not None:
+                    self._pf.no_room += 1
+                else:
+                    ram.stats.write_failures["busy"] += n
                 return
-            ram.room_for(len(rec), self._pinned)
             self._keys += 1
-            ram.add(_Chunk(self._keys, hashes, len(rec), rec, prefetch=job, quiet=quiet))
-            self._pf.blocks += len(hashes)
+            key = self._keys
+        for slot, block in zip(slots, blocks, strict=True):  # slots taken, not indexed: no reader sees them
+            arena.raw(slot)[:] = block
+        head = encode_head(self.digest, self.block_size, hashes, tokens, [arena.raw(s) for s in slots])
+        with self._lock:
+            ram.add(_Chunk(key, tuple(hashes), nbytes, head, slots, prefetch=job, quiet=quiet))
+            if job is None:
+                ram.stats.write_latency.observe(time.perf_counter() - t0)
+                return
+            self._pf.blocks += n
             for h in hashes:  # promoted: an admission from now on finds it in RAM, in time
                 if self._pf_pending.get(h) is job:
                     del self._pf_pending[h]
+
+    def _ram_forgot(self, c: _Chunk) -> None:
+        """The RAM tier let go of c (under the lock): its slots are free once no reader refers to them."""
+        c.forgotten = True
+        if c.exports == 0 and c.slots is not None:
+            assert self.arena is not None
+            self.arena.free(c.slots)
+
+    def _reap(self) -> None:
+        """Count the exported views that died (under the lock); free the slots of forgotten chunks
+        nothing refers to any more."""
+        while self._gone:
+            c = self._gone.popleft()
+            c.exports -= 1
+            if c.exports == 0 and c.forgotten and c.slots is not None:
+                assert self.arena is not None
+                self.arena.free(c.slots)
 
     # --- KV events -------------------------------------------------------------------------------
     def enable_events(self) -> None:
@@ -724,12 +954,17 @@ class TierStore:
                     for i, h in enumerate(offer.hashes)
                     if not self.disk.holds(h) and self._seen.get(h, 0) >= 2
                 ]
+        bb = self.block_bytes
         if self.ram is not None and ram:
-            self._write(self.ram, offer, ram)
+            self._put_ram(
+                [offer.hashes[i] for i in ram], [offer.tokens[i] for i in ram],
+                [offer.payload[i * bb : (i + 1) * bb] for i in ram], offer.quiet,
+            )  # fmt: skip
         if self.disk is not None and disk:
             self._write(self.disk, offer, disk)
 
     def _write(self, tier: _Tier, offer: _Offer, picked: list[int]) -> None:
+        """Store the picked blocks of an offer on the disk as one chunk (one record, one file)."""
         t0 = time.perf_counter()
         bb = self.block_bytes
         if len(picked) == len(offer.hashes):
@@ -745,25 +980,23 @@ class TierStore:
             else:
                 too_large = False
                 self._keys += 1
-                record = rec if tier is self.ram else None
-                chunk = _Chunk(self._keys, tuple(hashes), len(rec), record, quiet=offer.quiet)
+                chunk = _Chunk(self._keys, tuple(hashes), len(rec), quiet=offer.quiet)
                 evicted = tier.room_for(len(rec))
         if too_large:
             self._log_once(tier.name, "too_large", f"a KV chunk of {len(rec)} bytes is larger than the tier")
             return
-        if tier is self.disk:
-            assert self.slot is not None
-            for c in evicted:
-                with contextlib.suppress(OSError):
-                    (self.slot / _name(c.key)).unlink()
-            try:
-                self._write_file(self.slot / _name(chunk.key), rec)
-            except OSError as e:
-                cause = "full" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "io"
-                with self._lock:
-                    tier.stats.write_failures[cause] += len(hashes)
-                self._log_once("disk", f"write_{cause}", f"a KV chunk could not be written ({e}): not stored")
-                return
+        assert self.slot is not None
+        for c in evicted:
+            with contextlib.suppress(OSError):
+                (self.slot / _name(c.key)).unlink()
+        try:
+            self._write_file(self.slot / _name(chunk.key), rec)
+        except OSError as e:
+            cause = "full" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "io"
+            with self._lock:
+                tier.stats.write_failures[cause] += len(hashes)
+            self._log_once("disk", f"write_{cause}", f"a KV chunk could not be written ({e}): not stored")
+            return
         with self._lock:
             tier.add(chunk)
             tier.stats.write_latency.observe(time.perf_counter() - t0)

@@ -36,7 +36,7 @@ PREEMPTION_KINDS = ("swap", "recompute")
 # The KV transfer's figures are labelled by backend and by rank (the tensor-parallel rank whose KV shard
 # moved; 0 until there is tensor parallelism): a bounded set, never a request id.
 TRANSFER_LABELS = ("backend", "rank")
-TIER_WRITE_FAILURES = ("full", "too_large", "io")  # common/kv/tiers.py: why a chunk was not stored
+TIER_WRITE_FAILURES = ("full", "too_large", "io", "busy")  # common/kv/tiers.py: why a chunk was not stored
 
 
 class TransportCount(NamedTuple):
@@ -231,7 +231,8 @@ class EngineCollector:
         )
         wfail = CounterMetricFamily(
             "splitserve_kv_tier_write_failures",
-            "KV blocks not stored: full (disk full), too_large (a chunk over the tier's size), io",
+            "KV blocks not stored: full (disk full), too_large (a chunk over the tier's size), io, "
+            "busy (RAM: the slots that would make room are still being read)",
             labels=["tier", "cause"],
         )
         read = HistogramMetricFamily(

@@ -166,7 +166,8 @@ def test_layer_by_layer_tier_loads_into_vram_are_byte_exact() -> None:
 def test_tier_hits_into_vram_layer_by_layer_give_the_tokens_of_whole_copies(smollm) -> None:  # type: ignore[no-untyped-def]
     """A RAM tier behind a VRAM pool too small to keep three prompts: every repeat reads its prefix back,
     put in layer by layer on the copy stream while the step computes (auto on a GPU) or all before the
-    step (whole); CUDA graphs on. The greedy tokens are equal, request by request."""
+    step (whole); CUDA graphs on. The greedy tokens are equal, request by request; the tier's memory
+    is pinned and no hit is staged through another buffer."""
     from tests.support.tiers import ORDER, QUESTIONS, run_in_turn
 
     model, tok = smollm
@@ -187,5 +188,12 @@ def test_tier_hits_into_vram_layer_by_layer_give_the_tokens_of_whole_copies(smol
         assert (engine.kv_offload.loads is not None) == (load == "auto")
         outs[load] = run_in_turn(engine, prompts, ORDER, params)
         hits[load] = engine.block_manager.tier_hits
+        # the RAM tier is pinned memory (common/kv/tiers.HostArena): its hits are copied to the GPU
+        # from the tier's own slots, never staged first
+        off = engine.kv_offload
+        arena = off.store.arena
+        assert arena is not None and arena.allocated_bytes > 0
+        assert all(torch.from_numpy(seg).is_pinned() for seg in arena._seg if seg is not None)
+        assert off.staged_bytes == 0 and (off.loads is None or off.loads.staged_bytes == 0)
         engine.close()
     assert outs["auto"] == outs["whole"] and hits["auto"] == hits["whole"] > 0

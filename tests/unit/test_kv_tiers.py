@@ -5,6 +5,7 @@ complete blocks go out, tier blocks come back hashed and counted as cached."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.kv import tiers
 from common.kv.block_manager import BlockManager
@@ -36,10 +38,11 @@ def blocks(first: int, n: int) -> tuple[list[int], list[tuple[int, ...]], memory
 
 
 def store(tmp_path: Path | None = None, ram_blocks: int = 0, disk_blocks: int = 0, **kw: object) -> TierStore:
-    """A store whose tiers hold about this many single-block records."""
+    """A store whose tiers hold this many blocks (RAM: slots; disk: about this many single-block
+    records)."""
     rec = len(encode(DIGEST, BS, *blocks(0, 1)))
     return TierStore(
-        DIGEST, BS, BB, ram_bytes=ram_blocks * rec, disk_dir=tmp_path,
+        DIGEST, BS, BB, ram_bytes=ram_blocks * BB, disk_dir=tmp_path,
         disk_bytes=disk_blocks * rec, **kw,  # type: ignore[arg-type]
     )  # fmt: skip
 
@@ -184,8 +187,8 @@ def test_a_damaged_ram_record_falls_back_to_the_disk_copy(tmp_path: Path) -> Non
         hashes, toks = put(s, 0, n=2, times=2)
         assert s.ram is not None
         (chunk,) = s.ram.chunks.values()
-        assert chunk.record is not None
-        chunk.record[-1] ^= 0xFF  # the RAM copy's last payload byte
+        assert chunk.slots is not None and s.arena is not None
+        s.arena.raw(chunk.slots[-1])[-1] ^= 0xFF  # the RAM copy's last payload byte
         got = s.read(hashes, toks)
         assert [bytes(b) for b in got] == [bytes([0]) * BB, bytes([1]) * BB]
         assert tier(s, "ram").verify_failures["checksum"] == 1 and tier(s, "disk").hits == 2
@@ -198,7 +201,8 @@ def test_records_verify_layout_and_length() -> None:
     rec = encode(DIGEST, BS, hashes, toks, payload)
     assert rec[:4] == MAGIC
     dec = decode(rec, DIGEST, BS, BB)
-    assert dec.hashes == tuple(hashes) and dec.tokens == tuple(toks) and bytes(dec.payload) == bytes(payload)
+    assert dec.hashes == tuple(hashes) and dec.tokens == tuple(toks)
+    assert b"".join(dec.blocks) == bytes(payload)
     for args, cause in [
         ((rec, bytes(16), BS, BB), "layout"),  # another model or KV layout wrote it
         ((rec, DIGEST, BS * 2, BB), "layout"),  # another block size
@@ -209,6 +213,58 @@ def test_records_verify_layout_and_length() -> None:
         with pytest.raises(VerifyError) as e:
             decode(*args)
         assert e.value.cause == cause
+
+
+def test_the_ram_arena_takes_memory_as_needed_in_power_of_two_segments_never_past_its_size() -> None:
+    """The RAM tier's memory (HostArena): nothing allocated before the first write, each segment a power
+    of two bytes (what a pinned allocator rounds to) from the allocator it was given, all of them
+    together within the tier's size; the tier's capacity is exactly its slots."""
+    sizes: list[int] = []
+
+    def allocate(n: int) -> bytearray:
+        sizes.append(n)
+        return bytearray(n)
+
+    cap = 11 * BB + 100  # not a power of two, nor a whole number of slots
+    s = TierStore(DIGEST, BS, BB, ram_bytes=cap, ram_allocate=allocate)
+    try:
+        arena = s.arena
+        assert arena is not None and arena.allocated_bytes == 0 and not sizes
+        assert tier(s, "ram").capacity_bytes == arena.slots * arena.stride <= cap
+        assert arena.slots == 11  # 8 + 2 + 1 slots: segments of 2048, 512 and 256 bytes
+        chains = [put(s, 100 * i) for i in range(1, 14)]  # more than it holds: the LRU recycles slots
+        assert sizes == [2048, 512, 256] and sum(sizes) == arena.allocated_bytes <= cap
+        assert all(n & (n - 1) == 0 for n in sizes)
+        assert [len(s.read(*c)) for c in chains] == [0, 0] + [1] * 11
+        assert arena.free_slots == 0 and tier(s, "ram").write_failures.total() == 0
+    finally:
+        s.close()
+
+
+def test_a_ram_slot_is_never_reused_while_a_reader_still_refers_to_its_bytes() -> None:
+    """A read hands back views of the tier's own memory. The LRU may let go of the chunk while a copy
+    still reads them (a tensor made from a view, as a copy to a GPU is), but its slot is not handed to
+    a new write until nothing refers to it: meanwhile a write that needs it is not stored (counted
+    `busy`), and the reader's bytes stay the chunk's. Once they are let go of, the slot is reused."""
+    s = store(ram_blocks=2)
+    try:
+        a = put(s, 100)
+        put(s, 200)
+        got = s.read(*a)
+        held = torch.frombuffer(got[0], dtype=torch.uint8)  # a copy's source, made from the view
+        del got
+        put(s, 300)  # the LRU lets go of 200 (100 was just read): its slot is free, 300 takes it
+        put(s, 400)  # the LRU lets go of 100, but its slot is still read: 400 finds no free slot
+        ram = tier(s, "ram")
+        assert s.read(*a) == [] and ram.evicted == 2 and ram.blocks == 1
+        assert ram.write_failures["busy"] == 1, "the write that needed 100's slot was not stored"
+        assert bytes(held.numpy()) == bytes([100]) * BB, "the reader's bytes are still 100's"
+        del held
+        gc.collect()
+        put(s, 500)  # the slot is free again
+        assert len(s.read(*blocks(500, 1)[:2])) == 1 and tier(s, "ram").write_failures["busy"] == 1
+    finally:
+        s.close()
 
 
 class StuckDisk(TierStore):
