@@ -94,6 +94,12 @@ class EngineConfig(BaseSettings):
         "blocks from the disk into RAM before it is admitted (its admission then reads RAM; reading the "
         "disk at admission would stall every running request's step); 0: never wait",
     )
+    kv_offload_disk_reads: Literal["auto", "always"] = Field(
+        "auto",
+        description="auto: a disk tier hit is read only while the disk's recent read cost per block is "
+        "below recomputing the block at this engine's prefill speed (a slow or throttled disk is then "
+        "left alone and the prompt computed); always: read every disk hit",
+    )
     kv_offload_load: Literal["auto", "layerwise", "inline", "whole"] = Field(
         "auto",
         description="how a tier hit's blocks go into the KV cache: layerwise (each layer copied while the "

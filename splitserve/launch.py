@@ -48,6 +48,7 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field (SPLITSERVE_<FIELD>)
     "--kv-offload-disk-gb": "kv_offload_disk_gb",
     "--kv-offload-load": "kv_offload_load",
     "--kv-offload-prefetch-wait-s": "kv_offload_prefetch_wait_s",
+    "--kv-offload-disk-reads": "kv_offload_disk_reads",
     "--max-num-seqs": "max_num_seqs",
     "--max-num-batched-tokens": "max_num_batched_tokens",
     "--max-model-len": "max_model_len",

@@ -314,10 +314,12 @@ class LLMEngine:
         if not cfg.enable_prefix_caching:
             raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
         if self.tp_workers is None:
-            return KVOffload.create(
+            off = KVOffload.create(
                 self.kv_cache, repr(self.kv_compat()), cfg.kv_offload_ram_gb, cfg.kv_offload_disk_dir,
-                cfg.kv_offload_disk_gb, load_mode=cfg.kv_offload_load,
+                cfg.kv_offload_disk_gb, load_mode=cfg.kv_offload_load, disk_reads=cfg.kv_offload_disk_reads,
             )  # fmt: skip
+            off.recompute_s_per_block = self._recompute_s_per_block
+            return off
         # Tensor parallelism: rank 0's store holds every KV head of a block (the workers' fetched and
         # handed back over the step pipes: common/kv/offload.py), so its records name the whole model's
         # KV layout, as one rank's would (the fp8 scales' digest is the whole model's already).
@@ -326,10 +328,18 @@ class LLMEngine:
             mc, dataclasses.replace(self.kv_cache.spec, num_kv_heads=mc.num_kv_heads), self._scales_digest
         )
         heads = kv_head_ranges(mc.num_kv_heads, cfg.tensor_parallel_size)
-        return KVOffload.create(
+        off = KVOffload.create(
             self.kv_cache, repr(whole), cfg.kv_offload_ram_gb, cfg.kv_offload_disk_dir,
-            cfg.kv_offload_disk_gb, self.tp_workers, heads,
+            cfg.kv_offload_disk_gb, self.tp_workers, heads, disk_reads=cfg.kv_offload_disk_reads,
         )  # fmt: skip
+        off.recompute_s_per_block = self._recompute_s_per_block
+        return off
+
+    def _recompute_s_per_block(self) -> float:
+        """Seconds to compute one block's tokens at this engine's recent speed on long prompts (0:
+        unknown, no step of a long prompt yet)."""
+        tps = self.speed.long_prefill_tps
+        return self.block_manager.block_size / tps if tps > 0 else 0.0
 
     def _kv_blocks(self, bytes_per_block: int) -> int:
         """KV blocks from kv_cache_memory_mb, or on a GPU (by default) from what is free after a

@@ -9,9 +9,14 @@ class StepSpeed:
     engine thread; other threads read them in the engine's published `EngineLoad`."""
 
     ALPHA = 0.2
+    LONG_PREFILL = 256  # prompt tokens in a step for it to count towards `long_prefill_tps`
 
     def __init__(self) -> None:
         self.prefill_tps = 0.0  # prompt tokens per second of a step that computes prompt tokens
+        # the same over steps of at least LONG_PREFILL prompt tokens only: what computing more of a long
+        # prompt costs a token, without the fixed cost of a step that a short one is mostly made of (a
+        # tier hit is weighed against it: common/kv/offload.py)
+        self.long_prefill_tps = 0.0
         self.decode_step_ms = 0.0  # one step that only decodes (one token per running sequence)
 
     def observe(self, seconds: float, prefill_tokens: int, decode_seqs: int) -> None:
@@ -22,6 +27,8 @@ class StepSpeed:
             return
         if prefill_tokens:
             self.prefill_tps = _ewma(self.prefill_tps, prefill_tokens / seconds, self.ALPHA)
+            if prefill_tokens >= self.LONG_PREFILL:
+                self.long_prefill_tps = _ewma(self.long_prefill_tps, prefill_tokens / seconds, self.ALPHA)
         elif decode_seqs:
             self.decode_step_ms = _ewma(self.decode_step_ms, seconds * 1000.0, self.ALPHA)
 

@@ -41,6 +41,17 @@ into a reservation soon after). Blocks a worker fails to hand over are not offer
 0's own meanwhile; the blocks count as loaded only once every rank acknowledged them: a worker that
 fails or is gone makes the load a miss (0, recomputed), never a partial success across ranks.
 
+A disk dearer than recomputing (`disk_reads` "auto", the engine's default). A tier hit must cost less
+than the prefill it saves, or it only adds latency: a slow or throttled disk (a network volume, a
+shared device) reads a block in more time than the prefill computes its tokens. So `load` reads the
+disk only while the disk's recent read cost per block (`TierStore.disk_read_s_per_block`: a moving
+average over admissions' and prefetches' chunk reads) plus putting a block into the pool is at most
+what recomputing a block costs now (`recompute_s_per_block`: the engine's block_size / its prefill
+speed on steps of long prompts, StepSpeed.long_prefill_tps: a short prompt's step is mostly fixed cost);
+otherwise it reads RAM only and leaves the rest to be computed (`disk_skipped_blocks`). Prefetches still
+run (what they promote is a RAM hit later, and their reads keep the disk's figure current), but the
+scheduler does not hold a request back for one (`prefetching` says no). "always" reads every hit.
+
 KV events: what the store comes to hold and lets go of (common/kv/tiers.py) is the block manager's to
 drain with its own (`drain_events`, `held_hashes`), so a service publishes one stream naming each hash's tier.
 
@@ -57,7 +68,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -214,9 +225,17 @@ class KVOffload:
         peers: ShardPeers | None = None,
         head_ranges: Sequence[range] | None = None,
         load_mode: str = "whole",
+        disk_reads: str = "always",
     ) -> None:
-        """`load_mode`: the engine's kv_offload_load (auto, layerwise, inline, whole)."""
+        """`load_mode`: the engine's kv_offload_load (auto, layerwise, inline, whole); `disk_reads`: its
+        kv_offload_disk_reads (auto: read a disk hit only while that is cheaper than recomputing it,
+        with `recompute_s_per_block` set; always)."""
+        if disk_reads not in ("auto", "always"):
+            raise ValueError(f"KV offload: disk reads {disk_reads!r}, one of auto, always")
         self.cache, self.store, self.peers = cache, store, peers
+        self.disk_reads = disk_reads
+        # the engine's: seconds to recompute one block now (block_size / its prefill speed; 0 unknown)
+        self.recompute_s_per_block: Callable[[], float] | None = None
         s = cache.spec
         self.head_ranges = list(head_ranges) if head_ranges is not None else [range(s.num_kv_heads)]
         if len(self.head_ranges[0]) != s.num_kv_heads or (peers is None) != (len(self.head_ranges) == 1):
@@ -269,6 +288,7 @@ class KVOffload:
         peers: ShardPeers | None = None,
         head_ranges: Sequence[range] | None = None,
         load_mode: str = "whole",
+        disk_reads: str = "always",
     ) -> KVOffload:
         """The tiers of `cache`. With tensor parallelism (`peers`, `head_ranges`: see the class doc)
         `compat` must be the whole model's record (tp_size 1), as the store's blocks are."""
@@ -289,7 +309,7 @@ class KVOffload:
             tiers.append(f"disk {disk_gb:g} GiB in {store.slot}")
         ranks = f", every KV head of the {len(head_ranges)} ranks" if head_ranges is not None else ""
         try:
-            off = cls(cache, store, peers, head_ranges, load_mode)
+            off = cls(cache, store, peers, head_ranges, load_mode, disk_reads)
         except BaseException:
             store.close()
             raise
@@ -316,7 +336,7 @@ class KVOffload:
         # tier as small as the pool would otherwise lose a prompt's own blocks to its eviction while the
         # reads run, and a grouped pool's first group's read would push out the next group's pages).
         self._copy_out()
-        got = self.store.read(hashes, tokens)
+        got = self.store.read(hashes, tokens, disk=self.disk_worth())
         if not got:
             return 0
         ids = list(block_ids[: len(got)])
@@ -356,7 +376,21 @@ class KVOffload:
         return self.store.prefetch(*runs)
 
     def prefetching(self, keys: Sequence[int]) -> bool:
-        return self.store.prefetching(keys)
+        # a disk dearer than recomputing is not read at admission: nothing to wait for
+        return self.store.prefetching(keys) and self.disk_worth()
+
+    def disk_worth(self) -> bool:
+        """Whether a disk hit is worth reading at admission (module doc, "A disk dearer than
+        recomputing"): always, or (auto) unless the disk's recent read cost per block, plus putting a
+        block into the pool, is above recomputing one; a figure not measured yet counts as worth it."""
+        if self.disk_reads == "always" or self.store.disk is None or self.recompute_s_per_block is None:
+            return True
+        read = self.store.disk_read_s_per_block()
+        recompute = self.recompute_s_per_block()
+        if read is None or recompute <= 0:
+            return True
+        copy_in = self.copy_in_s / self.copy_in_blocks if self.copy_in_blocks else 0.0
+        return read + copy_in <= recompute
 
     def holds(self, keys: Sequence[int]) -> list[bool]:
         return self.store.holds(keys)

@@ -397,6 +397,8 @@ class StoreStats:
     # evicted blocks never offered: a tensor-parallel worker rank did not hand its heads over
     # (common/kv/offload.py; the store never sees them, so KVOffload.stats fills this in)
     unoffered_blocks: int = 0
+    # blocks the disk held that reads left to be recomputed: reading them cost more (`read(disk=False)`)
+    disk_skipped_blocks: int = 0
 
 
 @dataclass
@@ -537,6 +539,8 @@ class TierStore:
         self.dropped_blocks = 0  # offered while the write queue was full
         self.filtered_blocks = 0  # kept off the disk by the reuse filter
         self._keys = 0
+        self.disk_skipped_blocks = 0  # held on the disk, left to be recomputed (`read(disk=False)`)
+        self._disk_recent = 0.0  # seconds a block of recent disk chunk reads (EWMA), prefetches' too
         self._events: deque[TierEvent] = deque()  # shared by the tiers once enable_events is called
         self._logged: set[tuple[str, str]] = set()
         self._queue: queue.Queue[_Offer | None] = queue.Queue(maxsize=queue_chunks)
@@ -597,12 +601,16 @@ class TierStore:
             self._log_once("queue", "full", "the tier write queue is full: evicted KV blocks are dropped")
             return False
 
-    def read(self, hashes: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[memoryview]:
+    def read(
+        self, hashes: Sequence[int], tokens: Sequence[Sequence[int]], disk: bool = True
+    ) -> list[memoryview]:
         """The verified bytes of the longest run of leading blocks some tier holds (RAM first), one
         memoryview of `block_bytes` per block; it stops at the first block no tier returns. The RAM
         chunks holding `hashes` are pinned while it runs: a prefetch does not evict them. A view of
         RAM is of the tier's own memory, kept from reuse for as long as anything refers to it (a
-        tensor made from it included): copy what is needed and let go of the views."""
+        tensor made from it included): copy what is needed and let go of the views. `disk=False`: RAM
+        only (the caller judged a disk read dearer than recomputing); the blocks the disk holds where
+        the read stops are counted in `disk_skipped_blocks`."""
         out: list[memoryview] = []
         cache: dict[tuple[str, int], Decoded | None] = {}  # chunks read in this call
         pins = self._pin(hashes)
@@ -611,7 +619,7 @@ class TierStore:
                 if self._pf_pending:  # a prefetch of h not done: this read overtook it (module doc)
                     self._overtook(h)
                 got = None
-                for tier in (self.ram, self.disk):
+                for tier in (self.ram, self.disk) if disk else (self.ram,):
                     if tier is None:
                         continue
                     got = self._read_block(tier, h, tuple(toks), cache)
@@ -622,7 +630,18 @@ class TierStore:
                 out.append(got)
         finally:
             self._unpin(pins)
+        if not disk and self.disk is not None and len(out) < len(hashes):
+            with self._lock:
+                for h in hashes[len(out) :]:
+                    if not self.disk.holds(h):
+                        break
+                    self.disk_skipped_blocks += 1
         return out
+
+    def disk_read_s_per_block(self) -> float | None:
+        """The disk's recent read cost: seconds a block of its chunk reads and their verification (a
+        moving average over admissions' and prefetches' reads); None before the first."""
+        return self._disk_recent or None
 
     def holds(self, keys: Sequence[int]) -> list[bool]:
         """Which of `keys` some tier holds now: an index lookup, no I/O (a read may still find a record
@@ -705,9 +724,15 @@ class TierStore:
             cause = "missing" if e.errno == errno.ENOENT else "io"
             self._failed(tier, chunk, VerifyError(cause, str(e)))
             return None
-        if observe:
-            with self._lock:
-                tier.stats.read_latency.observe(time.perf_counter() - t0)
+        spent = time.perf_counter() - t0
+        with self._lock:
+            if observe:
+                tier.stats.read_latency.observe(spent)
+            if tier is self.disk:
+                per = spent / max(1, len(chunk.hashes))
+                self._disk_recent = (
+                    per if not self._disk_recent else self._disk_recent + 0.2 * (per - self._disk_recent)
+                )
         return dec
 
     def _failed(self, tier: _Tier, chunk: _Chunk, e: VerifyError) -> None:
@@ -1045,7 +1070,10 @@ class TierStore:
         """A copy of the figures, each tier's RAM first (safe from any thread)."""
         with self._lock:
             tiers = [t.stats.copy() for t in (self.ram, self.disk) if t is not None]
-            return StoreStats(tiers, self.dropped_blocks, self.filtered_blocks, dataclasses.replace(self._pf))
+            return StoreStats(
+                tiers, self.dropped_blocks, self.filtered_blocks, dataclasses.replace(self._pf),
+                disk_skipped_blocks=self.disk_skipped_blocks,
+            )  # fmt: skip
 
     def _log_once(self, tier: str, cause: str, msg: str) -> None:
         if (tier, cause) not in self._logged:

@@ -267,6 +267,11 @@ class EngineCollector:
             value=store.unoffered_blocks,
         )
         yield CounterMetricFamily(
+            "splitserve_kv_tier_disk_skipped_blocks",
+            "KV blocks the disk tier held that admissions recomputed: reading them cost more",
+            value=store.disk_skipped_blocks,
+        )
+        yield CounterMetricFamily(
             "splitserve_kv_tier_filtered_blocks",
             "evicted KV blocks kept off the disk by the reuse filter (not evicted twice yet)",
             value=store.filtered_blocks,

@@ -29,6 +29,8 @@ from tests.support.tiers import LONG, ORDER, QUESTIONS, WAIT_S, damage, run_in_t
 
 MAX_TOKENS = 4
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+# TINY_DISK: the tests on a tiny model read their disk hits "always": it computes a block in about the
+# time this disk reads one, so "auto" could leave the disk alone, and they are about what a read returns
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,42 @@ def test_disk_tier_hits_give_the_same_tokens(smollm, prompts, reference, tmp_pat
         assert disk.hits > 0 and disk.hits == engine.block_manager.tier_hits
         assert engine.kv_offload.stats().filtered_blocks > 0  # type: ignore[union-attr]  # one-offs kept off
         assert disk.verify_failures.total() == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("disk_reads", ["auto", "always"])
+def test_a_disk_dearer_than_recomputing_is_left_alone(
+    smollm, prompts, reference, tmp_path, disk_reads
+) -> None:  # type: ignore[no-untyped-def]
+    """Requests 6, 7 and 8 each find their prompt on the disk. The engine's recompute cost is set to
+    almost nothing (what a fast prefill beside a slow or throttled disk looks like), so once the first
+    read has measured the disk, a disk hit costs more than it saves: with `auto` the next two prompts
+    are computed instead (counted in `disk_skipped_blocks`), with `always` they are read. The tokens
+    are the tiers-off run's either way."""
+    model, tok = smollm
+    cfg = _config(
+        prompts, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.25, kv_offload_disk_reads=disk_reads
+    )
+    engine = LLMEngine(model, tok, cfg)
+    try:
+        off = engine.kv_offload
+        assert off is not None and off.recompute_s_per_block is not None
+        off.recompute_s_per_block = lambda: 1e-9
+        hits_after: list[int] = []
+        outs = run_in_turn(
+            engine, prompts, LONG, PARAMS, before=lambda i: hits_after.append(tier(engine, "disk").hits)
+        )
+        assert outs == reference
+        disk = tier(engine, "disk")
+        read = [b - a for a, b in zip(hits_after[6:], [*hits_after[7:], disk.hits], strict=True)]
+        skipped = off.stats().disk_skipped_blocks
+        assert off.store.disk_read_s_per_block() is not None
+        if disk_reads == "auto":
+            assert read[0] > 0 and read[1:] == [0, 0], f"only the first disk hit is read: {read}"
+            assert skipped > 0 and not off.disk_worth()
+        else:
+            assert all(r > 0 for r in read) and skipped == 0 and off.disk_worth()
     finally:
         engine.close()
 
@@ -202,6 +240,7 @@ def test_narrow_kv_dtypes_round_trip_through_the_tiers(tiny, tmp_path, kv_dtype)
     off = LLMEngine(model, tok, base)
     want = run_in_turn(off, prompts, LONG, PARAMS)
     tiers = {"kv_offload_ram_gb": 0.01, "kv_offload_disk_dir": str(tmp_path), "kv_offload_disk_gb": 0.01}
+    tiers["kv_offload_disk_reads"] = "always"  # a tiny model: see TINY_DISK
     on = LLMEngine(model, tok, base.model_copy(update=tiers))
     try:
         assert run_in_turn(on, prompts, LONG, PARAMS) == want
@@ -224,6 +263,7 @@ def test_a_prefetch_on_arrival_is_read_from_ram_and_gives_the_same_tokens(tiny, 
     per_request = max(-(-(len(p) + MAX_TOKENS) // 16) for p in prompts)
     ram_gb = (per_request + 1) * off.kv_cache.spec.bytes_per_block / 2**30
     tiers = {"kv_offload_ram_gb": ram_gb, "kv_offload_disk_dir": str(tmp_path), "kv_offload_disk_gb": 0.01}
+    tiers["kv_offload_disk_reads"] = "always"  # a tiny model: see TINY_DISK
     on = LLMEngine(model, tok, base.model_copy(update=tiers))
     assert on.kv_offload is not None
     store = on.kv_offload.store

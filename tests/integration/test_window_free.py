@@ -262,6 +262,9 @@ def disk_tier_engine(m: Model, tmp_path: Path, spare: int = 2, **update: Any) ->
     block is written there on its second eviction, and prompts 1 and 2 pushed it out of RAM)."""
     e = engine(m, num_kv_blocks=m.pool + 2)
     ram_gb = 2 * (m.pool + 2) * e.kv_cache.spec.bytes_per_block / 2**30
+    # disk reads "always": a tiny model computes a block in about the time this disk reads one, so
+    # "auto" could leave the disk alone, and these tests are about what a disk read puts in the pool
+    update = {"kv_offload_disk_reads": "always", **update}
     e = engine(
         m, num_kv_blocks=m.pool + spare, kv_offload_ram_gb=ram_gb,
         kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01, **update,

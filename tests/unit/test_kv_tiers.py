@@ -196,6 +196,25 @@ def test_a_damaged_ram_record_falls_back_to_the_disk_copy(tmp_path: Path) -> Non
         s.close()
 
 
+def test_a_read_told_to_leave_the_disk_alone_stops_there_and_counts_what_it_left(tmp_path: Path) -> None:
+    """`read(disk=False)`: RAM's blocks only; the blocks the disk holds where it stops are counted (left
+    to be recomputed). Every disk chunk read, a prefetch's too, measures the disk's cost per block."""
+    s = store(tmp_path, ram_blocks=2, disk_blocks=8)
+    try:
+        assert s.disk_read_s_per_block() is None
+        hashes, toks = put(s, 0, n=2, times=2)  # in RAM and on the disk
+        more, more_toks = put(s, 2, n=2, times=2)  # RAM keeps these two only
+        chain, chain_toks = hashes + more, toks + more_toks
+        assert s.read(hashes, toks, disk=False) == [] and s.disk_skipped_blocks == 2
+        assert len(s.read(more, more_toks, disk=False)) == 2 and s.disk_skipped_blocks == 2
+        assert s.disk_read_s_per_block() is None, "no disk read yet"
+        assert len(s.read(chain, chain_toks)) == 4 and tier(s, "disk").hits == 2
+        assert (s.disk_read_s_per_block() or 0) > 0
+        assert s.stats().disk_skipped_blocks == 2
+    finally:
+        s.close()
+
+
 def test_records_verify_layout_and_length() -> None:
     hashes, toks, payload = blocks(0, 2)
     rec = encode(DIGEST, BS, hashes, toks, payload)
