@@ -196,6 +196,20 @@ def add_bench_parser(sub: Any) -> None:
         help="tier-stall: drop the disk tier's files from the page cache before each hit (cold reads)",
     )
     r.add_argument(
+        "--disk-read-mbps",
+        type=float,
+        default=None,
+        help="tier-stall: throttle the disk tier's device to this many MB/s of reads (a cgroup v1 blkio "
+        "limit; needs root; implies --cold-disk)",
+    )
+    r.add_argument(
+        "--compare",
+        choices=["wait", "disk-reads"],
+        default="wait",
+        help="tier-stall: the two sides: the prefetch wait on and off (wait), or --kv-offload-disk-reads "
+        "auto and always (disk-reads)",
+    )
+    r.add_argument(
         "--chat-template",
         default=None,
         help="tiers: the routers' --chat-template (a Jinja template or its file), for a --model without one",

@@ -19,11 +19,21 @@ over `--rounds` rounds (the sides alternate, A B, B A, ...), of
 Before each round P is checked to be on the disk only, and its tokens must equal on both sides.
 `--cold-disk`: the disk tier's files are dropped from the page cache before each hit (fsync, then
 posix_fadvise DONTNEED), so its reads go to the device.
+
+`--disk-read-mbps N` (implies `--cold-disk`): the disk is throttled to N MB/s of reads, a slow or
+shared device (a network volume), with a real kernel limit: this process joins a cgroup of its own
+whose blkio (v1) or io (v2) controller caps reads from the temp dir's block device (bench/throttle.py;
+needs root). `--compare disk-reads`: the sides are the engine's `--kv-offload-disk-reads` `auto` (a
+disk hit is read only while the disk's measured cost per block is below recomputing it) against
+`always`, on a disk tier alone (no RAM tier, so no prefetch: P's admission reads the disk itself, or
+computes P); each side runs one hit first, not counted (auto measures the disk on it). Ratios are
+then always / auto: above 1, auto's choice was the faster one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -33,6 +43,7 @@ from typing import Any
 import torch
 
 from bench.rounds import alternate, load_avg, ratio_stats, spread
+from bench.throttle import throttle_reads
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.model.loader import load_model
@@ -45,7 +56,11 @@ TEXT = (
     "The lighthouse keeper climbed the spiral stairs at dusk, counting the steps as his father had, "
     "and wound the clockwork that turned the lens. Out at sea the fishing boats came home in a line. "
 )
-SIDES = {"wait": 5.0, "no_wait": 0.0}
+# per comparison, its sides: (prefetch wait seconds, disk reads); the ratios are second / first
+COMPARE = {
+    "wait": {"wait": (5.0, "always"), "no_wait": (0.0, "always")},
+    "disk-reads": {"auto": (5.0, "auto"), "always": (5.0, "always")},
+}
 
 
 def _ids(tok: Any, n: int, salt: str) -> list[int]:
@@ -56,7 +71,15 @@ def _ids(tok: Any, n: int, salt: str) -> list[int]:
 
 class Side:
     def __init__(
-        self, model: Any, tok: Any, wait_s: float, n: int, disk_dir: str, cold: bool = False
+        self,
+        model: Any,
+        tok: Any,
+        wait_s: float,
+        n: int,
+        disk_dir: str,
+        cold: bool = False,
+        disk_reads: str = "always",
+        ram: bool = True,
     ) -> None:
         self.cold = cold
         self.prompt = _ids(tok, n, "Story one.")
@@ -68,12 +91,13 @@ class Side:
         block_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * BLOCK  # fp32 K and V
         cfg = EngineConfig(
             dtype="float32",
-            num_kv_blocks=blocks + 48,
+            num_kv_blocks=blocks + min(48, blocks - 8),  # P, its turn and 4 decoders; 2 fillers turn it over
             max_num_batched_tokens=max(n, 512),
-            kv_offload_ram_gb=(BLOCK + 2) * block_bytes / 2**30,  # one chunk
+            kv_offload_ram_gb=(BLOCK + 2) * block_bytes / 2**30 if ram else 0.0,  # one chunk
             kv_offload_disk_dir=disk_dir,
             kv_offload_disk_gb=4.0,
             kv_offload_prefetch_wait_s=wait_s,
+            kv_offload_disk_reads=disk_reads,
         )
         self.engine = LLMEngine(model, tok, cfg)
         self.hashes = prefix_chain(self.prompt, BLOCK, root=ROOT)[: (n - 1) // BLOCK]
@@ -106,14 +130,15 @@ class Side:
 
     def _disk_only(self) -> bool:
         store = self.engine.kv_offload.store  # type: ignore[union-attr]
-        assert store.ram is not None and store.disk is not None
-        return not any(store.ram.holds(h) for h in self.hashes) and all(
-            store.disk.holds(h) for h in self.hashes
-        )
+        assert store.disk is not None
+        in_ram = store.ram is not None and any(store.ram.holds(h) for h in self.hashes)
+        return not in_ram and all(store.disk.holds(h) for h in self.hashes)
 
     def round(self) -> float:
         e, one = self.engine, SamplingParams(max_tokens=1, temperature=0.0)
         for f in self.fillers:  # P out of the pool and RAM, onto the disk only
+            if self.cold:  # every disk read cold, the fillers' prefetches too (what the disk's cost is)
+                self._drop_page_cache()
             e.generate([f], one)
             self._settle()
         assert self._disk_only(), "P must be on the disk only before its hit"
@@ -147,6 +172,7 @@ class Side:
                 "ttft_ms": ttft * 1000,
                 "decode_step_ms": statistics.median(steps[1:]) * 1000,
                 "deferred_steps": e.scheduler.stats["prefetch_deferred"] - deferred,
+                "disk_skipped_blocks": e.kv_offload.stats().disk_skipped_blocks,  # type: ignore[union-attr]
             }
         )
         return max(during) * 1000
@@ -157,35 +183,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     n = args.prompt_tokens or 2048
+    compare = getattr(args, "compare", None) or "wait"
+    mbps = getattr(args, "disk_read_mbps", None)
+    cold = bool(args.cold_disk or mbps)
+    specs = COMPARE[compare]
+    first, second = list(specs)
     load_before = load_avg()
     with tempfile.TemporaryDirectory(prefix="splitserve-tier-stall-") as tmp:
-        sides = {
-            name: Side(model, tok, wait, n, f"{tmp}/{name}", args.cold_disk) for name, wait in SIDES.items()
-        }
-        try:
-            alternate({name: s.round for name, s in sides.items()}, args.rounds, "tier-stall")
-        finally:
-            for s in sides.values():
-                s.engine.close()
+        throttle = throttle_reads(tmp, int(mbps * 1e6)) if mbps else contextlib.nullcontext()
+        with throttle:
+            sides = {
+                name: Side(model, tok, wait, n, f"{tmp}/{name}", cold, reads, ram=compare == "wait")
+                for name, (wait, reads) in specs.items()
+            }
+            try:
+                if compare == "disk-reads":  # one hit each, not counted: auto measures the disk on it
+                    for s in sides.values():
+                        s.round()
+                        s.tokens.clear()
+                        s.figures.clear()
+                alternate({name: s.round for name, s in sides.items()}, args.rounds, "tier-stall")
+            finally:
+                for s in sides.values():
+                    s.engine.close()
     fig = {name: s.figures for name, s in sides.items()}
     out: dict[str, Any] = {
         "model": model.config.model_id,
+        "compare": compare,
         "prompt_tokens": n,
         "new_tokens": NEW,
         "decoders": DECODERS,
         "threads": torch.get_num_threads(),
         "rounds": args.rounds,
-        "tokens_equal": sides["wait"].tokens == sides["no_wait"].tokens,
-        "cold_disk": bool(args.cold_disk),
+        "tokens_equal": sides[first].tokens == sides[second].tokens,
+        "cold_disk": cold,
+        "disk_read_mbps": mbps,
     }
-    for name in SIDES:
+    for name in specs:
         for key in ("stall_ms", "ttft_ms", "decode_step_ms", "deferred_steps"):
             out[f"{name}_{key}"] = spread([f[key] for f in fig[name]], 1)
+        out[f"{name}_disk_skipped_blocks"] = fig[name][-1]["disk_skipped_blocks"] if fig[name] else 0
     out["stall_ratio"] = ratio_stats(
-        [f["stall_ms"] for f in fig["no_wait"]], [f["stall_ms"] for f in fig["wait"]]
-    )  # no_wait / wait, per round: > 1, the wait kept the running requests' steps shorter
+        [f["stall_ms"] for f in fig[second]], [f["stall_ms"] for f in fig[first]]
+    )  # second / first, per round: > 1, the first side kept the running requests' steps shorter
     out["ttft_ratio"] = ratio_stats(
-        [f["ttft_ms"] for f in fig["wait"]], [f["ttft_ms"] for f in fig["no_wait"]]
-    )
+        [f["ttft_ms"] for f in fig[first]], [f["ttft_ms"] for f in fig[second]]
+    )  # first / second (wait: what waiting for the prefetch costs the hit itself)
+    if compare == "disk-reads":  # always / auto: > 1, auto's choice was the faster one
+        out["ttft_ratio"] = ratio_stats(
+            [f["ttft_ms"] for f in fig[second]], [f["ttft_ms"] for f in fig[first]]
+        )
     out["load_before"], out["load_after"] = load_before, load_avg()
     return out
