@@ -591,6 +591,8 @@ class TierStore:
         The payload must not change afterwards. `quiet`: keys among `hashes` to hold without KV events
         (no router matches them: a layer group's pages after the first, common/kv/layer_groups.py)."""
         assert payload.nbytes == len(hashes) * self.block_bytes, "whole blocks only"
+        if payload.ndim != 1 or payload.format != "B":  # bytes, so that block i is a slice of them
+            payload = payload.cast("B")
         if self._closed or not hashes:
             return False
         try:
