@@ -24,7 +24,9 @@ blocks of work, lowest first:
   of requests it has on the worker when that is higher (the heartbeat is up to a second old).
 
 A worker's hit (`TierMatch`) is counted the way its engine reuses a prompt: the run of leading blocks
-its pool holds, then the run its tiers return (KV events name each hash's tier). The costs are
+its pool holds, then the run its tiers return (KV events name each hash's tier; a worker whose load
+says `kv_tier_disk_reads: false` reads no disk hit now, its disk being dearer than recomputing, so
+there a block on the disk only ends the run). The costs are
 measured by the services and published in their load: `prefill_tps` (recompute: block_size /
 prefill_tps seconds a block) and `kv_tier_read_ms` ({tier: ms a block read back, verified and put
 into the pool, on every rank with tensor parallelism}); while
@@ -70,7 +72,7 @@ DEFAULT_TIER_WORTH = {RAM: 0.8, DISK: 0.5}  # a tier block's worth while its cos
 class PrefixIndex(Protocol):
     """What placement needs of the KV index (common.cluster.kv_events.KVIndex is one)."""
 
-    def matched(self, worker_id: str, chain: list[int]) -> TierMatch: ...
+    def matched(self, worker_id: str, chain: list[int], disk: bool = True) -> TierMatch: ...
 
 
 class Candidate(NamedTuple):
@@ -140,7 +142,8 @@ def rank(
             if chain is None:  # an engine leaves the last prompt token to compute: its block is never a hit
                 chain = chains[bs] = prefix_chain(prompt_ids, bs, (n_prompt - 1) // bs, root)
             if chain:
-                match = index.matched(w.id, chain)
+                # a worker whose disk costs more than recomputing reads none of it (kv_tier_disk_reads)
+                match = index.matched(w.id, chain, load.get("kv_tier_disk_reads", True) is not False)
                 hit = match.device + match.ram + match.disk
                 if match.ram or match.disk:
                     tier = match.ram + match.disk

@@ -327,9 +327,11 @@ class KVIndex:
         self._task: asyncio.Task[None] | None = None
 
     # --- the request path: memory only -----------------------------------------------------------
-    def matched(self, worker_id: str, chain: Sequence[int]) -> TierMatch:
+    def matched(self, worker_id: str, chain: Sequence[int], disk: bool = True) -> TierMatch:
         """The leading hashes of a prompt's chain the worker would reuse, by tier (`TierMatch`; all 0
-        for an unknown worker)."""
+        for an unknown worker). `disk=False`: the worker reads no disk hit now (its load's
+        `kv_tier_disk_reads`: the disk costs more than recomputing), so a block on the disk only ends
+        the run, as it ends the engine's read."""
         tracked = self.workers.get(worker_id)
         if tracked is None:
             return TierMatch()
@@ -341,6 +343,8 @@ class KVIndex:
         for h in chain[i:]:
             bits = held.get(h, 0)
             if not bits or bits & dev:  # not held, or the pool's again: the engine's tier load stops
+                break
+            if not disk and not bits & ram:
                 break
             n[1 if bits & ram else 2] += 1
         return TierMatch(*n)

@@ -129,6 +129,13 @@ class Service:
             # the offload tiers' measured read cost (the store's figures, behind its lock): prefix-aware
             # routing weighs a tier hit against recomputing it (router/placement.py)
             **({"kv_tier_read_ms": off.read_ms_per_block()} if (off := self.engine.kv_offload) else {}),
+            # whether its admissions read disk hits now (common/kv/offload.py, "A disk dearer than
+            # recomputing"): a router predicts no disk hit on a worker that says false
+            **(
+                {"kv_tier_disk_reads": off.disk_worth()}
+                if off is not None and off.store.disk is not None
+                else {}
+            ),
         }
 
     def transfer_counters(self) -> list[TransportCount]:

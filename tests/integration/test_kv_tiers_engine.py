@@ -289,7 +289,8 @@ def test_a_prefetch_on_arrival_is_read_from_ram_and_gives_the_same_tokens(tiny, 
 
 
 def test_the_service_registry_shows_each_tier(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A service's /metrics registry (common/service/base.py) carries the tiers' figures, by tier."""
+    """A service's /metrics registry (common/service/base.py) carries the tiers' figures, by tier; its
+    registry load says whether it reads disk hits now (what a router predicts from)."""
     model, tok = tiny
     cfg = EngineConfig(kv_offload_ram_gb=0.01, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.01)
     engine = LLMEngine(model, tok, cfg)
@@ -307,5 +308,7 @@ def test_the_service_registry_shows_each_tier(tiny, tmp_path) -> None:  # type: 
         for name in ("started", "dropped", "completed", "in_time", "late"):
             assert f"splitserve_kv_tier_prefetches_{name}_total 0.0" in text, name
         assert "splitserve_kv_tier_prefetched_blocks_total 0.0" in text
+        assert "splitserve_kv_tier_disk_skipped_blocks_total 0.0" in text
+        assert svc.load()["kv_tier_disk_reads"] is True, "its load says it reads disk hits (none measured)"
     finally:
         engine.close()

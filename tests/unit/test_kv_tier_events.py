@@ -276,6 +276,9 @@ def test_a_match_follows_the_engine_pool_run_then_tier_run() -> None:
     assert index.matched("w0", [1, 2, 3, 4, 5, 6, 7]) == TierMatch(2, 2, 1), "stops at the pool's again"
     assert index.matched("w0", [3, 4, 1]) == TierMatch(0, 1, 1)
     assert index.matched("w0", [1, 9, 3]) == TierMatch(1, 0, 0), "a hole ends it"
+    # a worker reading no disk hit now (its disk dearer than recomputing): a disk-only block ends it
+    assert index.matched("w0", [1, 2, 3, 4, 5], disk=False) == TierMatch(2, 1, 0)
+    assert index.matched("w0", [3, 5, 7], disk=False) == TierMatch(0, 3, 0), "RAM's copy is read"
     assert index.matched_blocks("w0", [1, 2, 3, 4, 5]) == 5
     assert index.matched("other", [1]) == TierMatch() and index.matched("w0", []) == TierMatch()
 

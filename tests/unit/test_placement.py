@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
-from common.cluster.kv_events import TierMatch
+from common.cluster.kv_events import KVIndex, TierMatch
 from common.cluster.registry import WorkerInfo
 from common.prefix_hash import prefix_chain
 from router.config import RouterConfig
@@ -29,7 +30,7 @@ class SetIndex:
     def __init__(self, held: dict[str, set[int]]) -> None:
         self.held = held
 
-    def matched(self, worker_id: str, chain: list[int]) -> TierMatch:
+    def matched(self, worker_id: str, chain: list[int], disk: bool = True) -> TierMatch:
         n = 0
         for h in chain:
             if h not in self.held.get(worker_id, set()):
@@ -151,11 +152,11 @@ class TierIndex:
     def __init__(self, held: dict[str, dict[int, str]]) -> None:
         self.held = held
 
-    def matched(self, worker_id: str, chain: list[int]) -> TierMatch:
+    def matched(self, worker_id: str, chain: list[int], disk: bool = True) -> TierMatch:
         tiers = [self.held.get(worker_id, {}).get(h) for h in chain]
         n = {"device": 0, "ram": 0, "disk": 0}
         for t in tiers:
-            if t is None or (t == "device" and n["ram"] + n["disk"]):
+            if t is None or (t == "device" and n["ram"] + n["disk"]) or (t == "disk" and not disk):
                 break
             n[t] += 1
         return TierMatch(**n)
@@ -194,6 +195,21 @@ def test_a_pool_hit_beats_the_same_hit_on_disk_and_the_route_counts_tiers() -> N
     route = choose_route(24, len(PROMPT), [worker("p0")], decode_hit=ranked[0])
     assert route == Route("split", "long_prompt", 30, 0, 10)
     assert route.header == "split; prefix_hit=30 blocks; tier_hit=10 blocks"
+
+
+def test_a_worker_reading_no_disk_now_is_predicted_no_disk_hit() -> None:
+    """A worker whose load says `kv_tier_disk_reads: false` (its disk costs more than recomputing, so
+    its engine computes disk hits instead) is predicted no hit for its disk-only blocks, on the real KV
+    index's memory side; one that reads its disk is predicted all of them."""
+    index = KVIndex(aioredis.Redis(), "t:")  # never connects: only the memory side is used here
+    index.set_workers([("d1", "inc", BS)])
+    index.workers["d1"].hashes = dict.fromkeys(CHAIN[:20], 4)  # the disk tier's bit only
+    reads, skips = tiered("d1", 1600, disk=1.0), tiered("d1", 1600, disk=1.0)
+    reads.load["kv_tier_disk_reads"], skips.load["kv_tier_disk_reads"] = True, False
+    (r,) = rank([reads], PROMPT, index, Counter(), 1.0, 1.0)
+    (s,) = rank([skips], PROMPT, index, Counter(), 1.0, 1.0)
+    assert (r.hit_blocks, r.tier_blocks) == (20, 20) and (s.hit_blocks, s.tier_blocks) == (0, 0)
+    assert s.cost == pytest.approx(41) and r.cost < s.cost
 
 
 def test_the_last_prompt_token_block_is_never_predicted() -> None:
