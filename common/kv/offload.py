@@ -50,7 +50,10 @@ what recomputing a block costs now (`recompute_s_per_block`: the engine's block_
 speed on steps of long prompts, StepSpeed.long_prefill_tps: a short prompt's step is mostly fixed cost);
 otherwise it reads RAM only and leaves the rest to be computed (`disk_skipped_blocks`). Prefetches still
 run (what they promote is a RAM hit later, and their reads keep the disk's figure current), but the
-scheduler does not hold a request back for one (`prefetching` says no). "always" reads every hit.
+scheduler does not hold a request back for one (`prefetching` says no). When nothing has read the disk
+for DISK_PROBE_S (a disk tier without RAM has no prefetches), the tiers' writer thread reads one chunk
+to measure it again (`TierStore.probe_disk`): a disk that got faster is read again, and no admission
+pays for finding out. "always" reads every hit.
 
 KV events: what the store comes to hold and lets go of (common/kv/tiers.py) is the block manager's to
 drain with its own (`drain_events`, `held_hashes`), so a service publishes one stream naming each hash's tier.
@@ -80,6 +83,7 @@ from common.kv.tiers import StoreStats, TierEvent, TierStore
 log = logging.getLogger("splitserve.kv_tiers")
 
 CHUNK_BLOCKS = 16  # blocks per offered chunk at most
+DISK_PROBE_S = 30.0  # a disk left alone as too slow, and read by nothing else this long, is measured again
 PAYLOAD_LAYOUT = "block-major-kv-v1"  # named in the digest: a payload laid out otherwise never verifies
 
 
@@ -390,7 +394,12 @@ class KVOffload:
         if read is None or recompute <= 0:
             return True
         copy_in = self.copy_in_s / self.copy_in_blocks if self.copy_in_blocks else 0.0
-        return read + copy_in <= recompute
+        if read + copy_in <= recompute:
+            return True
+        age = self.store.disk_read_age()
+        if age is not None and age > DISK_PROBE_S:  # no read lately (no prefetch to measure it): probe it
+            self.store.probe_disk()
+        return False
 
     def holds(self, keys: Sequence[int]) -> list[bool]:
         return self.store.holds(keys)

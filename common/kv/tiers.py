@@ -495,6 +495,10 @@ class _Tier:
             self.on_forget(c)
 
 
+class _Probe:
+    """A disk probe queued for the writer thread (`TierStore.probe_disk`)."""
+
+
 @dataclass
 class _Offer:
     hashes: list[int]
@@ -541,9 +545,12 @@ class TierStore:
         self._keys = 0
         self.disk_skipped_blocks = 0  # held on the disk, left to be recomputed (`read(disk=False)`)
         self._disk_recent = 0.0  # seconds a block of recent disk chunk reads (EWMA), prefetches' too
+        self._disk_read_at = 0.0  # time.monotonic() of the last disk chunk read (0: none yet)
+        self.disk_probes = 0  # disk chunks read by `probe_disk`
         self._events: deque[TierEvent] = deque()  # shared by the tiers once enable_events is called
         self._logged: set[tuple[str, str]] = set()
-        self._queue: queue.Queue[_Offer | None] = queue.Queue(maxsize=queue_chunks)
+        self._queue: queue.Queue[_Offer | _Probe | None] = queue.Queue(maxsize=queue_chunks)
+        self._probing = False  # a disk probe is queued (`probe_disk`)
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
         self._writer.start()
@@ -642,8 +649,40 @@ class TierStore:
 
     def disk_read_s_per_block(self) -> float | None:
         """The disk's recent read cost: seconds a block of its chunk reads and their verification (a
-        moving average over admissions' and prefetches' reads); None before the first."""
+        moving average over admissions', prefetches' and probes' reads); None before the first."""
         return self._disk_recent or None
+
+    def disk_read_age(self) -> float | None:
+        """Seconds since the disk's last chunk read (None: none yet)."""
+        return time.monotonic() - self._disk_read_at if self._disk_read_at else None
+
+    def probe_disk(self) -> bool:
+        """Measure the disk again without an admission paying for it: the writer thread reads and
+        verifies the disk's most recently used chunk (its time goes into `disk_read_s_per_block`; a
+        chunk that fails is counted and forgotten as any read's). For a caller that stopped reading
+        the disk because it was slow: without a probe its figure would never change again. Never
+        waits; False if a probe is queued already, the queue is full, or there is no disk."""
+        if self.disk is None or self._closed or self._probing:
+            return False
+        self._probing = True  # before the put: the writer clears it once the probe is done
+        try:
+            self._queue.put_nowait(_Probe())
+        except queue.Full:
+            self._probing = False
+            return False
+        return True
+
+    def _probe(self) -> None:
+        try:
+            disk = self.disk
+            assert disk is not None
+            with self._lock:
+                chunk = next(reversed(disk.chunks.values()), None)
+            if chunk is not None:
+                self._read_chunk(disk, chunk, observe=False)
+                self.disk_probes += 1
+        finally:
+            self._probing = False
 
     def holds(self, keys: Sequence[int]) -> list[bool]:
         """Which of `keys` some tier holds now: an index lookup, no I/O (a read may still find a record
@@ -731,6 +770,7 @@ class TierStore:
             if observe:
                 tier.stats.read_latency.observe(spent)
             if tier is self.disk:
+                self._disk_read_at = time.monotonic()
                 per = spent / max(1, len(chunk.hashes))
                 self._disk_recent = (
                     per if not self._disk_recent else self._disk_recent + 0.2 * (per - self._disk_recent)
@@ -963,7 +1003,10 @@ class TierStore:
             try:
                 if offer is None:
                     return
-                self._store(offer)
+                if isinstance(offer, _Probe):
+                    self._probe()
+                else:
+                    self._store(offer)
             except Exception:  # a bug here must not stop later writes: each offer is on its own
                 log.exception("KV tier write failed")
             finally:

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from common.config import EngineConfig, ServiceConfig
 from common.engine.llm_engine import LLMEngine
+from common.kv import offload
 from common.kv.offload import KVOffload
 from common.kv.tiers import TierStore
 from common.prefix_hash import prefix_chain
@@ -116,14 +117,15 @@ def test_disk_tier_hits_give_the_same_tokens(smollm, prompts, reference, tmp_pat
 
 
 @pytest.mark.parametrize("disk_reads", ["auto", "always"])
-def test_a_disk_dearer_than_recomputing_is_left_alone(
-    smollm, prompts, reference, tmp_path, disk_reads
-) -> None:  # type: ignore[no-untyped-def]
+def test_a_disk_dearer_than_recomputing_is_left_alone(  # type: ignore[no-untyped-def]
+    smollm, prompts, reference, tmp_path, disk_reads, monkeypatch
+) -> None:
     """Requests 6, 7 and 8 each find their prompt on the disk. The engine's recompute cost is set to
     almost nothing (what a fast prefill beside a slow or throttled disk looks like), so once the first
     read has measured the disk, a disk hit costs more than it saves: with `auto` the next two prompts
     are computed instead (counted in `disk_skipped_blocks`), with `always` they are read. The tokens
-    are the tiers-off run's either way."""
+    are the tiers-off run's either way. A disk left alone is probed again on the tiers' writer thread
+    once nothing has read it for DISK_PROBE_S."""
     model, tok = smollm
     cfg = _config(
         prompts, kv_offload_disk_dir=str(tmp_path), kv_offload_disk_gb=0.25, kv_offload_disk_reads=disk_reads
@@ -145,6 +147,9 @@ def test_a_disk_dearer_than_recomputing_is_left_alone(
         if disk_reads == "auto":
             assert read[0] > 0 and read[1:] == [0, 0], f"only the first disk hit is read: {read}"
             assert skipped > 0 and not off.disk_worth()
+            # read by nothing for DISK_PROBE_S (here: at once): the writer thread measures it again
+            monkeypatch.setattr(offload, "DISK_PROBE_S", 0.0)
+            assert not off.disk_worth() and off.store.wait_idle(WAIT_S) and off.store.disk_probes == 1
         else:
             assert all(r > 0 for r in read) and skipped == 0 and off.disk_worth()
     finally:

@@ -215,6 +215,27 @@ def test_a_read_told_to_leave_the_disk_alone_stops_there_and_counts_what_it_left
         s.close()
 
 
+def test_a_disk_probe_measures_the_disk_on_the_writer_thread(tmp_path: Path) -> None:
+    """`probe_disk` reads one disk chunk on the writer thread (no caller waits for it): the disk's cost
+    is measured, one probe at a time; a store without a disk has nothing to probe."""
+    s = store(tmp_path, ram_blocks=2, disk_blocks=8)
+    try:
+        put(s, 0, n=2, times=2)
+        assert s.disk_read_s_per_block() is None and s.disk_read_age() is None
+        assert s.probe_disk()
+        assert s.wait_idle(10) and s.disk_probes == 1
+        assert (s.disk_read_s_per_block() or 0) > 0 and (s.disk_read_age() or 0) >= 0
+        assert tier(s, "disk").hits == 0, "a probe is no hit"
+        assert s.probe_disk() and s.wait_idle(10) and s.disk_probes == 2
+    finally:
+        s.close()
+    ram_only = store(ram_blocks=2)
+    try:
+        assert not ram_only.probe_disk()
+    finally:
+        ram_only.close()
+
+
 def test_records_verify_layout_and_length() -> None:
     hashes, toks, payload = blocks(0, 2)
     rec = encode(DIGEST, BS, hashes, toks, payload)
