@@ -27,8 +27,9 @@ A worker's hit (`TierMatch`) is counted the way its engine reuses a prompt: the 
 its pool holds, then the run its tiers return (KV events name each hash's tier; a worker whose load
 says `kv_tier_disk_reads: false` reads no disk hit now, its disk being dearer than recomputing, so
 there a block on the disk only ends the run). The costs are
-measured by the services and published in their load: `prefill_tps` (recompute: block_size /
-prefill_tps seconds a block) and `kv_tier_read_ms` ({tier: ms a block read back, verified and put
+measured by the services and published in their load: `long_prefill_tps` (recompute: block_size /
+long_prefill_tps seconds a block; the prefill speed on steps of long prompts, or `prefill_tps` until
+the worker has computed one) and `kv_tier_read_ms` ({tier: ms a block read back, verified and put
 into the pool, on every rank with tensor parallelism}); while
 either is missing (a fresh service, a tier that has not been read yet) a tier block is worth
 DEFAULT_TIER_WORTH of a device block, on the low side of what the tiers measure here (a RAM read is ~1%
@@ -101,7 +102,9 @@ def tier_worth(load: dict[str, Any], tier: str, block_size: int) -> float:
     """What a block read from `tier` saves, as a fraction of recomputing it: 1 - read / recompute,
     from the worker's measured costs (module doc); 0 when recomputing is as cheap."""
     read_ms = (load.get("kv_tier_read_ms") or {}).get(tier)
-    tps = float(load.get("prefill_tps", 0) or 0)
+    # recomputing a block costs what computing more of a long prompt does (steps of short prompts are
+    # mostly fixed cost); a worker that has not computed a long prompt yet: its plain prefill speed
+    tps = float(load.get("long_prefill_tps", 0) or 0) or float(load.get("prefill_tps", 0) or 0)
     if read_ms is None or tps <= 0:
         return DEFAULT_TIER_WORTH[tier]
     recompute_ms = block_size / tps * 1000

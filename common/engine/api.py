@@ -118,6 +118,7 @@ class EngineLoad:
     total_blocks: int = 0
     pages_per_block: int = 1  # with layer groups the blocks above are pages, this many to a block of tokens
     prefill_tps: float = 0.0  # recent steps' speed (common/engine/speed.py), 0 until measured
+    long_prefill_tps: float = 0.0  # the same over steps of long prompts only (a block's recompute cost)
     decode_step_ms: float = 0.0
     preempted_swap: int = 0  # preemptions since start, by kind
     preempted_recompute: int = 0

@@ -511,6 +511,7 @@ class LLMEngine:
             total_blocks=bm.num_blocks,
             pages_per_block=bm.num_groups,
             prefill_tps=self.speed.prefill_tps,
+            long_prefill_tps=self.speed.long_prefill_tps,
             decode_step_ms=self.speed.decode_step_ms,
             preempted_swap=sched.stats["preempt_swap"],
             preempted_recompute=sched.stats["preempt_recompute"],

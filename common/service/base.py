@@ -125,6 +125,8 @@ class Service:
             "pages_per_block": load.pages_per_block,
             # measured on recent steps (0 until measured): what SLO-aware admission predicts from
             "prefill_tps": round(load.prefill_tps, 1),
+            # over steps of long prompts only: what recomputing a block costs (router/placement.py)
+            "long_prefill_tps": round(load.long_prefill_tps, 1),
             "decode_step_ms": round(load.decode_step_ms, 2),
             # the offload tiers' measured read cost (the store's figures, behind its lock): prefix-aware
             # routing weighs a tier hit against recomputing it (router/placement.py)

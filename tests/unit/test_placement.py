@@ -18,7 +18,7 @@ from common.prefix_hash import prefix_chain
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Route
-from router.placement import DEFAULT_TIER_WORTH, Candidate, Scores, choose_route, rank
+from router.placement import DEFAULT_TIER_WORTH, Candidate, Scores, choose_route, rank, tier_worth
 from router.workers import Worker, WorkerPool
 
 BS = 16
@@ -183,6 +183,15 @@ def test_a_tier_hit_is_worth_what_it_saves_against_recomputing() -> None:
     # not measured yet (a fresh service): the documented defaults
     (fresh,) = rank([tiered("d1")], PROMPT, ram, Counter(), 1.0, 1.0)
     assert fresh.cost == pytest.approx(11 + 30 * (1 - DEFAULT_TIER_WORTH["ram"]))
+
+
+def test_a_tier_block_is_weighed_against_the_prefill_speed_of_long_prompts() -> None:
+    """Recomputing a block costs what computing more of a long prompt does: `long_prefill_tps` when the
+    worker published one (its `prefill_tps` over every step is mostly short steps' fixed cost)."""
+    load = {"prefill_tps": 160.0, "kv_tier_read_ms": {"ram": 5.0}}  # 100 ms a block by the plain figure
+    assert tier_worth(load, "ram", BS) == pytest.approx(0.95)
+    load["long_prefill_tps"] = 1600.0  # 10 ms a block on long prompts
+    assert tier_worth(load, "ram", BS) == pytest.approx(0.5)
 
 
 def test_a_pool_hit_beats_the_same_hit_on_disk_and_the_route_counts_tiers() -> None:
