@@ -183,6 +183,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     n = args.prompt_tokens or 2048
+    if n < 512:  # the pool holds P, its turn and the decoders, and two fillers as long must turn it over
+        raise ValueError(f"tier-stall needs --prompt-tokens of at least 512, got {n}")
     compare = getattr(args, "compare", None) or "wait"
     mbps = getattr(args, "disk_read_mbps", None)
     cold = bool(args.cold_disk or mbps)
