@@ -249,8 +249,10 @@ class HostArena:
     each (`stride`: block_bytes rounded up to _ALIGN), in segments of a power of two bytes (at most
     SEGMENT) allocated when a slot in them is first taken, never more than `capacity` bytes in all.
     `allocate(nbytes)`: a writable buffer; by default an anonymous mmap (its pages are touched only
-    when written), for a GPU pool pinned host memory (common/kv/offload.py). Not thread-safe: the
-    store's lock guards it."""
+    when written), for a GPU pool pinned host memory (common/kv/offload.py). The store's lock guards
+    the free list (`alloc`, `free`); a segment is allocated by the first `raw` of one of its slots,
+    under a lock of the arena's own, so the writer thread does it outside the store's lock (pinning
+    256 MiB takes a while: no reader waits for it)."""
 
     SEGMENT = 1 << 28
 
@@ -275,6 +277,7 @@ class HostArena:
         self._free = list(range(slots))  # a heap: the lowest free slot first, so a chunk's slots
         # tend to be adjacent (one copy a run) and the touched memory stays compact
         self.allocated_bytes = 0  # segments allocated so far
+        self._grow = threading.Lock()  # allocating a segment (`_segment`)
 
     @property
     def free_slots(self) -> int:
@@ -284,10 +287,7 @@ class HostArena:
         """n free slots, lowest first; None when fewer are free."""
         if n > len(self._free):
             return None
-        out = [heapq.heappop(self._free) for _ in range(n)]
-        for s in out:
-            self._segment(s)
-        return out
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def free(self, slots: Sequence[int]) -> None:
         for s in slots:
@@ -322,10 +322,13 @@ class HostArena:
 
     def _segment(self, slot: int) -> int:
         seg = bisect.bisect_right(self._first, slot) - 1
-        if self._seg[seg] is None:
-            self._seg[seg] = self._allocate(self._size[seg])
-            self._raw[seg] = memoryview(self._seg[seg]).cast("B")
-            self.allocated_bytes += self._size[seg]
+        if self._raw[seg] is None:
+            with self._grow:
+                if self._raw[seg] is None:  # (another thread may have allocated it meanwhile)
+                    mem = self._allocate(self._size[seg])
+                    self._seg[seg] = mem
+                    self.allocated_bytes += self._size[seg]
+                    self._raw[seg] = memoryview(mem).cast("B")  # last: published whole
         return seg
 
 

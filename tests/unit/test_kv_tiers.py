@@ -281,6 +281,37 @@ def test_the_ram_arena_takes_memory_as_needed_in_power_of_two_segments_never_pas
         s.close()
 
 
+def test_a_segment_is_allocated_without_holding_up_readers() -> None:
+    """Allocating a segment (pinning 256 MiB on a GPU takes a while) happens on the writer thread outside
+    the store's lock: while an allocation is held up, a read of what RAM holds answers."""
+    gate, asked = threading.Event(), threading.Event()
+
+    def allocate(n: int) -> bytearray:
+        if n == 1024:  # the second segment: held until the read below has answered
+            asked.set()
+            assert gate.wait(30)
+        return bytearray(n)
+
+    s = TierStore(DIGEST, BS, BB, ram_bytes=12 * BB, ram_allocate=allocate)  # segments: 8 and 4 slots
+    try:
+        chains = [put(s, 100 * i) for i in range(1, 9)]  # the first segment full
+        hashes, toks, payload = blocks(900, 1)
+        assert s.offer(hashes, toks, payload)  # its slot is in the second segment
+        assert asked.wait(30), "the writer is allocating the second segment"
+        answered: list[int] = []
+        reader = threading.Thread(target=lambda: answered.append(len(s.read(*chains[0]))))
+        reader.start()
+        reader.join(30)
+        held_up = reader.is_alive()
+        gate.set()
+        reader.join(30)
+        assert not held_up and answered == [1], "the read answered while the segment was being allocated"
+        assert s.wait_idle(30) and len(s.read(hashes, toks)) == 1
+    finally:
+        gate.set()
+        s.close()
+
+
 def test_a_ram_slot_is_never_reused_while_a_reader_still_refers_to_its_bytes() -> None:
     """A read hands back views of the tier's own memory. The LRU may let go of the chunk while a copy
     still reads them (a tensor made from a view, as a copy to a GPU is), but its slot is not handed to
