@@ -22,7 +22,7 @@ posix_fadvise DONTNEED), so its reads go to the device.
 
 `--disk-read-mbps N` (implies `--cold-disk`): the disk is throttled to N MB/s of reads, a slow or
 shared device (a network volume), with a real kernel limit: this process joins a cgroup of its own
-whose blkio (v1) or io (v2) controller caps reads from the temp dir's block device (bench/throttle.py;
+whose blkio controller (cgroup v1) caps reads from the temp dir's block device (bench/throttle.py;
 needs root). `--compare disk-reads`: the sides are the engine's `--kv-offload-disk-reads` `auto` (a
 disk hit is read only while the disk's measured cost per block is below recomputing it) against
 `always`, on a disk tier alone (no RAM tier, so no prefetch: P's admission reads the disk itself, or
@@ -128,6 +128,10 @@ class Side:
             finally:
                 os.close(fd)
 
+    def skipped(self) -> int:
+        """Disk hits its engine computed instead of reading, since it started."""
+        return self.engine.kv_offload.stats().disk_skipped_blocks  # type: ignore[union-attr]
+
     def _disk_only(self) -> bool:
         store = self.engine.kv_offload.store  # type: ignore[union-attr]
         assert store.disk is not None
@@ -172,7 +176,6 @@ class Side:
                 "ttft_ms": ttft * 1000,
                 "decode_step_ms": statistics.median(steps[1:]) * 1000,
                 "deferred_steps": e.scheduler.stats["prefetch_deferred"] - deferred,
-                "disk_skipped_blocks": e.kv_offload.stats().disk_skipped_blocks,  # type: ignore[union-attr]
             }
         )
         return max(during) * 1000
@@ -181,10 +184,10 @@ class Side:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load_model(args.model)
     n = args.prompt_tokens or 2048
     if n < 512:  # the pool holds P, its turn and the decoders, and two fillers as long must turn it over
         raise ValueError(f"tier-stall needs --prompt-tokens of at least 512, got {n}")
+    model, tok = load_model(args.model)
     compare = getattr(args, "compare", None) or "wait"
     mbps = getattr(args, "disk_read_mbps", None)
     cold = bool(args.cold_disk or mbps)
@@ -206,6 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         s.figures.clear()
                 alternate({name: s.round for name, s in sides.items()}, args.rounds, "tier-stall")
             finally:
+                # since each engine started, its warm-up round and the fillers' hits included
+                skipped = {name: s.skipped() for name, s in sides.items()}
                 for s in sides.values():
                     s.engine.close()
     fig = {name: s.figures for name, s in sides.items()}
@@ -224,16 +229,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in specs:
         for key in ("stall_ms", "ttft_ms", "decode_step_ms", "deferred_steps"):
             out[f"{name}_{key}"] = spread([f[key] for f in fig[name]], 1)
-        out[f"{name}_disk_skipped_blocks"] = fig[name][-1]["disk_skipped_blocks"] if fig[name] else 0
+        out[f"{name}_disk_skipped_blocks"] = skipped[name]
     out["stall_ratio"] = ratio_stats(
         [f["stall_ms"] for f in fig[second]], [f["stall_ms"] for f in fig[first]]
     )  # second / first, per round: > 1, the first side kept the running requests' steps shorter
-    out["ttft_ratio"] = ratio_stats(
-        [f["ttft_ms"] for f in fig[first]], [f["ttft_ms"] for f in fig[second]]
-    )  # first / second (wait: what waiting for the prefetch costs the hit itself)
-    if compare == "disk-reads":  # always / auto: > 1, auto's choice was the faster one
-        out["ttft_ratio"] = ratio_stats(
-            [f["ttft_ms"] for f in fig[second]], [f["ttft_ms"] for f in fig[first]]
-        )
+    # wait: wait / no_wait (what waiting for the prefetch costs the hit itself); disk-reads: always /
+    # auto (> 1: auto's choice was the faster one)
+    num, den = (first, second) if compare == "wait" else (second, first)
+    out["ttft_ratio"] = ratio_stats([f["ttft_ms"] for f in fig[num]], [f["ttft_ms"] for f in fig[den]])
     out["load_before"], out["load_after"] = load_before, load_avg()
     return out

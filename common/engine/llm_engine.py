@@ -314,12 +314,11 @@ class LLMEngine:
         if not cfg.enable_prefix_caching:
             raise ValueError("KV offload tiers hold prefix-cache blocks: they need enable_prefix_caching")
         if self.tp_workers is None:
-            off = KVOffload.create(
+            return KVOffload.create(
                 self.kv_cache, repr(self.kv_compat()), cfg.kv_offload_ram_gb, cfg.kv_offload_disk_dir,
                 cfg.kv_offload_disk_gb, load_mode=cfg.kv_offload_load, disk_reads=cfg.kv_offload_disk_reads,
+                recompute_s_per_block=self._recompute_s_per_block,
             )  # fmt: skip
-            off.recompute_s_per_block = self._recompute_s_per_block
-            return off
         # Tensor parallelism: rank 0's store holds every KV head of a block (the workers' fetched and
         # handed back over the step pipes: common/kv/offload.py), so its records name the whole model's
         # KV layout, as one rank's would (the fp8 scales' digest is the whole model's already).
@@ -328,12 +327,11 @@ class LLMEngine:
             mc, dataclasses.replace(self.kv_cache.spec, num_kv_heads=mc.num_kv_heads), self._scales_digest
         )
         heads = kv_head_ranges(mc.num_kv_heads, cfg.tensor_parallel_size)
-        off = KVOffload.create(
+        return KVOffload.create(
             self.kv_cache, repr(whole), cfg.kv_offload_ram_gb, cfg.kv_offload_disk_dir,
             cfg.kv_offload_disk_gb, self.tp_workers, heads, disk_reads=cfg.kv_offload_disk_reads,
+            recompute_s_per_block=self._recompute_s_per_block,
         )  # fmt: skip
-        off.recompute_s_per_block = self._recompute_s_per_block
-        return off
 
     def _recompute_s_per_block(self) -> float:
         """Seconds to compute one block's tokens at this engine's recent speed on long prompts (0:

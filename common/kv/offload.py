@@ -230,16 +230,17 @@ class KVOffload:
         head_ranges: Sequence[range] | None = None,
         load_mode: str = "whole",
         disk_reads: str = "always",
+        recompute_s_per_block: Callable[[], float] | None = None,
     ) -> None:
         """`load_mode`: the engine's kv_offload_load (auto, layerwise, inline, whole); `disk_reads`: its
         kv_offload_disk_reads (auto: read a disk hit only while that is cheaper than recomputing it,
-        with `recompute_s_per_block` set; always)."""
+        with `recompute_s_per_block`: the engine's seconds to recompute one block now, 0 unknown;
+        always)."""
         if disk_reads not in ("auto", "always"):
             raise ValueError(f"KV offload: disk reads {disk_reads!r}, one of auto, always")
         self.cache, self.store, self.peers = cache, store, peers
         self.disk_reads = disk_reads
-        # the engine's: seconds to recompute one block now (block_size / its prefill speed; 0 unknown)
-        self.recompute_s_per_block: Callable[[], float] | None = None
+        self.recompute_s_per_block = recompute_s_per_block
         s = cache.spec
         self.head_ranges = list(head_ranges) if head_ranges is not None else [range(s.num_kv_heads)]
         if len(self.head_ranges[0]) != s.num_kv_heads or (peers is None) != (len(self.head_ranges) == 1):
@@ -293,6 +294,7 @@ class KVOffload:
         head_ranges: Sequence[range] | None = None,
         load_mode: str = "whole",
         disk_reads: str = "always",
+        recompute_s_per_block: Callable[[], float] | None = None,
     ) -> KVOffload:
         """The tiers of `cache`. With tensor parallelism (`peers`, `head_ranges`: see the class doc)
         `compat` must be the whole model's record (tp_size 1), as the store's blocks are."""
@@ -313,7 +315,7 @@ class KVOffload:
             tiers.append(f"disk {disk_gb:g} GiB in {store.slot}")
         ranks = f", every KV head of the {len(head_ranges)} ranks" if head_ranges is not None else ""
         try:
-            off = cls(cache, store, peers, head_ranges, load_mode, disk_reads)
+            off = cls(cache, store, peers, head_ranges, load_mode, disk_reads, recompute_s_per_block)
         except BaseException:
             store.close()
             raise
@@ -383,21 +385,22 @@ class KVOffload:
         # a disk dearer than recomputing is not read at admission: nothing to wait for
         return self.store.prefetching(keys) and self.disk_worth()
 
-    def disk_worth(self) -> bool:
+    def disk_worth(self, probe: bool = True) -> bool:
         """Whether a disk hit is worth reading at admission (module doc, "A disk dearer than
         recomputing"): always, or (auto) unless the disk's recent read cost per block, plus putting a
-        block into the pool, is above recomputing one; a figure not measured yet counts as worth it."""
+        block into the pool, is above recomputing one; a figure not measured yet counts as worth it.
+        `probe`: when it is not, and nothing read the disk for DISK_PROBE_S, queue a probe (the
+        engine's question; a report of the answer passes False)."""
         if self.disk_reads == "always" or self.store.disk is None or self.recompute_s_per_block is None:
             return True
         read = self.store.disk_read_s_per_block()
         recompute = self.recompute_s_per_block()
         if read is None or recompute <= 0:
             return True
-        copy_in = self.copy_in_s / self.copy_in_blocks if self.copy_in_blocks else 0.0
-        if read + copy_in <= recompute:
+        if read + self._copy_in_s_per_block() <= recompute:
             return True
         age = self.store.disk_read_age()
-        if age is not None and age > DISK_PROBE_S:  # no read lately (no prefetch to measure it): probe it
+        if probe and age is not None and age > DISK_PROBE_S:  # no read lately (no prefetch measures it)
             self.store.probe_disk()
         return False
 
@@ -419,9 +422,14 @@ class KVOffload:
         block into the pool, the same for every tier (with tensor parallelism the round trip to every
         rank: ~0.5 ms a block at TP 2 here, as much as a RAM read); a tier that returned nothing yet
         is left out."""
-        spent = self.copy_in_s + (self.loads.wait_s if self.loads is not None else 0.0)  # what was waited
-        copy_in = spent / self.copy_in_blocks if self.copy_in_blocks else 0.0
+        copy_in = self._copy_in_s_per_block()
         return {t: round((s + copy_in) * 1000, 4) for t, s in self.store.read_s_per_block().items()}
+
+    def _copy_in_s_per_block(self) -> float:
+        """Seconds putting a loaded block into the pool, as the engine felt it: the copies made before
+        the step, plus what the step waited for layer-by-layer copies (0 before the first load)."""
+        spent = self.copy_in_s + (self.loads.wait_s if self.loads is not None else 0.0)
+        return spent / self.copy_in_blocks if self.copy_in_blocks else 0.0
 
     # --- the engine's -------------------------------------------------------------------------------
     def flush(self) -> None:

@@ -301,11 +301,13 @@ class HostArena:
         at = (slot - self._first[seg]) * self.stride
         return raw[at : at + self.block_bytes]
 
-    def export(self, slots: Sequence[int], gone: Callable[[], None]) -> list[memoryview]:
-        """Views of the slots' bytes (one a slot, in order) for readers: one numpy array per run of
-        adjacent slots, whose finalizer calls `gone` once nothing refers to it any more (no view of
-        it, no tensor made from one: a copy reading from them keeps them alive)."""
+    def export(self, slots: Sequence[int], gone: Callable[[], None]) -> tuple[list[memoryview], int]:
+        """Views of the slots' bytes (one a slot, in order) for readers, and how many arrays hold them:
+        one numpy array per run of adjacent slots, whose finalizer calls `gone` once nothing refers to
+        it any more (no view of it, no tensor made from one: a copy reading from them keeps them
+        alive)."""
         out: list[memoryview] = []
+        arrays = 0
         i = 0
         while i < len(slots):
             seg = self._segment(slots[i])
@@ -315,10 +317,11 @@ class HostArena:
             at = (slots[i] - self._first[seg]) * self.stride
             arr = np.frombuffer(self._seg[seg], dtype=np.uint8, count=(j - i) * self.stride, offset=at)
             weakref.finalize(arr, gone).atexit = False
+            arrays += 1
             mv = arr.data  # a memoryview whose object is arr: each slice keeps it alive
             out.extend(mv[k * self.stride : k * self.stride + self.block_bytes] for k in range(j - i))
             i = j
-        return out
+        return out, arrays
 
     def _segment(self, slot: int) -> int:
         seg = bisect.bisect_right(self._first, slot) - 1
@@ -754,8 +757,8 @@ class TierStore:
                 with self._lock:
                     if chunk.forgotten:
                         return None
-                    views = self.arena.export(chunk.slots, lambda: self._gone.append(chunk))
-                    chunk.exports += len({id(v.obj) for v in views})
+                    views, arrays = self.arena.export(chunk.slots, lambda: self._gone.append(chunk))
+                    chunk.exports += arrays
                 dec = decode_parts(chunk.head, views, self.digest, self.block_size, self.block_bytes)
             else:
                 assert self.slot is not None

@@ -134,7 +134,7 @@ class Service:
             # whether its admissions read disk hits now (common/kv/offload.py, "A disk dearer than
             # recomputing"): a router predicts no disk hit on a worker that says false
             **(
-                {"kv_tier_disk_reads": off.disk_worth()}
+                {"kv_tier_disk_reads": off.disk_worth(probe=False)}
                 if off is not None and off.store.disk is not None
                 else {}
             ),
