@@ -70,6 +70,12 @@ class EngineConfig(BaseSettings):
         description="what the KV cache stores: auto (the model dtype), a narrower float, or fp8 with a "
         "calibrated power-of-two scale per layer and KV head",
     )
+    kv_exact_prefill: bool = Field(
+        True,
+        description="fp8 KV: a prefill chunk attends to its own keys and values as computed, only earlier "
+        "ones through the cache (a prompt's first token as with bf16 KV); off: every read through the "
+        "cache, as decode reads, so a prefix hit computes exactly what a miss does",
+    )
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of a prefix already held")
     kv_offload_ram_gb: float = Field(
         0.0,

@@ -42,6 +42,7 @@ ENGINE_FLAGS = {  # flag -> EngineConfig field (SPLITSERVE_<FIELD>)
     "--block-size": "block_size",
     "--kv-cache-mb": "kv_cache_memory_mb",
     "--kv-cache-dtype": "kv_cache_dtype",
+    "--kv-exact-prefill": "kv_exact_prefill",
     "--enable-prefix-caching": "enable_prefix_caching",
     "--kv-offload-ram-gb": "kv_offload_ram_gb",
     "--kv-offload-disk-dir": "kv_offload_disk_dir",

@@ -214,7 +214,9 @@ class LLMEngine:
             compats = [kv_compat(mc, sp, self._scales_digest, tp, r) for r, sp in enumerate(specs)]
             transfer = connector.rank_transfer if connector is not None else None
             rank_scales = [_heads_of(scales, lay.kv_heads) for lay in layouts]
-            self.tp_workers = TPWorkers(model, layouts, specs, threads or 1, compats, transfer, rank_scales)
+            self.tp_workers = TPWorkers(
+                model, layouts, specs, threads or 1, compats, transfer, rank_scales, config.kv_exact_prefill
+            )
             self.model = self.tp_workers.model
             log.info(
                 "tensor parallelism: %d ranks (KV heads %s, %d threads each) started in %.1f s",
@@ -222,7 +224,9 @@ class LLMEngine:
             )  # fmt: skip
         scales = _heads_of(scales, layouts[0].kv_heads)  # rank 0's (all of them without TP)
         t0 = time.monotonic()  # one zeroed tensor each for K and V: no progress to show, a line after
-        self.kv_cache = PagedKVCache(spec, device=device, compute_dtype=dtype, scales=scales)
+        self.kv_cache = PagedKVCache(
+            spec, device=device, compute_dtype=dtype, scales=scales, exact_prefill=config.kv_exact_prefill
+        )
         unit = "blocks" if spec.groups.num_groups == 1 else f"pages ({spec.groups.layers_per_page} layers)"
         log.info(
             "KV cache: %d %s of %d tokens (%.0f MiB%s, %s), allocated in %.1f s",

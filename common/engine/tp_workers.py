@@ -92,6 +92,7 @@ class WorkerSpec:
     compat: KVCompat | None = None  # this rank's transfer preflight record
     transfer: RankTransferSpec | None = None  # a service: the rank's own KV transfer agent
     scales: KVScales | None = None  # an fp8 cache: its heads' scales
+    exact_prefill: bool = True  # an fp8 cache: prefill chunks read their own K/V as computed
 
 
 class RankAgent(Protocol):
@@ -168,6 +169,7 @@ class TPWorkers:
         compats: list[KVCompat] | None = None,
         transfer: RankTransferSpec | None = None,
         scales: list[KVScales | None] | None = None,
+        exact_prefill: bool = True,
     ) -> None:
         """Start ranks 1.. and build rank 0's shard of `model` (a whole model, left as it is):
         `self.model`. Returns once every worker holds its weights and KV cache (and, with `transfer`,
@@ -201,7 +203,7 @@ class TPWorkers:
                 compat = compats[r] if compats is not None else None
                 spec = WorkerSpec(
                     r, n, store.port, model.config, model.dtype, layouts[r], kv_specs[r], num_threads,
-                    compat, transfer, scales[r] if scales is not None else None,
+                    compat, transfer, scales[r] if scales is not None else None, exact_prefill,
                 )  # fmt: skip
                 ours, theirs = ctx.Pipe()
                 ctl_ours, ctl_theirs = ctx.Pipe()
@@ -537,7 +539,9 @@ def worker_main(
         model = LlamaForCausalLM.empty(spec.model_config, spec.dtype, tp)
         for t in model.state_dict().values():
             group.recv([t], 0, WEIGHTS_TAG).wait()
-        kv = PagedKVCache(spec.kv_spec, compute_dtype=spec.dtype, scales=spec.scales)
+        kv = PagedKVCache(
+            spec.kv_spec, compute_dtype=spec.dtype, scales=spec.scales, exact_prefill=spec.exact_prefill
+        )
         agent = None
         if spec.transfer is not None:
             assert spec.compat is not None

@@ -11,9 +11,13 @@ One attention kernel, compiled in two specializations:
   the rows of its tile are (token, head-of-group) pairs, so a chunk's queries attend to the paged prefix
   and causally to themselves in one pass, whatever the chunk's length.
 
-Both read K/V only from the paged cache (new tokens are written there first by `store_kv`), in tiles
-of TILE_N token positions that may span several pages: each position's page is looked up in the block
-table, so any block size works. Softmax is online (running max and sum per row, fp32).
+Both read K/V from the paged cache (new tokens are written there first by `store_kv`), in tiles of
+TILE_N token positions that may span several pages: each position's page is looked up in the block
+table, so any block size works. One exception, FRESH (prefill over an fp8 cache, the cache's
+`exact_prefill`): a chunk's own positions are read from k_new/v_new, the step's K/V in the cache's units
+(rotated, less the offset, over the scale) but not rounded to fp8, so a chunk sees its own keys as
+computed and only earlier steps' through the cache (common/kv/kv_cache.py). Softmax is online
+(running max and sum per row, fp32).
 
 Layouts (as in common/kv/kv_cache.py, one layer's slice):
     q, out          (T, n_heads, head_dim)        rows of the flattened step
@@ -85,6 +89,8 @@ def _paged_attention_kernel(
     v_scale_ptr,
     k_off_ptr,  # OFFSET: (n_kv_heads, head_dim) fp32 contiguous, this layer's
     v_off_ptr,
+    k_new_ptr,  # FRESH: (T, n_kv_heads, head_dim) the step's own K in stored units, unrounded
+    v_new_ptr,  # FRESH: the same for V (the same strides as K)
     num_splits,
     n_heads,
     scale,
@@ -101,6 +107,8 @@ def _paged_attention_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    stride_nt,  # FRESH: k_new/v_new's token and KV-head strides
+    stride_nh,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
     BLOCK_Q: tl.constexpr,  # new tokens per program
@@ -115,6 +123,7 @@ def _paged_attention_kernel(
     OFFSET: tl.constexpr,  # ... less an offset per (KV head, channel)
     WINDOW: tl.constexpr,  # sliding-window attention
     SOFTCAP: tl.constexpr,  # soft-capped scores
+    FRESH: tl.constexpr,  # a prefill chunk's own keys and values read from k_new/v_new, not the cache
 ):
     launch_idx = tl.program_id(0)
     seq = tl.load(seq_ids_ptr + launch_idx)
@@ -204,6 +213,14 @@ def _paged_attention_kernel(
         if QUANT:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
+        if FRESH:  # the chunk's own positions: the values before fp8 rounded them (same units)
+            own = k_pos >= ctx - n_new
+            row = tl.where(own, q_start + k_pos - (ctx - n_new), q_start)  # in bounds where not own
+            own_mask = (own & k_ok)[:, None] & d_ok[None, :]
+            at = k_new_ptr + row[:, None] * stride_nt + kv_head * stride_nh + d[None, :]
+            k = tl.where(own[:, None], tl.load(at, mask=own_mask, other=0.0).to(k.dtype), k)
+            at = v_new_ptr + row[:, None] * stride_nt + kv_head * stride_nh + d[None, :]
+            v = tl.where(own[:, None], tl.load(at, mask=own_mask, other=0.0).to(v.dtype), v)
         if IEEE:  # noqa: SIM108 (a constexpr branch: each specialization compiles one dot)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -390,6 +407,8 @@ def paged_attention_launch(
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap)
     k_off: torch.Tensor | None = None,  # an fp8 cache: (n_kv, hd) fp32, what each channel had subtracted
     v_off: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,  # prefill over an fp8 cache: (T, n_kv, hd) the step's own K and V
+    v_new: torch.Tensor | None = None,  # in stored units, unrounded (PagedKVCache.stored_units)
 ) -> None:
     n_seqs = seq_ids.numel()
     if n_seqs == 0:
@@ -419,6 +438,13 @@ def paged_attention_launch(
         raise ValueError(f"paged attention: window={window} must be at least 1")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"paged attention: softcap={softcap} must be positive")
+    fresh = k_new is not None and v_new is not None
+    if fresh:
+        assert k_new is not None and v_new is not None
+        if decode or not quant:
+            raise ValueError("paged attention: k_new/v_new are for prefill chunks over an fp8 cache")
+        if k_new.shape != v_new.shape or k_new.stride() != v_new.stride() or k_new.stride(2) != 1:
+            raise ValueError("paged attention: k_new and v_new need one shape and strides, hd contiguous")
     part_acc = part_ml = out  # unused unless split
     if splits > 1:
         part_acc = torch.empty((n_seqs, n_heads, splits, hd), dtype=torch.float32, device=q.device)
@@ -426,17 +452,19 @@ def paged_attention_launch(
     _paged_attention_kernel[(n_seqs, n_kv, axis2)](
         q, k_cache, v_cache, out, block_tables, query_start_loc, context_lens, seq_ids,
         part_acc, part_ml, k_scale if quant else out, v_scale if quant else out,
-        k_off if offset else out, v_off if offset else out, splits, n_heads, scale,
+        k_off if offset else out, v_off if offset else out,
+        k_new if fresh else out, v_new if fresh else out, splits, n_heads, scale,
         window or 0, softcap or 0.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        *(k_new.stride()[:2] if k_new is not None and fresh else (0, 0)),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=hd, HEAD_PAD=_pow2(hd, MIN_DOT), BLOCK_SIZE=k_cache.shape[1], TILE=TILE_N,
         IEEE=q.dtype == torch.float32 or interpreted,
         UPCAST=interpreted and q.dtype != torch.float32, SPLIT=splits > 1, QUANT=quant, OFFSET=offset,
-        WINDOW=window is not None, SOFTCAP=softcap is not None,
+        WINDOW=window is not None, SOFTCAP=softcap is not None, FRESH=fresh,
     )  # fmt: skip
     if splits > 1:
         _combine_splits_kernel[(n_seqs, n_heads)](

@@ -47,6 +47,16 @@ window (`first_needed_block`), and the block manager releases the blocks that fe
 `layer_v`) and is read through the block table of group `group_of[l]`; `num_blocks` counts pages.
 With one group (every other model) a page is a block of every layer and slot_of[l] == l: the layout
 above.
+
+What a prefill chunk reads (`exact_prefill`, on by default; `--kv-exact-prefill`): with an fp8 cache a
+prefill chunk's queries see the chunk's own keys and values as the model computed them; only keys from
+earlier steps are read back from the cache. A decode step reads everything from the cache, its own new
+token included. So a prompt that fits one chunk is computed as with a bf16 cache (its first token, and
+the K/V its later layers store, come from unrounded attention), as TensorRT-LLM's context phase and
+SGLang's ragged prefill compute it. What it costs: a prefix-cache hit reads the cached part rounded,
+where a miss computed it exact, so with fp8 a hit and a miss may differ by fp8's rounding (off: every
+read goes through the cache, and a hit computes exactly what a miss does). On SmolLM2 the first answer
+token of the README question is a near tie (0.08 nats with fp32 KV): through the cache e5m2 tips it.
 """
 
 from __future__ import annotations
@@ -233,12 +243,15 @@ class PagedKVCache:
         device: str | torch.device = "cpu",
         compute_dtype: torch.dtype | None = None,
         scales: KVScales | None = None,
+        exact_prefill: bool = True,
     ) -> None:
         """compute_dtype: the model's (what reads return; default the cache dtype). scales: required
-        for an fp8 cache."""
+        for an fp8 cache. exact_prefill: an fp8 cache's prefill chunks attend to their own K/V as
+        computed (see the module doc); meaningless for other caches, whose reads are exact casts."""
         self.spec = spec
         self.compute_dtype = compute_dtype or spec.dtype
         self.quantized = spec.dtype in FP8
+        self.exact_prefill = exact_prefill and self.quantized
         if self.quantized and scales is None:
             raise ValueError(f"a {spec.dtype} KV cache needs scales (common/kv/quant.py calibrates them)")
         self.k = torch.zeros(spec.shape, dtype=spec.dtype, device=device)
@@ -287,11 +300,16 @@ class PagedKVCache:
         counted), cast."""
         if not self.quantized:
             return x.to(self.spec.dtype)
-        assert self.scales is not None and self.rotation is not None
-        off = getattr(self.scales, which + "_off")[layer]  # (n_kv, hd), as the scales
-        y = (x.float() @ self.rotation - off) / getattr(self.scales, which)[layer]
+        y = self.stored_units(x, layer, which)
         self._clamped += (y.abs() > self._fp8_max).sum()
         return y.clamp_(-self._fp8_max, self._fp8_max).to(self.spec.dtype)
+
+    def stored_units(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
+        """fp8: x (T, n_kv, hd) as `quantize` stores it, before the clamp and the cast: rotated, less the
+        offset, divided by the scale, fp32 (what the Triton kernel reads a prefill chunk's own K/V as)."""
+        assert self.scales is not None and self.rotation is not None
+        off = getattr(self.scales, which + "_off")[layer]  # (n_kv, hd), as the scales
+        return (x.float() @ self.rotation - off) / getattr(self.scales, which)[layer]
 
     def _load(self, x: torch.Tensor, layer: int, which: str, rotated: bool) -> torch.Tensor:
         """Stored values (..., n_kv, hd) back in the model's dtype (fp8: scaled, the offset added, in

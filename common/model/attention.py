@@ -14,6 +14,10 @@ each sequence's keys are gathered from the block holding its first query's first
 decode batch's entries before a row's window (and its padding) point at that row's own last block,
 masked. So a block-table entry there may be a HOLE (common/kv/block_manager.py: a block released once
 it slid out of every layer's window), which is never dereferenced: index_select would refuse -1.
+
+Over an fp8 cache whose `exact_prefill` is on (the default), a prefill chunk (more than one new token)
+attends to its own K/V as computed, not as stored: the rows of the chunk's own positions in what was
+gathered are overwritten with them (common/kv/kv_cache.py says why and what it costs).
 """
 
 from __future__ import annotations
@@ -194,6 +198,9 @@ def paged_attention(
         off = first // bs * bs  # keys are gathered from position `off`: blocks before it never read
         table = meta.block_tables[i][first // bs :]
         kc, vc = kv_cache.gather(layer, table, ctx - off, rotated=True)  # (ctx - off, n_kv, hd)
+        if kv_cache.exact_prefill and n_new > 1:  # fp8: the chunk's own K/V as computed (kv_cache.py)
+            kc[ctx - n_new - off :] = kv_cache.rotate(k[start:end]).to(kc.dtype)
+            vc[ctx - n_new - off :] = kv_cache.rotate(v[start:end]).to(vc.dtype)
         if n_new == 1:  # the step's one decode sequence (two or more went above)
             kd, vd = kc[first - off :].transpose(0, 1), vc[first - off :].transpose(0, 1)
             out[start] = decode_attention(q[start], kd, vd, scale, softcap)
@@ -282,9 +289,13 @@ def _triton_paged_attention(
     q = kv_cache.rotate(q)  # fp8: into the cache's rotated basis, the output back out of it (as above)
     out = torch.empty_like(q)
     common = (q, kc, vc, out, km.block_tables, km.query_start_loc, km.context_lens)
+    kn = vn = None  # fp8 prefill chunks: their own K/V as computed, in the cache's units (kv_cache.py)
+    if kv_cache.exact_prefill and km.max_prefill_tokens > 1:
+        kn = kv_cache.stored_units(k, layer, "k").to(q.dtype)
+        vn = kv_cache.stored_units(v, layer, "v").to(q.dtype)
     for ids, most, decode in ((km.decode_ids, 1, True), (km.prefill_ids, km.max_prefill_tokens, False)):
         paged_attention_launch(
             *common, ids, scale, most, decode=decode, k_scale=ks, v_scale=vs, window=window, softcap=softcap,
-            k_off=ko, v_off=vo,
+            k_off=ko, v_off=vo, k_new=None if decode else kn, v_new=None if decode else vn,
         )  # fmt: skip
     return kv_cache.rotate(out)

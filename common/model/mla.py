@@ -129,7 +129,8 @@ def mla_paged_attention(
     the decode rows through the Triton kernel (common/kernels/mla_attention.py; prefill chunks stay
     on the torch path). The new latents are written (first half into K, second into V), then each
     sequence's query rows attend over its cached latents: the decode sequences in one padded call,
-    each prefill chunk on its own, as `paged_attention` does. With one shared key head every (token,
+    each prefill chunk on its own (over an fp8 cache seeing its own latents as computed: the cache's
+    `exact_prefill`), as `paged_attention` does. With one shared key head every (token,
     head) query is a row against the same keys: the heads are folded into the rows (one matrix
     product, no per-head copy of the keys, which SDPA's grouped-query path would make)."""
     T, n_heads, width = q.shape
@@ -159,6 +160,9 @@ def mla_paged_attention(
             continue  # computed above
         n_new, ctx = end - start, meta.context_lens[i]
         kc, vc = kv_cache.gather(layer, meta.block_tables[i], ctx)  # (ctx, 1, half) each
+        if kv_cache.exact_prefill and n_new > 1:  # fp8: the chunk's own latents as computed
+            kc[ctx - n_new :] = latent[start:end, None, :half]
+            vc[ctx - n_new :] = latent[start:end, None, half:]
         lat = torch.cat((kc, vc), dim=-1).transpose(0, 1)  # (1, ctx, width)
         # rows (token, head): query j (absolute position ctx - n_new + j) sees keys 0 .. ctx - n_new + j
         qpos = torch.arange(ctx - n_new, ctx, device=q.device).repeat_interleave(n_heads).unsqueeze(1)

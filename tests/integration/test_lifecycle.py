@@ -78,8 +78,16 @@ class CopySender:
 
 
 class Pair:
-    def __init__(self, tiny: Model, p_blocks: int | None = None, d_blocks: int | None = None) -> None:
-        """p_blocks, d_blocks: each engine's KV blocks (default: the CPU default cache size)."""
+    def __init__(
+        self,
+        tiny: Model,
+        p_blocks: int | None = None,
+        d_blocks: int | None = None,
+        p_chunk: int = 24,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
+        """p_blocks, d_blocks: each engine's KV blocks (default: the CPU default cache size); p_chunk: P's
+        token budget a step; kv_cache_dtype: both sides'."""
         model, tok = tiny
         self.tok = tok
         self.arrived: dict[str, KVDone] = {}
@@ -87,9 +95,12 @@ class Pair:
         self.dconn = DecodeConnector(self._arrived, self._failed)
         self.pconn = PrefillConnector(lambda endpoint: self.sender, lambda rkv, why: None)
         # P computes long prompts in chunks of 24 tokens: several chunks, blocks written twice
-        p_config = EngineConfig(max_num_batched_tokens=24, num_kv_blocks=p_blocks)
+        p_config = EngineConfig(
+            max_num_batched_tokens=p_chunk, num_kv_blocks=p_blocks, kv_cache_dtype=kv_cache_dtype
+        )
         self.p = LLMEngine(model, tok, p_config, connector=self.pconn)
-        self.d = LLMEngine(model, tok, EngineConfig(num_kv_blocks=d_blocks), connector=self.dconn)
+        d_config = EngineConfig(num_kv_blocks=d_blocks, kv_cache_dtype=kv_cache_dtype)
+        self.d = LLMEngine(model, tok, d_config, connector=self.dconn)
         self.sender = CopySender(self.p, self.d, self.dconn)
 
     def _arrived(self, rkv: IncomingKV, msg: KVDone) -> None:
@@ -272,6 +283,25 @@ def test_split_request_gives_the_plain_run_tokens_and_token_zero_once(pair: Pair
     assert got == want and reason == "length"
     chunks = -(-len(ids) // 24)
     assert len(pair.sender.sent) == chunks * model.config.num_layers  # one write per layer per chunk
+    pair.assert_all_free()
+
+
+@pytest.mark.timeout(120)
+def test_fp8_e5m2_split_answers_the_readme_question_as_the_local_path_and_bf16_kv(smollm) -> None:  # type: ignore[no-untyped-def]
+    """The real model with an e5m2 cache on both sides: P computes the prompt in one chunk that attends
+    to its own K/V as computed (kv_exact_prefill), so token 0 is bf16 KV's even on this near tie; the
+    fp8 bytes it stored land in D, which decodes through its cache: the tokens are the local path's."""
+    model, tok = smollm
+    pair = Pair(smollm, p_blocks=64, d_blocks=64, p_chunk=512, kv_cache_dtype="fp8_e5m2")
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    params = SamplingParams(max_tokens=12)
+    bf16 = LLMEngine(model, tok, EngineConfig(kv_cache_dtype="bfloat16")).generate([ids], params)[0].token_ids
+    local = (
+        LLMEngine(model, tok, EngineConfig(kv_cache_dtype="fp8_e5m2")).generate([ids], params)[0].token_ids
+    )
+    got, _ = asyncio.run(pair.split("fp8", ids, params))
+    assert got == local == bf16, tok.decode(got)
+    assert "Paris" in tok.decode(got)
     pair.assert_all_free()
 
 

@@ -12,7 +12,12 @@ from common.model.attention import AttentionMetadata, decode_attention, paged_at
 
 
 def _step(
-    new: list[int], ctx: list[int], bs: int, seed: int, kv_dtype: torch.dtype = torch.float32
+    new: list[int],
+    ctx: list[int],
+    bs: int,
+    seed: int,
+    kv_dtype: torch.dtype = torch.float32,
+    exact_prefill: bool = True,
 ) -> tuple[AttentionMetadata, PagedKVCache]:
     """A step of sequences with `new` tokens each and `ctx` tokens in KV after it, on shuffled blocks of
     a random cache (an fp8 one: stored rotated, with per-channel scales 2^-3 .. 2^0 and offsets)."""
@@ -23,7 +28,9 @@ def _step(
     scales = (
         KVScales(torch.exp2(exps), torch.exp2(exps.flip(-1)), offs, -offs) if kv_dtype.itemsize == 1 else None
     )
-    cache = PagedKVCache(spec, device="cpu", compute_dtype=torch.float32, scales=scales)
+    cache = PagedKVCache(
+        spec, device="cpu", compute_dtype=torch.float32, scales=scales, exact_prefill=exact_prefill
+    )
     cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(kv_dtype))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(kv_dtype))
     free = torch.randperm(64, generator=g).tolist()
@@ -41,16 +48,21 @@ def _step(
     ([1, 5, 1, 1, 3], [30, 5, 2, 17, 12]),  # decodes around prefill chunks
     ([4, 1], [4, 9]),  # one decode: the per-sequence path
 ])  # fmt: skip
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+@pytest.mark.parametrize(
+    ("kv_dtype", "exact"),
+    [(torch.float32, True), (torch.float8_e4m3fn, True), (torch.float8_e4m3fn, False)],
+    ids=["fp32", "fp8", "fp8-through-cache"],
+)
 def test_batched_decode_attention_matches_the_per_sequence_path(
-    monkeypatch: pytest.MonkeyPatch, new: list[int], ctx: list[int], kv_dtype: torch.dtype
+    monkeypatch: pytest.MonkeyPatch, new: list[int], ctx: list[int], kv_dtype: torch.dtype, exact: bool
 ) -> None:
     """fp8: the cache holds K and V rotated (less per-channel offsets) and attention reads them so,
     rotating the query and its output instead; the result is attention over K and V as read back
-    (`gather`: the offsets added, rotated back)."""
+    (`gather`: the offsets added, rotated back), except that a prefill chunk (more than one new token)
+    sees its own K and V as computed unless `exact_prefill` is off."""
     outs = []
     for batched in (True, False):
-        meta, cache = _step(new, ctx, bs=8, seed=sum(ctx), kv_dtype=kv_dtype)
+        meta, cache = _step(new, ctx, bs=8, seed=sum(ctx), kv_dtype=kv_dtype, exact_prefill=exact)
         if not batched:
             monkeypatch.setattr(AttentionMetadata, "decode_batch", lambda self, bs: None)
         g = torch.Generator().manual_seed(1)
@@ -60,14 +72,17 @@ def test_batched_decode_attention_matches_the_per_sequence_path(
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     assert torch.isfinite(outs[0]).all()
     # and both against plain attention in float64 over each sequence's keys, read back from the cache
-    meta, cache = _step(new, ctx, bs=8, seed=sum(ctx), kv_dtype=kv_dtype)
+    meta, cache = _step(new, ctx, bs=8, seed=sum(ctx), kv_dtype=kv_dtype, exact_prefill=exact)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(sum(new), h, 16, generator=g) for h in (9, 3, 3))
     cache.write(0, meta.slot_mapping, k, v)
     want = torch.empty_like(q)
     for i, (n, c) in enumerate(zip(new, ctx, strict=True)):
-        kc, vc = (x.double().repeat_interleave(3, dim=1) for x in cache.gather(0, meta.block_tables[i], c))
         rows = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+        kc, vc = cache.gather(0, meta.block_tables[i], c)
+        if n > 1 and exact:
+            kc[c - n :], vc[c - n :] = k[rows], v[rows]
+        kc, vc = (x.double().repeat_interleave(3, dim=1) for x in (kc, vc))
         scores = torch.einsum("qhd,khd->hqk", q[rows].double(), kc) * 0.25  # (9, n, c)
         scores.masked_fill_(torch.arange(c)[None, :] > torch.arange(c - n, c)[:, None], float("-inf"))
         want[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vc).float()

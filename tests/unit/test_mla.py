@@ -117,21 +117,26 @@ def test_fp8_latent_cache_stays_within_fp8_precision_of_fp32_kv() -> None:
     stats = kv_stats(model, calib)
     assert stats.k_lo.shape == (c.num_layers, 1, c.head_dim) and not stats.k_center.any()
 
-    def logits(dtype: torch.dtype) -> torch.Tensor:
+    def logits(dtype: torch.dtype, exact_prefill: bool = True) -> torch.Tensor:
         scales = quant.calibrate(stats, dtype) if dtype in FP8 else None
         spec = KVCacheSpec(c.num_layers, 24, BLOCK, 1, c.head_dim, dtype, mla=c.mla_latent)
-        cache = PagedKVCache(spec, compute_dtype=torch.float32, scales=scales)
+        cache = PagedKVCache(spec, compute_dtype=torch.float32, scales=scales, exact_prefill=exact_prefill)
         out = _latent_logits(model, cache, seqs, steps=2)
         assert cache.clamped == 0 and cache.quantized == (dtype in FP8)
         return out
 
     ref = logits(torch.float32)
     bf16 = (logits(torch.bfloat16) - ref).abs().max().item()
+    prompt_rows = sum(len(s) for s in seqs)  # the prefill step's rows: the whole prompts in one chunk
     for dtype, bits in ((torch.float8_e4m3fn, 3), (torch.float8_e5m2, 2)):
-        got = logits(dtype)
-        drift = (got - ref).abs().max().item()
-        bound = 2 * 2 ** (7 - bits) * bf16
-        assert bf16 < drift <= bound, (dtype, drift, bf16, bound)
+        for exact in (True, False):
+            got = logits(dtype, exact)
+            drift = (got - ref).abs().max().item()
+            bound = 2 * 2 ** (7 - bits) * bf16
+            assert bf16 < drift <= bound, (dtype, exact, drift, bf16, bound)
+            # the prompts read only their own latents: as computed (fp32's logits) or through the cache
+            prompt = (got[:prompt_rows] - ref[:prompt_rows]).abs().max().item()
+            assert (prompt <= 1e-4) == exact, (dtype, exact, prompt)
 
 
 @pytest.mark.parametrize("interleave", [True, False])

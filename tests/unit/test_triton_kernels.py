@@ -47,12 +47,13 @@ def make_step(
     spare_blocks: int = 3,
     kv_dtype: torch.dtype | None = None,  # the cache's, if not `dtype` (fp8: with per-channel scales)
     offsets: bool = False,  # fp8: and per-channel offsets
+    exact_prefill: bool = True,  # fp8: prefill chunks read their own K/V as computed
 ) -> Step:
     g = torch.Generator().manual_seed(seed)
     need = [-(-c // block_size) for _, c in seqs]
     num_blocks = sum(need) + spare_blocks
     spec = KVCacheSpec(2, num_blocks, block_size, n_kv, head_dim, kv_dtype or dtype)
-    cache = new_cache(spec, dtype, offsets)
+    cache = new_cache(spec, dtype, offsets, exact_prefill)
     cache.k.copy_(torch.randn(cache.k.shape, generator=g).to(spec.dtype))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g).to(spec.dtype))
     perm = torch.randperm(num_blocks, generator=g).tolist()  # blocks scattered over the cache
@@ -79,7 +80,9 @@ def make_step(
     )
 
 
-def new_cache(spec: KVCacheSpec, compute_dtype: torch.dtype, offsets: bool = False) -> PagedKVCache:
+def new_cache(
+    spec: KVCacheSpec, compute_dtype: torch.dtype, offsets: bool = False, exact_prefill: bool = True
+) -> PagedKVCache:
     """An empty cache; an fp8 one with power-of-two scales varying over (layer, head, channel), K and V
     (exponents -4 .. 3, each channel of a head its own), and with `offsets` per-channel offsets too
     (K's between -3 and 3, V's -2 and 2, most of them comparable to the values' own size)."""
@@ -92,12 +95,14 @@ def new_cache(spec: KVCacheSpec, compute_dtype: torch.dtype, offsets: bool = Fal
             k_off = (exps.float() * 3 % 7 - 3) * 0.75
             v_off = (exps.float() % 5 - 2) * 0.5
         scales = KVScales(torch.exp2(exps.float() - 4), torch.exp2(3 - exps.float()), k_off, v_off)
-    return PagedKVCache(spec, device=DEVICE, compute_dtype=compute_dtype, scales=scales)
+    return PagedKVCache(
+        spec, device=DEVICE, compute_dtype=compute_dtype, scales=scales, exact_prefill=exact_prefill
+    )
 
 
 def run_both(step: Step, layer: int = 1, scale: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
     """(torch reference output, kernel output); each on its own copy of the cache, compared after."""
-    ref_cache = new_cache(step.cache.spec, step.q.dtype, step.cache.offsets)
+    ref_cache = new_cache(step.cache.spec, step.q.dtype, step.cache.offsets, step.cache.exact_prefill)
     ref_cache.k.copy_(step.cache.k)
     ref_cache.v.copy_(step.cache.v)
     tables_t = [torch.tensor(t, dtype=torch.long, device=DEVICE) for t in step.tables]
@@ -170,21 +175,26 @@ def test_bfloat16_matches_reference_within_bf16_precision() -> None:
     assert (ref.float() - out.float()).abs().max().item() <= tol(torch.bfloat16)
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact-prefill", "through-cache"])
 @pytest.mark.parametrize("offsets", [False, True], ids=["scaled", "offset"])
 @pytest.mark.parametrize("kv_dtype", FP8)
 @pytest.mark.parametrize(
     "seed,n_heads,n_kv,head_dim", [(0, 9, 3, 64), (1, 16, 2, 24)], ids=["smollm2", "hd24"]
 )
 def test_fp8_cache_matches_the_reference_over_the_same_bytes(
-    kv_dtype: torch.dtype, seed: int, n_heads: int, n_kv: int, head_dim: int, offsets: bool
+    kv_dtype: torch.dtype, seed: int, n_heads: int, n_kv: int, head_dim: int, offsets: bool, exact: bool
 ) -> None:
     """Both paths store the same fp8 bytes (run_both checks: rotated, less the offsets, scaled per
     channel), and attention over them with the per-channel scales and offsets applied in the kernel
     (K's scales to the query and q . offset to the scores, V's scales and offset to the output) matches
     the reference's attention over the dequantized values; a head size that is not a power of two pads
-    the vectors (masked) and rotates by two Hadamard blocks (24 = 16 + 8)."""
+    the vectors (masked) and rotates by two Hadamard blocks (24 = 16 + 8). `exact`: the prefill chunks
+    read their own K/V as computed (passed to the kernel in the cache's units), the cached prefix from
+    the cache, as the reference does."""
     seqs = [(1, 33), (12, 40), (1, 5), (1, 70), (7, 7)]
-    step = make_step(seqs, n_heads, n_kv, head_dim, 16, seed=seed, kv_dtype=kv_dtype, offsets=offsets)
+    step = make_step(
+        seqs, n_heads, n_kv, head_dim, 16, seed=seed, kv_dtype=kv_dtype, offsets=offsets, exact_prefill=exact
+    )
     step.k[0, 0, :4] = torch.tensor([1e6, -1e6, 3.0, 0.0])  # past the range: saturates, never inf/NaN
     ref, out = run_both(step)
     assert torch.isfinite(out).all() and (ref - out).abs().max().item() <= 1e-4
@@ -230,7 +240,10 @@ def test_fp8_offsets_in_the_kernel_with_a_softcap_and_split_decode(num_splits: i
         if with_offsets:
             opts.update(k_off=sc.k_off[1], v_off=sc.v_off[1])
         paged_attention_launch(*common, km.decode_ids, 0.3, 1, decode=True, num_splits=num_splits, **opts)
-        paged_attention_launch(*common, km.prefill_ids, 0.3, km.max_prefill_tokens, decode=False, **opts)
+        own = {"k_new": cache.stored_units(step.k, 1, "k"), "v_new": cache.stored_units(step.v, 1, "v")}
+        paged_attention_launch(
+            *common, km.prefill_ids, 0.3, km.max_prefill_tokens, decode=False, **opts, **own
+        )  # the chunks' own K/V as computed (exact_prefill, the default)
         outs.append(cache.rotate(out))
     assert (outs[0] - want).abs().max().item() <= 1e-4
     assert (outs[1] - want).abs().max().item() > 0.1  # without them: not the same attention
