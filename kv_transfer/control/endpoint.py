@@ -21,8 +21,8 @@ class Endpoint:
 
     @classmethod
     def parse(cls, text: str, scheme: str | None = None) -> Endpoint:
-        """"tcp://host:port[/incarnation]" (host may be "[v6addr]"); with `scheme`, any other scheme is
-        a ValueError."""
+        """Parse `tcp://host:port[/incarnation]` (host may be `[v6addr]`); with `scheme`, any other scheme
+        is a ValueError."""
         got, sep, rest = text.partition("://")
         address, _, incarnation = rest.partition("/")
         host, colon, port = address.rpartition(":")
