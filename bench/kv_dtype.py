@@ -14,9 +14,9 @@ same KV memory. Reported per dtype, flat (the figures issue 28 asks for):
   perplexity ratio, whose rounding noise (about +-0.5 % for e5m2 on these 913 tokens) is of the size of
   the goal's margin;
 * `greedy_equal_<dtype>`: whether the greedy answer to the README question ("What is the capital of
-  France?", through the chat template) is token for token bf16 KV's, as served (`answer_<dtype>`: its
-  text); `greedy_equal_through_cache_<dtype>`: the same with every read through the cache (its first
-  token is a near tie on SmolLM2: 0.08 nats with fp32 KV);
+  France?", through the chat template; `ask`) is token for token bf16 KV's, as served
+  (`answer_<dtype>`: its text); `greedy_equal_through_cache_<dtype>`: the same with every read through
+  the cache (its first token is a near tie on SmolLM2: 0.08 nats with fp32 KV);
 * `kv_bytes_per_token_<dtype>`: KV bytes one token takes, all layers, K and V;
 * `kv_clamped_<dtype>`: K/V values the fp8 cache saturated over the whole run (`PagedKVCache.clamped`).
 
@@ -45,6 +45,7 @@ from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.model.loader import load_model
 from common.sampling_params import SamplingParams
+from common.text.tokenizer import Tokenizer
 
 DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 KV_MB = 64
@@ -123,6 +124,14 @@ def kv_bytes_per_token(engine: LLMEngine) -> int:
     return spec.bytes_per_block // spec.block_size
 
 
+def ask(tok: Tokenizer, question: str) -> str:
+    """The question through the model's chat template; for a model without one (a base model, such as
+    the Gemma 3 270M GGUF) as a plain question-and-answer prompt."""
+    if tok.chat_template:
+        return tok.apply_chat_template([{"role": "user", "content": question}])
+    return f"Question: {question}\nAnswer:"
+
+
 def common_start(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
@@ -132,10 +141,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, tok = load_model(args.model, dtype=torch.float32)
     rng = random.Random(args.seed)
     questions = [rng.choice(QUESTIONS) + f" (#{i})" for i in range(args.requests)]
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
+    prompts = [tok.encode(ask(tok, q)) for q in questions]
     greedy = SamplingParams(max_tokens=args.answer_tokens, ignore_eos=True)
     held_out = tok.encode(HELD_OUT)
-    readme = tok.encode(tok.apply_chat_template([{"role": "user", "content": README_QUESTION}]))
+    readme = tok.encode(ask(tok, README_QUESTION))
     out: dict[str, Any] = {
         "requests": len(prompts),
         "answer_tokens": args.answer_tokens,
