@@ -164,7 +164,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         engine = LLMEngine(model, tok, cfg)  # as served: fp8 prefill chunks read their own K/V exact
         # every read through the cache (fp8: kv_exact_prefill off), as a decode step reads: what scores
-        scorer = LLMEngine(model, tok, cfg.model_copy(update={"kv_exact_prefill": False}))
+        scorer = engine  # (the option means nothing for a cache that is not fp8: one engine does)
+        if engine.kv_cache.quantized:
+            scorer = LLMEngine(model, tok, cfg.model_copy(update={"kv_exact_prefill": False}))
         key = "fp32" if name == "auto" else name
         held_lp[key] = np.array(prompt_logprobs(scorer, held_out))
         ppl[key] = float(np.exp(-held_lp[key].mean()))  # `perplexity`, from the same logprobs
@@ -180,7 +182,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         starts = [common_start(o, a) for o, a in zip(own, answers, strict=True)]
         blocks = engine.kv_cache.spec.num_blocks
         out[f"kv_bytes_per_token_{key}"] = kv_bytes_per_token(engine)
-        out[f"kv_clamped_{key}"] = engine.kv_cache.clamped + scorer.kv_cache.clamped
+        out[f"kv_clamped_{key}"] = engine.kv_cache.clamped + (
+            scorer.kv_cache.clamped if scorer is not engine else 0
+        )
         out[key] = {
             "kv_blocks": blocks,
             "capacity_gain": round(blocks / out["fp32"]["kv_blocks"], 2) if key != "fp32" else 1.0,

@@ -438,6 +438,8 @@ def paged_attention_launch(
         raise ValueError(f"paged attention: window={window} must be at least 1")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"paged attention: softcap={softcap} must be positive")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("paged attention: k_new and v_new come together")
     fresh = k_new is not None and v_new is not None
     if fresh:
         assert k_new is not None and v_new is not None

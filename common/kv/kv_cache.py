@@ -300,9 +300,7 @@ class PagedKVCache:
         counted), cast."""
         if not self.quantized:
             return x.to(self.spec.dtype)
-        y = self.stored_units(x, layer, which)
-        self._clamped += (y.abs() > self._fp8_max).sum()
-        return y.clamp_(-self._fp8_max, self._fp8_max).to(self.spec.dtype)
+        return self.round_units(self.stored_units(x, layer, which))
 
     def stored_units(self, x: torch.Tensor, layer: int, which: str) -> torch.Tensor:
         """fp8: x (T, n_kv, hd) as `quantize` stores it, before the clamp and the cast: rotated, less the
@@ -310,6 +308,12 @@ class PagedKVCache:
         assert self.scales is not None and self.rotation is not None
         off = getattr(self.scales, which + "_off")[layer]  # (n_kv, hd), as the scales
         return (x.float() @ self.rotation - off) / getattr(self.scales, which)[layer]
+
+    def round_units(self, y: torch.Tensor) -> torch.Tensor:
+        """fp8: `stored_units` as stored: clamped to the format's range (the values clamped counted)
+        and cast. y itself is left as it is (a caller may read it unrounded too)."""
+        self._clamped += (y.abs() > self._fp8_max).sum()
+        return y.clamp(-self._fp8_max, self._fp8_max).to(self.spec.dtype)
 
     def _load(self, x: torch.Tensor, layer: int, which: str, rotated: bool) -> torch.Tensor:
         """Stored values (..., n_kv, hd) back in the model's dtype (fp8: scaled, the offset added, in

@@ -285,14 +285,16 @@ def _triton_paged_attention(
     if sc is not None and kv_cache.offsets:  # offsets not all zero
         assert sc.k_off is not None and sc.v_off is not None
         ko, vo = sc.k_off[layer], sc.v_off[layer]
-    store_kv(kv_cache.quantize(k, layer, "k"), kv_cache.quantize(v, layer, "v"), kc, vc, slot_mapping)
+    kn = vn = None  # fp8 prefill chunks: their own K/V as computed, in the cache's units (kv_cache.py)
+    if kv_cache.exact_prefill and km.max_prefill_tokens > 1:
+        ku, vu = kv_cache.stored_units(k, layer, "k"), kv_cache.stored_units(v, layer, "v")
+        store_kv(kv_cache.round_units(ku), kv_cache.round_units(vu), kc, vc, slot_mapping)  # computed once
+        kn, vn = ku.to(q.dtype), vu.to(q.dtype)
+    else:
+        store_kv(kv_cache.quantize(k, layer, "k"), kv_cache.quantize(v, layer, "v"), kc, vc, slot_mapping)
     q = kv_cache.rotate(q)  # fp8: into the cache's rotated basis, the output back out of it (as above)
     out = torch.empty_like(q)
     common = (q, kc, vc, out, km.block_tables, km.query_start_loc, km.context_lens)
-    kn = vn = None  # fp8 prefill chunks: their own K/V as computed, in the cache's units (kv_cache.py)
-    if kv_cache.exact_prefill and km.max_prefill_tokens > 1:
-        kn = kv_cache.stored_units(k, layer, "k").to(q.dtype)
-        vn = kv_cache.stored_units(v, layer, "v").to(q.dtype)
     for ids, most, decode in ((km.decode_ids, 1, True), (km.prefill_ids, km.max_prefill_tokens, False)):
         paged_attention_launch(
             *common, ids, scale, most, decode=decode, k_scale=ks, v_scale=vs, window=window, softcap=softcap,

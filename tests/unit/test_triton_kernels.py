@@ -247,6 +247,10 @@ def test_fp8_offsets_in_the_kernel_with_a_softcap_and_split_decode(num_splits: i
         outs.append(cache.rotate(out))
     assert (outs[0] - want).abs().max().item() <= 1e-4
     assert (outs[1] - want).abs().max().item() > 0.1  # without them: not the same attention
+    with pytest.raises(ValueError, match="k_new and v_new come together"):
+        paged_attention_launch(
+            *common, km.prefill_ids, 0.3, km.max_prefill_tokens, decode=False, **opts, k_new=own["k_new"]
+        )
     with pytest.raises(ValueError, match="k_off and v_off"):
         paged_attention_launch(
             *common, km.decode_ids, 0.3, 1, decode=True, k_scale=sc.k[1], v_scale=sc.v[1], k_off=sc.k_off[1]
