@@ -26,6 +26,7 @@ def _generate(args: argparse.Namespace) -> int:
             ("dtype", args.dtype),
             ("device", args.device),
             ("kv_cache_dtype", args.kv_cache_dtype),
+            ("kv_exact_prefill", args.kv_exact_prefill),
             ("max_model_len", args.max_model_len),
         )
         if v is not None
@@ -85,9 +86,10 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_bench_parser
+    from common.config import EngineConfig
     from splitserve.flags import Parser, add_log_flags, flag
     from splitserve.keys_cli import add_keys_parser
-    from splitserve.launch import add_parsers
+    from splitserve.launch import add_config_flag, add_parsers
 
     parser = Parser(prog="splitserve", description="Disaggregated LLM serving.")
     parser.add_argument("--version", action="version", version=f"splitserve {_version()}")
@@ -110,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag(g, "--kv-cache-dtype", env="SPLITSERVE_KV_CACHE_DTYPE", shown_default="auto",
          choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"],
          help="what the KV cache stores")  # fmt: skip
+    add_config_flag(
+        g, "--kv-exact-prefill", EngineConfig, "kv_exact_prefill", "SPLITSERVE_", dest="kv_exact_prefill"
+    )
     flag(
         g,
         "--max-model-len",

@@ -145,7 +145,7 @@ def parse_tenant_weights(text: str) -> dict[str, float]:
     return weights
 
 
-def _add_config_flag(
+def add_config_flag(
     p: argparse.ArgumentParser,
     name: str,
     model: type[Any],
@@ -200,10 +200,10 @@ def add_service_flags(p: argparse.ArgumentParser, role: str, default_port: int) 
     flags = {**SERVICE_FLAGS, **(DECODE_FLAGS if role == "decode" else {})}
     for name, field in flags.items():  # the port's default depends on the role
         shown = default_port if field == "port" else None
-        _add_config_flag(p, name, ServiceConfig, field, "SPLITSERVE_", field, shown)
+        add_config_flag(p, name, ServiceConfig, field, "SPLITSERVE_", field, shown)
     p.set_defaults(role_port=default_port)
     for name, field in ENGINE_FLAGS.items():
-        _add_config_flag(p, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}")
+        add_config_flag(p, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}")
     add_log_flags(p)
 
 
@@ -719,7 +719,7 @@ def add_parsers(sub: Any) -> None:
         "router", help="run the router (OpenAI API)", description="The OpenAI-compatible router."
     )
     for name, field in ROUTER_FLAGS.items():
-        _add_config_flag(
+        add_config_flag(
             r, name, RouterConfig, field, "SPLITSERVE_ROUTER_", field, repeat=name in REPEATED_FLAGS
         )
     add_log_flags(r)
@@ -782,19 +782,19 @@ def add_up_parser(sub: Any) -> None:
     flag(u, "--prefill-devices", type=_devices, help="the prefill services' GPUs (instead of --devices)")
     flag(u, "--decode-devices", type=_devices, help="the decode services' GPUs (instead of --devices)")
     flag(u, "--threads-per-service", type=int, help="torch CPU threads per service (--threads)")
-    _add_config_flag(u, "--kv-backend", ServiceConfig, "kv_backend", "SPLITSERVE_", "kv_backend")
-    _add_config_flag(u, "--served-model-name", ServiceConfig, "served_model_name", "SPLITSERVE_",
+    add_config_flag(u, "--kv-backend", ServiceConfig, "kv_backend", "SPLITSERVE_", "kv_backend")
+    add_config_flag(u, "--served-model-name", ServiceConfig, "served_model_name", "SPLITSERVE_",
                      "served_model_name", repeat=True)  # fmt: skip
-    _add_config_flag(
+    add_config_flag(
         u, "--chat-template", RouterConfig, "chat_template", "SPLITSERVE_ROUTER_", "chat_template"
     )
-    _add_config_flag(u, "--tool-call-parser", RouterConfig, "tool_call_parser", "SPLITSERVE_ROUTER_",
+    add_config_flag(u, "--tool-call-parser", RouterConfig, "tool_call_parser", "SPLITSERVE_ROUTER_",
                      "tool_call_parser", repeat=True)  # fmt: skip
-    _add_config_flag(u, "--api-key", RouterConfig, "api_key", "SPLITSERVE_ROUTER_", "api_key")
+    add_config_flag(u, "--api-key", RouterConfig, "api_key", "SPLITSERVE_ROUTER_", "api_key")
     for name, field in ENGINE_FLAGS.items():
         if name != "--threads":
             repeat = name in REPEATED_FLAGS
-            _add_config_flag(u, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}", repeat=repeat)
+            add_config_flag(u, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}", repeat=repeat)
     flag(u, "--autoscale", action="store_true",
          help="the planner sets how many prefill and decode services run (docs/operations.md)")  # fmt: skip
     flag(u, "--autoscale-interval-s", type=float, default=10.0, help="--autoscale: seconds between decisions")

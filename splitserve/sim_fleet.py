@@ -23,7 +23,7 @@ from splitserve.flags import add_log_flags, env_or, flag
 
 
 def add_parser(sub: Any) -> None:
-    from splitserve.launch import ENGINE_FLAGS, _add_config_flag
+    from splitserve.launch import ENGINE_FLAGS, add_config_flag
 
     f = sub.add_parser(
         "sim-fleet",
@@ -40,7 +40,7 @@ def add_parser(sub: Any) -> None:
          help="how prefill services write KV into the decode services")  # fmt: skip
     for name, field in ENGINE_FLAGS.items():
         if field not in ("engine", "tensor_parallel_size", "device", "attention_backend"):
-            _add_config_flag(f, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}")
+            add_config_flag(f, name, EngineConfig, field, "SPLITSERVE_", f"engine_{field}")
     add_log_flags(f)
     f.set_defaults(func=run)
 

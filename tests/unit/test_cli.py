@@ -203,3 +203,10 @@ def test_no_gpu_no_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi
     assert _up_plan(build_parser().parse_args(["up"])) == [{}, {}]
+
+
+def test_generate_takes_the_engine_flag_for_exact_prefill() -> None:
+    parse = build_parser().parse_args
+    assert parse(["generate", "hi", "--no-kv-exact-prefill"]).kv_exact_prefill is False
+    assert parse(["generate", "hi", "--kv-exact-prefill"]).kv_exact_prefill is True
+    assert parse(["generate", "hi"]).kv_exact_prefill is None  # the config (or its variable) decides
