@@ -291,6 +291,12 @@ def add_bench_parser(sub: Any) -> None:
     pl.add_argument("--planner-max-role", type=int, default=8, help="planner: workers of one role, at most")
     pl.add_argument("--planner-ttft-s", type=float, default=1.0, help="planner: TTFT p90 target")
     pl.add_argument("--planner-tpot-s", type=float, default=0.05, help="planner: TPOT p90 target")
+    pl.add_argument(
+        "--planner-frontier",
+        action="store_true",
+        help="planner: also replay the trace under other settings of the law and a clairvoyant schedule, "
+        "with a plot of SLO windows against worker-minutes (<--out>/planner_frontier.png)",
+    )
     o = b.add_argument_group("soak")
     o.add_argument("--concurrency", type=int, default=8, help="soak, chaos-fleet: requests in flight at once")
     o.add_argument("--disconnect-fraction", type=float, default=0.1, help="soak: clients that hang up early")

@@ -37,6 +37,16 @@ Figures (JSON):
   role, was in the same stretch (a scale-down after a burst answers the burst, not a flip); goal <= 1.
 - `below_min_during_outage`: whether the ready workers of a role were below its minimum at any instant of
   the outage; goal false.
+
+`--planner-frontier` (`frontier` in the JSON, a plot in planner_frontier.png): where SLO windows and
+worker-minutes trade on this trace. The same requests replayed under other settings of the planner (its
+utilization targets, a floor at the capacity the first burst needs, a shorter start-up) and under two
+schedules that read no signal but know the rate ahead, one the whole trace's and one its ramps without the
+bursts. A schedule asks, at every decision, for the most workers that the rates of the next start-up plus
+interval need by a steady table: for each rate on a grid (eighths of the peak), the fewest prefill
+workers that meet the TTFT target in every window of 10 minutes at that constant rate (with the most
+decode workers), and the fewest decode workers that meet TPOT's (with the most prefill workers). Each
+point: `slo_windows_met`, `worker_minutes_ratio` (over the same best fixed split) and the windows missed.
 """
 
 from __future__ import annotations
@@ -46,8 +56,9 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -108,6 +119,14 @@ class Trace:
         return self.minutes * 60
 
     def rate(self, t: float) -> float:
+        base = self.base_rate(t)
+        for s in self.stretches:
+            if s.kind == "burst" and s.start <= t < s.end:
+                return base * (2.5 if t < self.duration_s / 2 else 2.0)
+        return base
+
+    def base_rate(self, t: float) -> float:
+        """The rate without the bursts: the plateaus and ramps alone."""
         T, peak = self.duration_s, self.peak_rps
         low, high, mid = 0.25 * peak, peak, 0.5 * peak
 
@@ -125,9 +144,6 @@ class Trace:
             base = ramp(high, mid, T * 7 / 12, T * 3 / 4)
         else:
             base = mid
-        for s in self.stretches:
-            if s.kind == "burst" and s.start <= t < s.end:
-                return base * (2.5 if t < T / 2 else 2.0)
         return base
 
     def _draw(self) -> list[tuple[float, int, int]]:
@@ -165,7 +181,12 @@ class Targets:
     tpot_s: float
 
 
-def windows(fleet: Fleet, trace: Trace, targets: Targets) -> list[dict[str, Any]]:
+class HasDuration(Protocol):
+    @property
+    def duration_s(self) -> float: ...
+
+
+def windows(fleet: Fleet, trace: HasDuration, targets: Targets) -> list[dict[str, Any]]:
     """Per 1-minute window of arrivals in [0, trace end): TTFT and TPOT p90 and whether both are within
     target (an unfinished request counts as infinitely late)."""
     n = math.ceil(trace.duration_s / 60)
@@ -305,6 +326,177 @@ def flips(decisions: list[tuple[float, int, int, bool]], trace: Trace) -> tuple[
     return count, sum(s.end - s.start for s in steady) / 60
 
 
+# ---- the trade-off, measured (--planner-frontier) -------------------------------------------------------
+
+STEADY_WARMUP_S = 120.0
+STEADY_S = 600.0
+
+
+@dataclass(frozen=True)
+class Steady:
+    """A constant rate for STEADY_S after STEADY_WARMUP_S, the trace's request lengths (Trace._draw)."""
+
+    rate_rps: float
+    seed: int
+    duration_s: float = STEADY_S
+
+    def arrivals(self) -> list[tuple[float, int, int]]:
+        rng = np.random.default_rng(self.seed)
+        n = int((self.duration_s + STEADY_WARMUP_S) * self.rate_rps * 1.2) + 100
+        times = np.cumsum(rng.exponential(1 / self.rate_rps, size=n)) - STEADY_WARMUP_S
+        times = times[times < self.duration_s]
+        outputs = np.clip(rng.lognormal(math.log(192), 0.7, len(times)), 16, 1024).astype(int)
+        prompts = np.clip(rng.lognormal(math.log(1024), 0.8, len(times)), 128, 8192).astype(int)
+        prompts = np.minimum(prompts, 8192 - outputs)
+        return [(float(t), int(p), int(o)) for t, p, o in zip(times, prompts, outputs, strict=True)]
+
+
+def _fewest(hi: int, good: Callable[[int], bool]) -> int:
+    """The smallest n in 1..hi with good(n) (good is monotonic), or hi if none."""
+    lo, found = 1, hi
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if good(mid):
+            found, hi = mid, mid - 1
+        else:
+            lo = mid + 1
+    return found
+
+
+def _steady_ok(cfg: FleetConfig, targets: Targets, steady: Steady, arrivals: list[tuple[float, int, int]],
+               prefill: int, decode: int, key: str) -> bool:  # fmt: skip
+    fleet = Fleet(cfg, prefill, decode, at=-STEADY_WARMUP_S)
+    fleet.run(arrivals, steady.duration_s + DRAIN_S)
+    return all(w[key] for w in windows(fleet, steady, targets))
+
+
+def steady_need(
+    cfg: FleetConfig, targets: Targets, rates: list[float], max_prefill: int, max_decode: int, seed: int
+) -> dict[float, tuple[int, int]]:
+    """For each constant rate: the fewest prefill workers (with the most decode ones) that meet the TTFT
+    target in every window, and the fewest decode workers (with the most prefill ones) that meet TPOT's;
+    a role that cannot, at its maximum."""
+    need: dict[float, tuple[int, int]] = {}
+    for rate in rates:
+        ok = partial(_steady_ok, cfg, targets, (st := Steady(rate, seed)), st.arrivals())
+        p = _fewest(max_prefill, lambda n, ok=ok: ok(n, max_decode, "ttft_ok"))  # type: ignore[misc]
+        d = _fewest(max_decode, lambda n, ok=ok: ok(max_prefill, n, "tpot_ok"))  # type: ignore[misc]
+        need[rate] = (p, d)
+    return need
+
+
+class ScheduledRun:
+    """A schedule that knows the rate ahead (the trace's, or its ramps without the bursts): at every tick,
+    each role asks for the most workers that the rates of the next `lead_s` need by the steady table (the
+    next grid rate at or above), so that the workers a rise needs were asked for a start-up before it. It
+    knows the rate, not the requests, and reads no signal."""
+
+    def __init__(
+        self, rate: Callable[[float], float], need: dict[float, tuple[int, int]], lead_s: float
+    ) -> None:
+        self.rate, self.lead_s = rate, lead_s
+        self.grid = sorted(need.items())
+
+    def need_at(self, t: float) -> tuple[int, int]:
+        rate = self.rate(t)
+        return next((pd for r, pd in self.grid if r >= rate - 1e-9), self.grid[-1][1])
+
+    def tick(self, now: float, fleet: Fleet) -> None:
+        ahead = [self.need_at(now + k * 5.0) for k in range(int(self.lead_s // 5) + 1)]
+        fleet.scale("prefill", max(p for p, _ in ahead))
+        fleet.scale("decode", max(d for _, d in ahead))
+
+
+def replay_planner(
+    cfg: FleetConfig, trace: Trace, pcfg: PlannerConfig, outage: tuple[float, float], interval_s: float
+) -> tuple[Fleet, PlannerRun]:
+    pr = PlannerRun(pcfg, outage)
+    fleet = Fleet(cfg, pcfg.min_prefill, pcfg.min_decode, at=-WARMUP_S)
+    fleet.run(trace.arrivals, trace.duration_s + DRAIN_S, pr.tick, interval_s)
+    return fleet, pr
+
+
+def frontier(
+    cfg: FleetConfig, trace: Trace, targets: Targets, pcfg: PlannerConfig, outage: tuple[float, float],
+    interval_s: float, fixed_wm: float, default: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """The same trace under other settings of the law and one clairvoyant schedule: where SLO windows and
+    worker-minutes trade (module doc, --planner-frontier)."""
+    low = trace.rate(0.0)
+    top = max(trace.rate(t) for t in np.linspace(0, trace.duration_s, 2000))
+    rates = sorted({round(trace.peak_rps * k / 8, 6) for k in range(1, 9)} | {round(top, 6)})
+    rates = [r for r in rates if r >= low - 1e-9]
+    need = steady_need(cfg, targets, rates, pcfg.max_prefill, pcfg.max_decode, trace.seed)
+    burst_p, burst_d = max(pd for r, pd in need.items() if r <= 2.5 * low + 1e-9)
+
+    def point(label: str, fleet: Fleet) -> dict[str, Any]:
+        ws = windows(fleet, trace, targets)
+        return {
+            "label": label,
+            "slo_windows_met": round(share(ws, "ttft_ok", "tpot_ok"), 4),
+            "worker_minutes_ratio": round(fleet.worker_seconds(0, trace.duration_s) / 60 / fixed_wm, 3),
+            "failed_windows": [w["minute"] for w in ws if not (w["ttft_ok"] and w["tpot_ok"])],
+        }
+
+    points = [{"label": "the planner (defaults)", **{k: default[k] for k in default if k != "label"}}]
+    floor = {"min_prefill": burst_p, "min_decode": burst_d}
+    variants: list[tuple[str, dict[str, Any], float]] = [
+        ("up 0.85 / down 0.7", {"up_target": 0.85, "down_target": 0.7}, cfg.startup_s),
+        ("up 0.9 / down 0.75", {"up_target": 0.9, "down_target": 0.75}, cfg.startup_s),
+        (f"floor {burst_p} + {burst_d} (the low burst's need)", floor, cfg.startup_s),
+        (f"floor {burst_p} + {burst_d}, up 0.9 / down 0.75", {**floor, "up_target": 0.9, "down_target": 0.75},
+         cfg.startup_s),
+        ("start-up 20 s", {}, 20.0),
+        ("start-up 10 s", {}, 10.0),
+    ]  # fmt: skip
+    for label, overrides, startup in variants:
+        vcfg = FleetConfig(cfg.profile, startup_s=startup)
+        vp = PlannerConfig(**{**asdict(pcfg), **overrides})
+        fleet, _ = replay_planner(vcfg, trace, vp, outage, interval_s)
+        points.append(point(label, fleet))
+    for label, rate in (
+        ("schedule that knows the rate", trace.rate),
+        ("schedule that knows the ramps, not the bursts", trace.base_rate),
+    ):
+        sched = ScheduledRun(rate, need, cfg.startup_s + interval_s)
+        fleet = Fleet(cfg, *sched.need_at(-WARMUP_S), at=-WARMUP_S)
+        fleet.run(trace.arrivals, trace.duration_s + DRAIN_S, sched.tick, interval_s)
+        points.append(point(label, fleet))
+    return {
+        "points": points,
+        "steady_need": [{"rate_rps": r, "prefill": p, "decode": d} for r, (p, d) in sorted(need.items())],
+    }
+
+
+def plot_frontier(points: list[dict[str, Any]], path: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ax.fill_between([0.5, 0.8], SLO_GOAL, 1.02, color="tab:green", alpha=0.12, label="both goals")
+    placed: list[tuple[float, float]] = []
+    for i, p in enumerate(points):
+        x, y = p["worker_minutes_ratio"], p["slo_windows_met"]
+        ax.scatter([x], [y], s=40, color=f"C{i % 10}", zorder=3)
+        # a label near an earlier point's goes under its point, not over the other label
+        near = any(abs(x - a) < 0.08 and abs(y - b) < 0.008 for a, b in placed)
+        ax.annotate(
+            p["label"], (x, y), textcoords="offset points", xytext=(6, -11 if near else 4), fontsize=8
+        )
+        placed.append((x, y))
+    ax.axhline(SLO_GOAL, color="tab:green", lw=0.8, ls="--")
+    ax.axvline(0.8, color="tab:green", lw=0.8, ls="--")
+    ax.axvline(1.0, color="grey", lw=0.8, ls=":", label="the best fixed split's worker-minutes")
+    xs = [p["worker_minutes_ratio"] for p in points]
+    ys = [p["slo_windows_met"] for p in points]
+    ax.set(
+        xlim=(min(0.55, min(xs) - 0.05), max(xs) + 0.25), ylim=(min(0.8, min(ys) - 0.02), 1.02),
+        xlabel="worker-minutes / the best fixed split's", ylabel="share of 1-minute windows meeting the SLO",
+        title="SLO windows against worker-minutes on one trace: the planner's law, and two schedules",
+    )  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    save(fig, path, dpi=110)
+
+
 def plot(trace: Trace, planner_fleet: Fleet, fixed: dict[str, Any], planned: list[dict[str, Any]],
          targets: Targets, outage: tuple[float, float], path: str) -> None:  # fmt: skip
     plt = pyplot()
@@ -367,9 +559,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not outage[1] <= steady_peak.end:
         raise ValueError("--planner-outage-min: the outage must fit in the peak plateau's last two thirds")
 
-    pr = PlannerRun(pcfg, outage)
-    fleet = Fleet(cfg, pcfg.min_prefill, pcfg.min_decode, at=-WARMUP_S)
-    fleet.run(trace.arrivals, trace.duration_s + DRAIN_S, pr.tick, args.planner_interval_s)
+    fleet, pr = replay_planner(cfg, trace, pcfg, outage, args.planner_interval_s)
     planned = windows(fleet, trace, targets)
     planner_wm = fleet.worker_seconds(0, trace.duration_s) / 60
     n_flips, steady_min = flips([d for d in pr.decisions if d[0] >= 0], trace)
@@ -381,9 +571,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if best is not None:
         plot(trace, fleet, best, planned, targets, outage, path)
     counted = [d for d in pr.decisions if 0 <= d[0] < trace.duration_s]
+    slo = round(share(planned, "ttft_ok", "tpot_ok"), 4)
+    ratio = round(planner_wm / best["worker_minutes"], 3) if best else None
+    trade: dict[str, Any] | None = None
+    if getattr(args, "planner_frontier", False) and best is not None:
+        default = {
+            "slo_windows_met": slo, "worker_minutes_ratio": ratio,
+            "failed_windows": [w["minute"] for w in planned if not (w["ttft_ok"] and w["tpot_ok"])],
+        }  # fmt: skip
+        trade = frontier(
+            cfg, trace, targets, pcfg, outage, args.planner_interval_s, best["worker_minutes"], default
+        )
+        trade["plot"] = os.path.join(args.out, "planner_frontier.png")
+        plot_frontier(trade["points"], trade["plot"])
     return {
-        "slo_windows_met": round(share(planned, "ttft_ok", "tpot_ok"), 4),
-        "worker_minutes_ratio": round(planner_wm / best["worker_minutes"], 3) if best else None,
+        "slo_windows_met": slo,
+        "worker_minutes_ratio": ratio,
         "flips_per_10min_steady": round(n_flips / steady_min * 10, 3),
         "below_min_during_outage": below_min(fleet, pcfg, *outage),
         "goals": {
@@ -417,6 +620,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "interval_s": args.planner_interval_s,
         "startup_s": args.planner_startup_s,
         "plot": path if best is not None else None,
+        "frontier": trade,
         "wall_s": round(time.perf_counter() - wall0, 1),
         "load_before": load_before,
         "load_after": load_avg(),

@@ -7,6 +7,7 @@ the fixed-split search."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -15,14 +16,18 @@ from bench.planner import (
     DRAIN_S,
     WARMUP_S,
     PlannerRun,
+    ScheduledRun,
     Targets,
     Trace,
     below_min,
     best_fixed,
     flips,
+    frontier,
     p90,
+    plot_frontier,
     run_fixed,
     share,
+    steady_need,
     windows,
 )
 from common.engine.sim_profile import SimProfile, step_seconds
@@ -224,3 +229,51 @@ def test_the_fleet_gives_the_utilization_signals_the_live_reader_builds() -> Non
     inputs = pr.planner.last.inputs if pr.planner.last else {}
     assert inputs["decode"]["demand"] == 3.0 and inputs["decode"]["per_worker"] == CFG.decode_max_seqs
     assert inputs["prefill"]["per_worker"] == fleet.prefill_tps() and inputs["prefill"]["demand"] == 0.0
+
+
+def test_the_steady_table_grows_with_the_rate() -> None:
+    """At a low constant rate one worker of each role meets both targets; at a rate past one prefill
+    worker's prompt tokens per second (~1,400 tokens a prompt against ~33k tokens/s) it takes two."""
+    need = steady_need(CFG, TARGETS, [5.0, 40.0], max_prefill=4, max_decode=4, seed=3)
+    assert need[5.0] == (1, 1)
+    assert need[40.0][0] >= 2 and need[40.0][1] >= 1
+    assert all(1 <= p <= 4 and 1 <= d <= 4 for p, d in need.values())
+
+
+class _Recorder:
+    """What a schedule asked a fleet for (only `scale` is called)."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, int] = {}
+
+    def scale(self, role: str, n: int) -> None:
+        self.asked[role] = n
+
+
+def test_a_schedule_asks_a_start_up_ahead_for_the_next_grid_rate_at_or_above() -> None:
+    need = {10.0: (1, 1), 20.0: (2, 1), 30.0: (3, 2)}
+    sched = ScheduledRun(lambda t: 10.0 if t < 100 else 25.0, need, lead_s=60.0)
+    assert sched.need_at(0.0) == (1, 1) and sched.need_at(100.0) == (3, 2)  # 25 -> the 30 row
+    fleet = _Recorder()
+    sched.tick(10.0, fleet)  # type: ignore[arg-type]
+    assert fleet.asked == {"prefill": 1, "decode": 1}  # the rise at 100 s is more than 60 s away
+    sched.tick(45.0, fleet)  # type: ignore[arg-type]
+    assert fleet.asked == {"prefill": 3, "decode": 2}  # within 60 s: asked for now
+    above = ScheduledRun(lambda t: 99.0, need, lead_s=0.0)
+    assert above.need_at(0.0) == (3, 2)  # past the table: its last row
+
+
+def test_the_frontier_replays_every_setting_on_the_same_trace(tmp_path: Path) -> None:
+    trace = Trace(12, 8.0, seed=4)
+    pcfg = PlannerConfig(budget=8, max_prefill=4, max_decode=4)
+    default = {"slo_windows_met": 0.5, "worker_minutes_ratio": 1.0, "failed_windows": []}
+    out = frontier(CFG, trace, TARGETS, pcfg, (300.0, 360.0), 15.0, 12 * 8, default)
+    labels = [p["label"] for p in out["points"]]
+    assert labels[0] == "the planner (defaults)" and len(labels) == len(set(labels)) == 9
+    for p in out["points"][1:]:
+        assert 0 <= p["slo_windows_met"] <= 1 and p["worker_minutes_ratio"] > 0
+        assert len(p["failed_windows"]) == round((1 - p["slo_windows_met"]) * 12)
+    rates = [r["rate_rps"] for r in out["steady_need"]]
+    assert rates == sorted(rates) and rates[0] == pytest.approx(trace.rate(0.0)) and rates[-1] == 8.0
+    plot_frontier(out["points"], str(tmp_path / "f.png"))
+    assert (tmp_path / "f.png").stat().st_size > 10_000
