@@ -6,16 +6,21 @@ Targets come from the `x-splitserve-ttft-slo-ms` / `x-splitserve-tpot-slo-ms` he
 API key's defaults (`ttft_slo_ms` / `tpot_slo_ms` in its limits). Predictions use what each service
 measures and publishes in its heartbeat load:
 
-    TTFT ≈ (queued_tokens + uncached prompt tokens) / prefill_tps  [+ one decode step, local path]
+    TTFT ≈ prefill_step_ms × steps + prefill_ms_per_token × work   [+ one decode step, local path]
+           work = queued_tokens + uncached prompt tokens, steps = ceil(work / step_tokens)
     TPOT ≈ decode_step_ms × (running + 1) / max(running, 1)   (one more sequence in its steps)
 
-prefill_tps (prompt tokens per second of step time) and decode_step_ms (a decode-only step) are moving
-averages of the service's own recent steps. A service that has not measured yet (no steps) is not
+prefill_step_ms and prefill_ms_per_token are a fit of the service's recent prompt steps' times against
+their sizes (common/engine/speed.py); until its steps have differed enough in size to fit, TTFT is
+work / prefill_tps, the prompt tokens per second of recent steps (which under-rates a long prompt's speed
+where short ones are common). decode_step_ms (a decode-only step) is a moving average of its own
+recent steps. A service that has not measured yet (no steps) is not
 predicted: it is taken as meeting any target, so a cold cluster is never refused on a guess.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,10 +54,19 @@ def parse_target(value: str | None, header: str) -> float | None:
 
 def predict_ttft_ms(load: dict[str, Any], uncached_tokens: int, local: bool) -> float | None:
     """Predicted time to first token on a service with this heartbeat load (None: not measured yet)."""
-    tps = float(load.get("prefill_tps") or 0.0)
-    if tps <= 0:
-        return None
-    ms = (int(load.get("queued_tokens", 0)) + max(uncached_tokens, 1)) / tps * 1000.0
+    work = int(load.get("queued_tokens", 0)) + max(uncached_tokens, 1)
+    fixed, per_token = (
+        float(load.get("prefill_step_ms") or 0.0),
+        float(load.get("prefill_ms_per_token") or 0.0),
+    )
+    if per_token > 0:
+        budget = int(load.get("step_tokens") or 0)
+        ms = fixed * (math.ceil(work / budget) if budget > 0 else 1) + per_token * work
+    else:
+        tps = float(load.get("prefill_tps") or 0.0)
+        if tps <= 0:
+            return None
+        ms = work / tps * 1000.0
     if local:  # the decode service also runs its current batch's step before the first token shows
         ms += float(load.get("decode_step_ms") or 0.0)
     return ms

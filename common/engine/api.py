@@ -120,6 +120,11 @@ class EngineLoad:
     prefill_tps: float = 0.0  # recent steps' speed (common/engine/speed.py), 0 until measured
     long_prefill_tps: float = 0.0  # the same over steps of long prompts only (a block's recompute cost)
     decode_step_ms: float = 0.0
+    # a prompt step's ms as prefill_step_ms + prefill_ms_per_token x its tokens (speed.py), 0 until
+    # fitted; step_tokens: the most tokens one step computes (max_num_batched_tokens)
+    prefill_step_ms: float = 0.0
+    prefill_ms_per_token: float = 0.0
+    step_tokens: int = 0
     preempted_swap: int = 0  # preemptions since start, by kind
     preempted_recompute: int = 0
     prefix_queries: int = 0  # full prompt blocks looked up in the prefix cache since start, and found

@@ -128,6 +128,11 @@ class Service:
             # over steps of long prompts only: what recomputing a block costs (router/placement.py)
             "long_prefill_tps": round(load.long_prefill_tps, 1),
             "decode_step_ms": round(load.decode_step_ms, 2),
+            # a prompt step's time, fixed + per token (0 until fitted), and the tokens a step takes at most:
+            # what SLO-aware admission predicts a prompt's TTFT from, when known (router/slo.py)
+            "prefill_step_ms": round(load.prefill_step_ms, 3),
+            "prefill_ms_per_token": round(load.prefill_ms_per_token, 5),
+            "step_tokens": load.step_tokens,
             # the offload tiers' measured read cost (the store's figures, behind its lock): prefix-aware
             # routing weighs a tier hit against recomputing it (router/placement.py)
             **({"kv_tier_read_ms": off.read_ms_per_block()} if (off := self.engine.kv_offload) else {}),

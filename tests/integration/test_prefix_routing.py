@@ -111,6 +111,10 @@ def test_a_chats_next_turn_goes_where_its_history_is(stack, tiny) -> None:  # ty
     prefill = next(p for p in cluster.procs if p.role == "prefill")
     load = get_json(prefill.url + "/health")
     assert load["prefill_tps"] > 0 and load["queued_tokens"] == 0, load
+    # and a prompt step's time as fixed + per token once its steps differ in size (0 until then), with the
+    # most tokens a step takes: how many steps a queue costs
+    assert load["prefill_step_ms"] >= 0 and load["prefill_ms_per_token"] >= 0, load
+    assert load["step_tokens"] > 0, load
 
     metrics = httpx.get(f"{router.url}/metrics").text
     reused = re.search(r'splitserve_router_prefix_blocks_total\{kind="reused",role="decode"\} (\S+)', metrics)

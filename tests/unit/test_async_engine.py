@@ -95,7 +95,9 @@ def test_the_load_is_published_at_start_after_each_command_and_after_each_step(
     async def main() -> None:
         ae = AsyncEngine(engine)
         total = engine.block_manager.num_blocks
-        assert ae.load == EngineLoad(free_blocks=total, total_blocks=total)  # at start, before any step
+        budget = engine.config.max_num_batched_tokens
+        # at start, before any step
+        assert ae.load == EngineLoad(free_blocks=total, total_blocks=total, step_tokens=budget)
         ae.start()
         await ae.submit(AddRequest("a", a, params))
         load = ae.load  # published before the caller resumed; no step has run

@@ -1,0 +1,74 @@
+"""What SLO-aware admission predicts a prompt's TTFT from: the engine's fit of a prompt step's time as
+fixed + per token (common/engine/speed.py), and the router's prediction from it (router/slo.py), with the
+tokens-per-second average as the fallback until the fit exists. The real engine publishes the fit
+(tests/unit/test_async_engine.py runs it); `splitserve bench ttft-predict` measures its accuracy."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.engine.speed import StepSpeed
+from router.slo import predict_ttft_ms
+
+
+def feed(speed: StepSpeed, sizes: list[int], fixed_ms: float, per_token_ms: float, decode: int = 0) -> None:
+    for n in sizes:
+        speed.observe((fixed_ms + per_token_ms * (n + decode)) / 1000.0, n, decode)
+
+
+def test_the_fit_recovers_a_steps_fixed_and_per_token_cost() -> None:
+    speed = StepSpeed()
+    feed(speed, [24, 24, 400, 24, 96, 24, 400] * 3, fixed_ms=55.0, per_token_ms=1.2)
+    assert speed.prefill_step_ms == pytest.approx(55.0, rel=1e-6)
+    assert speed.prefill_ms_per_token == pytest.approx(1.2, rel=1e-6)
+    # the average it replaces: tokens per second over the recent steps, mostly short ones
+    assert 400 / speed.prefill_tps * 1000 > 1.3 * (55 + 1.2 * 400)
+
+
+def test_mixed_steps_count_their_decode_rows_as_tokens() -> None:
+    speed = StepSpeed()
+    feed(speed, [16, 200, 16, 300, 16, 200] * 2, fixed_ms=40.0, per_token_ms=0.5, decode=8)
+    assert speed.prefill_step_ms == pytest.approx(40.0, rel=1e-6)
+    assert speed.prefill_ms_per_token == pytest.approx(0.5, rel=1e-6)
+
+
+def test_no_fit_from_steps_of_one_size_and_none_from_too_few() -> None:
+    same = StepSpeed()
+    feed(same, [128] * 20, fixed_ms=30.0, per_token_ms=1.0)
+    assert same.prefill_ms_per_token == 0.0 and same.prefill_step_ms == 0.0 and same.prefill_tps > 0
+    few = StepSpeed()
+    feed(few, [24, 400], fixed_ms=30.0, per_token_ms=1.0)
+    assert few.prefill_ms_per_token == 0.0  # two steps weigh less than FIT_MIN_WEIGHT
+
+
+def test_a_fit_with_no_fixed_part_is_proportional() -> None:
+    """Steps whose time is less than proportional at the small end would fit a negative fixed part:
+    the fit is then proportional through the mean instead."""
+    speed = StepSpeed()
+    for n in [10, 500, 10, 500, 10, 500]:
+        speed.observe((0.1 * n if n == 10 else 1.0 * n) / 1000.0, n, 0)
+    assert speed.prefill_step_ms == 0.0 and speed.prefill_ms_per_token > 0
+
+
+def test_a_fit_stands_while_later_steps_are_all_alike() -> None:
+    speed = StepSpeed()
+    feed(speed, [24, 400] * 4, fixed_ms=50.0, per_token_ms=1.0)
+    feed(speed, [400] * 40, fixed_ms=50.0, per_token_ms=1.0)
+    assert speed.prefill_step_ms == pytest.approx(50.0, rel=1e-6)
+
+
+def test_the_router_predicts_from_the_fit_and_the_steps_the_work_takes() -> None:
+    load = {"queued_tokens": 700, "prefill_tps": 500.0, "prefill_step_ms": 50.0,
+            "prefill_ms_per_token": 1.0, "step_tokens": 512, "decode_step_ms": 20.0}  # fmt: skip
+    # 700 queued + 300 new = 1000 tokens: 2 steps of at most 512
+    assert predict_ttft_ms(load, 300, local=False) == pytest.approx(2 * 50 + 1000 * 1.0)
+    assert predict_ttft_ms(load, 300, local=True) == pytest.approx(2 * 50 + 1000 + 20)
+    assert predict_ttft_ms({**load, "step_tokens": 0}, 300, local=False) == pytest.approx(50 + 1000)
+
+
+def test_the_router_falls_back_to_tokens_per_second_until_the_fit_exists() -> None:
+    load = {"queued_tokens": 0, "prefill_tps": 500.0, "prefill_step_ms": 0.0, "prefill_ms_per_token": 0.0}
+    assert predict_ttft_ms(load, 250, local=False) == pytest.approx(500.0)
+    assert predict_ttft_ms({"queued_tokens": 0}, 250, local=False) is None  # nothing measured: no guess
+    old = {"queued_tokens": 0, "prefill_tps": 500.0}  # a service from before the fit publishes neither
+    assert predict_ttft_ms(old, 250, local=False) == pytest.approx(500.0)
