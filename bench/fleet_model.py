@@ -31,8 +31,9 @@ Batch limits are an H100 deployment's, not the engine's CPU defaults (512 tokens
 (`SimProfile.kv_blocks`, 28019 blocks of 16 tokens for llama3-8b-h100).
 
 The planner's signals (bench/planner.py) come from the same figures the live services publish: each prefill
-worker's `prefill_tps` (an EWMA, weight 0.2, of its steps' prompt tokens per second, as
-common/engine/speed.py keeps it) and queued prompt tokens, the prompt tokens of the requests whose
+worker's speed (a `StepSpeed` of its own, fed each step as the engine feeds it: the average tokens per
+second and the fit of step time against tokens, whose full step is the worker's capacity) and queued
+prompt tokens, the prompt tokens of the requests whose
 first token came (the router's counter), each decode worker's admitted sequences (its `running`) and
 those waiting for admission.
 
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from common.engine.sim_profile import SimProfile, step_seconds
+from common.engine.speed import StepSpeed
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ class Worker:
     gone_at: float | None = None
     busy: bool = False  # a step is in flight
     step_t0: float = 0.0  # when the step in flight started (prefill)
-    prefill_tps: float = 0.0  # prompt tokens per second of its recent steps (the engine's StepSpeed EWMA)
+    speed: StepSpeed = field(default_factory=StepSpeed)  # its prefill steps, as the engine measures them
     # prefill
     queue: deque[Request] = field(default_factory=deque)
     queued_tokens: int = 0
@@ -367,9 +369,7 @@ class Fleet:
     def _prefill_step_end(self, obj: tuple[Worker, list[tuple[int, int]]]) -> None:
         w, rows = obj
         w.busy = False
-        if self.now > w.step_t0:  # common/engine/speed.py: an EWMA of tokens/s over the steps, weight 0.2
-            tps = sum(n for n, _ in rows) / (self.now - w.step_t0)
-            w.prefill_tps = tps if w.prefill_tps == 0.0 else w.prefill_tps + 0.2 * (tps - w.prefill_tps)
+        w.speed.observe(self.now - w.step_t0, sum(n for n, _ in rows), 0)  # as the engine's step does
         for n, _ in rows:
             r = w.queue[0]
             r.prefilled += n
@@ -497,7 +497,14 @@ class Fleet:
 
     def prefill_tps(self) -> float | None:
         """The ready prefill workers' mean measured speed (their `prefill_tps`); None before any step."""
-        speeds = [w.prefill_tps for w in self.ready("prefill") if w.prefill_tps > 0]
+        speeds = [w.speed.prefill_tps for w in self.ready("prefill") if w.speed.prefill_tps > 0]
+        return sum(speeds) / len(speeds) if speeds else None
+
+    def prefill_capacity(self) -> float | None:
+        """The ready prefill workers' mean tokens per second at a full step, by each one's fit of its steps
+        (`full_step_tps`, as planner/signals.py reads it from the services' loads); None before any step."""
+        budget = self.cfg.prefill_tokens_per_step
+        speeds = [v for w in self.ready("prefill") if (v := w.speed.full_step_tps(budget)) > 0]
         return sum(speeds) / len(speeds) if speeds else None
 
     def running(self) -> int:

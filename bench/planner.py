@@ -285,7 +285,7 @@ class PlannerRun:
             done = None if not span else len(tpots) / span  # the TPOT histogram's count, per second
             prefill = RoleSignals(
                 len(fleet.ready("prefill")), p90(ttfts), fleet.waiting("prefill"),
-                demand=rate, per_worker=fleet.prefill_tps(), queued_tokens=fleet.queued_tokens(),
+                demand=rate, per_worker=fleet.prefill_capacity(), queued_tokens=fleet.queued_tokens(),
             )  # fmt: skip
             decode = RoleSignals(
                 len(fleet.ready("decode")), p90(tpots), fleet.waiting("decode"), fleet.kv_used(),

@@ -4,11 +4,11 @@ Each role has two kinds of signal (RoleSignals; planner/signals.py reads them li
 computes the same ones from its virtual workers):
 - Utilization, the main one: the role's work in workers at full capacity, its `load` (2.4: the work of
   2.4 workers), and `utilization` = load / the workers asked for. Prefill: (prompt tokens per second
-  served + queued prompt tokens / `drain_s`) / the tokens per second one worker computes (its measured
-  prefill speed). Decode: (sequences running + those waiting for admission x the seconds a sequence
-  holds its slot, running / finished per second by Little's law, / `drain_s`) / `max_num_seqs`, or the
-  KV occupancy in workers if higher. Unknown (None) without a router to count prompt tokens, before a
-  prefill worker has measured its speed, or without max_num_seqs.
+  served + queued prompt tokens / `drain_s`) / the tokens per second one worker computes at a full step
+  (its measured capacity, planner/signals.py). Decode: (sequences running + those waiting for admission
+  x the seconds a sequence holds its slot, running / finished per second by Little's law, / `drain_s`)
+  / `max_num_seqs`, or the KV occupancy in workers if higher. Unknown (None) without a router to count
+  prompt tokens, before a prefill worker has measured its speed, or without max_num_seqs.
 - Latency pressure `r` (p90 TTFT or TPOT over target, queued requests over `waiting_per_worker`, decode
   KV occupancy over `kv_target`; the largest): 1.0 is at target with the workers the role has. It is
   flat until a worker saturates, so it says that a role is short, not by how much, nor that one fewer

@@ -11,6 +11,8 @@ size to tell them apart."""
 
 from __future__ import annotations
 
+from common.cluster.capacity import full_step_tps
+
 
 class StepSpeed:
     """Exponential moving averages over recent steps (each new step weighs ALPHA). Plain floats of the
@@ -47,6 +49,10 @@ class StepSpeed:
             self._fit(prefill_tokens + decode_seqs, seconds * 1000.0)
         elif decode_seqs:
             self.decode_step_ms = _ewma(self.decode_step_ms, seconds * 1000.0, self.ALPHA)
+
+    def full_step_tps(self, step_tokens: int) -> float:
+        """Prompt tokens per second of a step of `step_tokens` tokens, by the fit (else the average)."""
+        return full_step_tps(self.prefill_step_ms, self.prefill_ms_per_token, step_tokens, self.prefill_tps)
 
     def _fit(self, tokens: int, ms: float) -> None:
         """Add one prompt step (all the tokens it computed, decode rows included) to the fit."""

@@ -228,7 +228,23 @@ def test_the_fleet_gives_the_utilization_signals_the_live_reader_builds() -> Non
     pr.tick(30.0, fleet)
     inputs = pr.planner.last.inputs if pr.planner.last else {}
     assert inputs["decode"]["demand"] == 3.0 and inputs["decode"]["per_worker"] == CFG.decode_max_seqs
-    assert inputs["prefill"]["per_worker"] == fleet.prefill_tps() and inputs["prefill"]["demand"] == 0.0
+    # two steps are too few for the fit of step time against tokens: capacity is the average until then
+    assert inputs["prefill"]["per_worker"] == fleet.prefill_capacity() == fleet.prefill_tps()
+    assert inputs["prefill"]["demand"] == 0.0
+
+
+def test_the_fleets_prefill_capacity_is_a_full_step_by_the_fit_of_its_steps() -> None:
+    """Prompts of spread sizes one at a time: each worker fits its steps' time against their tokens, as
+    the engine does, and its capacity is a full step's tokens per second by that fit, above the
+    average of its small steps (the profile's roofline has a fixed part: the weights read once)."""
+    fleet = Fleet(CFG, 1, 1)
+    sizes = [512, 4096, 1024, 256, 2048, 8000]
+    fleet.run([(i * 1.0, n, 20) for i, n in enumerate(sizes)], until=len(sizes) + 5.0)
+    speed = fleet.ready("prefill")[0].speed
+    assert speed.prefill_ms_per_token > 0  # fitted
+    full = CFG.prefill_tokens_per_step / step_seconds(PROFILE, [(CFG.prefill_tokens_per_step, 0)])
+    assert fleet.prefill_capacity() == pytest.approx(full, rel=0.05)
+    assert fleet.prefill_capacity() > (fleet.prefill_tps() or 0)
 
 
 def test_the_steady_table_grows_with_the_rate() -> None:

@@ -288,6 +288,15 @@ def test_live_utilization_figures_from_the_registry_and_the_router() -> None:
                                 w("prefill", {"prefill_tps": 0.0, "queued_tokens": 100})])  # fmt: skip
     assert (pre.workers, pre.waiting, pre.queued_tokens) == (2, 2, 600)
     assert pre.per_worker == 30000.0  # the worker not measured yet is left out of the mean
+    # a worker that has fitted its step time (fixed + per token) counts a full step's tokens per second
+    fitted = {
+        "prefill_tps": 20000.0,
+        "prefill_step_ms": 6.0,
+        "prefill_ms_per_token": 0.025,
+        "step_tokens": 8192,
+    }
+    pre = role_load("prefill", [w("prefill", fitted)])
+    assert pre.per_worker == pytest.approx(8192 / (6.0 + 0.025 * 8192) * 1000)
     full = w("decode", {"running": 100, "total_blocks": 100, "free_blocks": 25})
     dec = role_load(
         "decode", [full, w("decode", {"running": 40, "total_blocks": 100, "free_blocks": 75}, 128)]

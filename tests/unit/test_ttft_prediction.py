@@ -23,6 +23,11 @@ def test_the_fit_recovers_a_steps_fixed_and_per_token_cost() -> None:
     assert speed.prefill_ms_per_token == pytest.approx(1.2, rel=1e-6)
     # the average it replaces: tokens per second over the recent steps, mostly short ones
     assert 400 / speed.prefill_tps * 1000 > 1.3 * (55 + 1.2 * 400)
+    # and a worker's capacity, a full step's tokens per second (what the planner sizes prefill by), is
+    # above that average, which is mostly short steps' fixed cost
+    assert speed.full_step_tps(512) == pytest.approx(512 / (55 + 1.2 * 512) * 1000, rel=1e-6)
+    assert speed.full_step_tps(512) > 1.3 * speed.prefill_tps
+    assert StepSpeed().full_step_tps(512) == 0.0  # nothing measured
 
 
 def test_mixed_steps_count_their_decode_rows_as_tokens() -> None:
