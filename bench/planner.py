@@ -81,6 +81,15 @@ class Stretch:
     kind: str  # "steady", "ramp" or "burst"
 
 
+def with_lengths(rng: np.random.Generator, times: Any) -> list[tuple[float, int, int]]:
+    """(arrival, prompt tokens, output tokens) for each arrival time: prompts lognormal around 1024
+    tokens (128..8192), outputs around 192 (16..1024), together at most 8192."""
+    outputs = np.clip(rng.lognormal(math.log(192), 0.7, len(times)), 16, 1024).astype(int)
+    prompts = np.clip(rng.lognormal(math.log(1024), 0.8, len(times)), 128, 8192).astype(int)
+    prompts = np.minimum(prompts, 8192 - outputs)
+    return [(float(t), int(p), int(o)) for t, p, o in zip(times, prompts, outputs, strict=True)]
+
+
 @dataclass(frozen=True)
 class Trace:
     """The rate over time (module doc) and the requests drawn from it."""
@@ -155,11 +164,7 @@ class Trace:
         times = np.cumsum(gaps) - WARMUP_S
         times = times[times < self.duration_s]
         keep = rng.random(len(times)) * top < np.array([self.rate(t) for t in times])
-        times = times[keep]
-        outputs = np.clip(rng.lognormal(math.log(192), 0.7, len(times)), 16, 1024).astype(int)
-        prompts = np.clip(rng.lognormal(math.log(1024), 0.8, len(times)), 128, 8192).astype(int)
-        prompts = np.minimum(prompts, 8192 - outputs)
-        return [(float(t), int(p), int(o)) for t, p, o in zip(times, prompts, outputs, strict=True)]
+        return with_lengths(rng, times[keep])
 
     def steady(self) -> list[Stretch]:
         return [s for s in self.stretches if s.kind == "steady" and s.start >= 0]
@@ -227,6 +232,18 @@ def run_fixed(cfg: FleetConfig, trace: Trace, targets: Targets, prefill: int, de
     }
 
 
+def fewest(hi: int, good: Callable[[int], bool]) -> int | None:
+    """The smallest n in 1..hi with good(n), by bisection (good is monotonic); None if none."""
+    lo, found = 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if good(mid):
+            found, hi = mid, mid - 1
+        else:
+            lo = mid + 1
+    return found
+
+
 def best_fixed(
     evaluate: Callable[[int, int], dict[str, Any]], max_prefill: int, max_decode: int
 ) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -237,16 +254,6 @@ def best_fixed(
         if (p, d) not in runs:
             runs[(p, d)] = evaluate(p, d)
         return runs[(p, d)]
-
-    def fewest(hi: int, ok: Callable[[int], bool]) -> int | None:
-        lo, found = 1, None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                found, hi = mid, mid - 1
-            else:
-                lo = mid + 1
-        return found
 
     p_min = fewest(max_prefill, lambda p: ev(p, max_decode)["ttft_windows_met"] >= SLO_GOAL)
     d_min = fewest(max_decode, lambda d: ev(max_prefill, d)["tpot_windows_met"] >= SLO_GOAL)
@@ -344,23 +351,7 @@ class Steady:
         rng = np.random.default_rng(self.seed)
         n = int((self.duration_s + STEADY_WARMUP_S) * self.rate_rps * 1.2) + 100
         times = np.cumsum(rng.exponential(1 / self.rate_rps, size=n)) - STEADY_WARMUP_S
-        times = times[times < self.duration_s]
-        outputs = np.clip(rng.lognormal(math.log(192), 0.7, len(times)), 16, 1024).astype(int)
-        prompts = np.clip(rng.lognormal(math.log(1024), 0.8, len(times)), 128, 8192).astype(int)
-        prompts = np.minimum(prompts, 8192 - outputs)
-        return [(float(t), int(p), int(o)) for t, p, o in zip(times, prompts, outputs, strict=True)]
-
-
-def _fewest(hi: int, good: Callable[[int], bool]) -> int:
-    """The smallest n in 1..hi with good(n) (good is monotonic), or hi if none."""
-    lo, found = 1, hi
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if good(mid):
-            found, hi = mid, mid - 1
-        else:
-            lo = mid + 1
-    return found
+        return with_lengths(rng, times[times < self.duration_s])
 
 
 def _steady_ok(cfg: FleetConfig, targets: Targets, steady: Steady, arrivals: list[tuple[float, int, int]],
@@ -379,9 +370,9 @@ def steady_need(
     need: dict[float, tuple[int, int]] = {}
     for rate in rates:
         ok = partial(_steady_ok, cfg, targets, (st := Steady(rate, seed)), st.arrivals())
-        p = _fewest(max_prefill, lambda n, ok=ok: ok(n, max_decode, "ttft_ok"))  # type: ignore[misc]
-        d = _fewest(max_decode, lambda n, ok=ok: ok(max_prefill, n, "tpot_ok"))  # type: ignore[misc]
-        need[rate] = (p, d)
+        p = fewest(max_prefill, lambda n, ok=ok: ok(n, max_decode, "ttft_ok"))  # type: ignore[misc]
+        d = fewest(max_decode, lambda n, ok=ok: ok(max_prefill, n, "tpot_ok"))  # type: ignore[misc]
+        need[rate] = (p or max_prefill, d or max_decode)
     return need
 
 
