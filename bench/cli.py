@@ -52,7 +52,7 @@ SCENARIOS = {  # name -> module in bench/ with run(args); imported only when cho
     "window": "window",
     "planner": "planner",
     "goodput": "goodput",
-    "ttft-predict": "ttft_predict",
+    "slo-predict": "slo_predict",
 }
 
 
@@ -100,7 +100,7 @@ def add_bench_parser(sub: Any) -> None:
         "scenario",
         help="batching | peer-hf | scheduler | roofline | sweep | serving | transfer | overlap | soak | "
         "prefix | fairness | kv-dtype | tp | matmul | tiers | tier-load | tier-stall | fleet | chaos-fleet | "
-        "window | planner | goodput | ttft-predict | all",
+        "window | planner | goodput | slo-predict | all",
     )
     b.add_argument("--json", action="store_true", help="print only progress and the JSON line")
     b.add_argument(

@@ -10,8 +10,8 @@ The utilization signals (planner/policy.py), from figures the services and the r
   (`prefill_step_ms` + `prefill_ms_per_token` x tokens, in the registry load;
   common/cluster/capacity.py), or their measured `prefill_tps` (recent steps' tokens per second) until
   they have fitted; workers not yet measured (0) left out; the backlog, their `queued_tokens`. The
-  average alone under-rates a worker whose steps have been small, each mostly a step's fixed cost (1.7x
-  on SmolLM2 on a CPU: 55 ms a step plus 1.1 ms a token, 512-token steps).
+  average alone under-rates a worker whose steps have been small, each mostly a step's fixed cost
+  (1.6-1.9x on SmolLM2 on a CPU: ~55 ms a step plus ~1 ms a token, 512-token steps).
 - decode: demand, the decode workers' `running` (sequences counted against max_num_seqs); per worker,
   the `max_num_seqs` of their registry capacity (the smallest, if they differ); finished per second, the
   TPOT histogram's count since the previous read (one per finished request).

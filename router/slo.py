@@ -8,14 +8,17 @@ measures and publishes in its heartbeat load:
 
     TTFT ≈ prefill_step_ms × steps + prefill_ms_per_token × work   [+ one decode step, local path]
            work = queued_tokens + uncached prompt tokens, steps = ceil(work / step_tokens)
-    TPOT ≈ decode_step_ms × (running + 1) / max(running, 1)   (one more sequence in its steps)
+    TPOT ≈ decode_step_fixed_ms + decode_ms_per_seq × (running + 1)   (one more sequence in its steps)
 
 prefill_step_ms and prefill_ms_per_token are a fit of the service's recent prompt steps' times against
 their sizes (common/engine/speed.py); until its steps have differed enough in size to fit, TTFT is
-work / prefill_tps, the prompt tokens per second of recent steps (which under-rates a long prompt's speed
-where short ones are common). decode_step_ms (a decode-only step) is a moving average of its own
-recent steps. A service that has not measured yet (no steps) is not
-predicted: it is taken as meeting any target, so a cold cluster is never refused on a guess.
+work / prefill_tps, the prompt tokens per second of recent steps (which under-rates a long prompt's
+speed where short ones are common). decode_step_fixed_ms and decode_ms_per_seq are the same fit over
+its decode-only steps against their sequences; until it exists, TPOT is decode_step_ms × (running + 1)
+/ max(running, 1), the recent decode step taken as proportional to its batch (which over-rates what one
+more sequence costs where the weights, read once a step, are most of it: 2x at one sequence). A
+service that has not measured yet (no steps) is not predicted: it is taken as meeting any target, so a
+cold cluster is never refused on a guess.
 """
 
 from __future__ import annotations
@@ -74,10 +77,16 @@ def predict_ttft_ms(load: dict[str, Any], uncached_tokens: int, local: bool) -> 
 
 def predict_tpot_ms(load: dict[str, Any]) -> float | None:
     """Predicted time per output token on a decode service once this request joins its batch."""
+    running = int(load.get("running", 0))
+    fixed, per_seq = (
+        float(load.get("decode_step_fixed_ms") or 0.0),
+        float(load.get("decode_ms_per_seq") or 0.0),
+    )
+    if fixed > 0 or per_seq > 0:
+        return fixed + per_seq * (running + 1)
     step = float(load.get("decode_step_ms") or 0.0)
     if step <= 0:
         return None
-    running = int(load.get("running", 0))
     return step * (running + 1) / max(running, 1)
 
 

@@ -125,6 +125,9 @@ class EngineLoad:
     prefill_step_ms: float = 0.0
     prefill_ms_per_token: float = 0.0
     step_tokens: int = 0
+    # a decode-only step's ms as decode_step_fixed_ms + decode_ms_per_seq x its sequences, 0 until fitted
+    decode_step_fixed_ms: float = 0.0
+    decode_ms_per_seq: float = 0.0
     preempted_swap: int = 0  # preemptions since start, by kind
     preempted_recompute: int = 0
     prefix_queries: int = 0  # full prompt blocks looked up in the prefix cache since start, and found

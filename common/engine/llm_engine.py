@@ -518,6 +518,8 @@ class LLMEngine:
             prefill_step_ms=self.speed.prefill_step_ms,
             prefill_ms_per_token=self.speed.prefill_ms_per_token,
             step_tokens=self.config.max_num_batched_tokens,
+            decode_step_fixed_ms=self.speed.decode_step_fixed_ms,
+            decode_ms_per_seq=self.speed.decode_ms_per_seq,
             preempted_swap=sched.stats["preempt_swap"],
             preempted_recompute=sched.stats["preempt_recompute"],
             prefix_queries=bm.prefix_queries,

@@ -133,6 +133,9 @@ class Service:
             "prefill_step_ms": round(load.prefill_step_ms, 3),
             "prefill_ms_per_token": round(load.prefill_ms_per_token, 5),
             "step_tokens": load.step_tokens,
+            # a decode step's time, fixed + per sequence (0 until fitted): what one more sequence costs it
+            "decode_step_fixed_ms": round(load.decode_step_fixed_ms, 3),
+            "decode_ms_per_seq": round(load.decode_ms_per_seq, 4),
             # the offload tiers' measured read cost (the store's figures, behind its lock): prefix-aware
             # routing weighs a tier hit against recomputing it (router/placement.py)
             **({"kv_tier_read_ms": off.read_ms_per_block()} if (off := self.engine.kv_offload) else {}),

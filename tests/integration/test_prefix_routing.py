@@ -115,6 +115,7 @@ def test_a_chats_next_turn_goes_where_its_history_is(stack, tiny) -> None:  # ty
     # most tokens a step takes: how many steps a queue costs
     assert load["prefill_step_ms"] >= 0 and load["prefill_ms_per_token"] >= 0, load
     assert load["step_tokens"] > 0, load
+    assert load["decode_step_fixed_ms"] >= 0 and load["decode_ms_per_seq"] >= 0, load
 
     metrics = httpx.get(f"{router.url}/metrics").text
     reused = re.search(r'splitserve_router_prefix_blocks_total\{kind="reused",role="decode"\} (\S+)', metrics)

@@ -1,14 +1,15 @@
-"""What SLO-aware admission predicts a prompt's TTFT from: the engine's fit of a prompt step's time as
-fixed + per token (common/engine/speed.py), and the router's prediction from it (router/slo.py), with the
-tokens-per-second average as the fallback until the fit exists. The real engine publishes the fit
-(tests/unit/test_async_engine.py runs it); `splitserve bench ttft-predict` measures its accuracy."""
+"""What SLO-aware admission predicts a request's TTFT and TPOT from: the engine's fits of a prompt step's
+time as fixed + per token and of a decode step's as fixed + per sequence (common/engine/speed.py), and the
+router's predictions from them (router/slo.py), with the averages as the fallback until a fit exists.
+The real engine publishes the fits (tests/integration/test_bench_slo_predict.py runs it through the
+bench); `splitserve bench slo-predict` measures their accuracy."""
 
 from __future__ import annotations
 
 import pytest
 
 from common.engine.speed import StepSpeed
-from router.slo import predict_ttft_ms
+from router.slo import predict_tpot_ms, predict_ttft_ms
 
 
 def feed(speed: StepSpeed, sizes: list[int], fixed_ms: float, per_token_ms: float, decode: int = 0) -> None:
@@ -77,3 +78,30 @@ def test_the_router_falls_back_to_tokens_per_second_until_the_fit_exists() -> No
     assert predict_ttft_ms({"queued_tokens": 0}, 250, local=False) is None  # nothing measured: no guess
     old = {"queued_tokens": 0, "prefill_tps": 500.0}  # a service from before the fit publishes neither
     assert predict_ttft_ms(old, 250, local=False) == pytest.approx(500.0)
+
+
+def test_the_decode_fit_recovers_a_steps_fixed_and_per_sequence_cost() -> None:
+    speed = StepSpeed()
+    for batch in [1, 2, 4, 8, 16, 3, 1, 6] * 2:
+        speed.observe((70.0 + 0.5 * batch) / 1000.0, 0, batch)
+    assert speed.decode_step_fixed_ms == pytest.approx(70.0, rel=1e-6)
+    assert speed.decode_ms_per_seq == pytest.approx(0.5, rel=1e-6)
+
+
+def test_a_decode_step_that_does_not_grow_with_its_batch_fits_flat() -> None:
+    """Step times that fall with the batch (noise around a flat line, as on this CPU at small batches) are
+    a flat fit, not none: one more sequence costs nothing."""
+    speed = StepSpeed()
+    for batch, ms in [(1, 77.0), (4, 76.0), (2, 76.5), (8, 75.5), (1, 77.2), (6, 75.8)]:
+        speed.observe(ms / 1000.0, 0, batch)
+    assert speed.decode_ms_per_seq == 0.0 and 75.0 < speed.decode_step_fixed_ms < 77.5
+
+
+def test_the_router_predicts_tpot_from_the_decode_fit_and_falls_back_to_the_old_rule() -> None:
+    fitted = {"running": 3, "decode_step_ms": 80.0, "decode_step_fixed_ms": 70.0, "decode_ms_per_seq": 2.0}
+    assert predict_tpot_ms(fitted) == pytest.approx(70.0 + 2.0 * 4)
+    flat = {"running": 1, "decode_step_ms": 76.0, "decode_step_fixed_ms": 76.0, "decode_ms_per_seq": 0.0}
+    assert predict_tpot_ms(flat) == pytest.approx(76.0)  # the old rule said 152 (2x): refused wrongly
+    old = {"running": 1, "decode_step_ms": 76.0}
+    assert predict_tpot_ms(old) == pytest.approx(152.0)  # no fit yet: the step as proportional to its batch
+    assert predict_tpot_ms({"running": 0}) is None
