@@ -295,7 +295,8 @@ def add_bench_parser(sub: Any) -> None:
     pl.add_argument(
         "--planner-frontier",
         action="store_true",
-        help="planner: also replay the trace under other settings of the law and a clairvoyant schedule, "
+        help="planner: also replay the trace under other settings of the law and two schedules that know the "
+        "rate ahead, "
         "with a plot of SLO windows against worker-minutes (<--out>/planner_frontier.png)",
     )
     o = b.add_argument_group("soak")

@@ -495,11 +495,6 @@ class Fleet:
         """Prompt tokens not yet computed on the prefill workers (the services' `queued_tokens`)."""
         return sum(w.queued_tokens for w in self.workers if w.role == "prefill" and w.gone_at is None)
 
-    def prefill_tps(self) -> float | None:
-        """The ready prefill workers' mean measured speed (their `prefill_tps`); None before any step."""
-        speeds = [w.speed.prefill_tps for w in self.ready("prefill") if w.speed.prefill_tps > 0]
-        return sum(speeds) / len(speeds) if speeds else None
-
     def prefill_capacity(self) -> float | None:
         """The ready prefill workers' mean tokens per second at a full step, by each one's fit of its steps
         (`full_step_tps`, as planner/signals.py reads it from the services' loads); None before any step."""

@@ -57,7 +57,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -212,6 +211,11 @@ def windows(fleet: Fleet, trace: HasDuration, targets: Targets) -> list[dict[str
     return out
 
 
+def failed(ws: list[dict[str, Any]]) -> list[int]:
+    """The minutes whose TTFT or TPOT p90 missed its target."""
+    return [w["minute"] for w in ws if not (w["ttft_ok"] and w["tpot_ok"])]
+
+
 def share(ws: list[dict[str, Any]], *keys: str) -> float:
     return sum(all(w[k] for k in keys) for w in ws) / len(ws)
 
@@ -354,11 +358,20 @@ class Steady:
         return with_lengths(rng, times[times < self.duration_s])
 
 
-def _steady_ok(cfg: FleetConfig, targets: Targets, steady: Steady, arrivals: list[tuple[float, int, int]],
-               prefill: int, decode: int, key: str) -> bool:  # fmt: skip
-    fleet = Fleet(cfg, prefill, decode, at=-STEADY_WARMUP_S)
-    fleet.run(arrivals, steady.duration_s + DRAIN_S)
-    return all(w[key] for w in windows(fleet, steady, targets))
+def _need_at(
+    cfg: FleetConfig, targets: Targets, steady: Steady, max_prefill: int, max_decode: int
+) -> tuple[int, int]:
+    """steady_need for one rate."""
+    arrivals = steady.arrivals()
+
+    def ok(prefill: int, decode: int, key: str) -> bool:
+        fleet = Fleet(cfg, prefill, decode, at=-STEADY_WARMUP_S)
+        fleet.run(arrivals, steady.duration_s + DRAIN_S)
+        return all(w[key] for w in windows(fleet, steady, targets))
+
+    p = fewest(max_prefill, lambda n: ok(n, max_decode, "ttft_ok"))
+    d = fewest(max_decode, lambda n: ok(max_prefill, n, "tpot_ok"))
+    return p or max_prefill, d or max_decode
 
 
 def steady_need(
@@ -367,13 +380,7 @@ def steady_need(
     """For each constant rate: the fewest prefill workers (with the most decode ones) that meet the TTFT
     target in every window, and the fewest decode workers (with the most prefill ones) that meet TPOT's;
     a role that cannot, at its maximum."""
-    need: dict[float, tuple[int, int]] = {}
-    for rate in rates:
-        ok = partial(_steady_ok, cfg, targets, (st := Steady(rate, seed)), st.arrivals())
-        p = fewest(max_prefill, lambda n, ok=ok: ok(n, max_decode, "ttft_ok"))  # type: ignore[misc]
-        d = fewest(max_decode, lambda n, ok=ok: ok(max_prefill, n, "tpot_ok"))  # type: ignore[misc]
-        need[rate] = (p or max_prefill, d or max_decode)
-    return need
+    return {rate: _need_at(cfg, targets, Steady(rate, seed), max_prefill, max_decode) for rate in rates}
 
 
 class ScheduledRun:
@@ -409,10 +416,11 @@ def replay_planner(
 
 def frontier(
     cfg: FleetConfig, trace: Trace, targets: Targets, pcfg: PlannerConfig, outage: tuple[float, float],
-    interval_s: float, fixed_wm: float, default: dict[str, Any],
+    interval_s: float, fixed_wm: float, planner_fleet: Fleet,
 ) -> dict[str, Any]:  # fmt: skip
-    """The same trace under other settings of the law and one clairvoyant schedule: where SLO windows and
-    worker-minutes trade (module doc, --planner-frontier)."""
+    """The same trace under other settings of the law and under two schedules that know the rate ahead:
+    where SLO windows and worker-minutes trade (module doc, --planner-frontier). `planner_fleet`: the
+    planner's own replay, with the defaults."""
     low = trace.rate(0.0)
     top = max(trace.rate(t) for t in np.linspace(0, trace.duration_s, 2000))
     rates = sorted({round(trace.peak_rps * k / 8, 6) for k in range(1, 9)} | {round(top, 6)})
@@ -426,10 +434,10 @@ def frontier(
             "label": label,
             "slo_windows_met": round(share(ws, "ttft_ok", "tpot_ok"), 4),
             "worker_minutes_ratio": round(fleet.worker_seconds(0, trace.duration_s) / 60 / fixed_wm, 3),
-            "failed_windows": [w["minute"] for w in ws if not (w["ttft_ok"] and w["tpot_ok"])],
+            "failed_windows": failed(ws),
         }
 
-    points = [{"label": "the planner (defaults)", **{k: default[k] for k in default if k != "label"}}]
+    points = [point("the planner (defaults)", planner_fleet)]
     floor = {"min_prefill": burst_p, "min_decode": burst_d}
     variants: list[tuple[str, dict[str, Any], float]] = [
         ("up 0.85 / down 0.7", {"up_target": 0.85, "down_target": 0.7}, cfg.startup_s),
@@ -562,22 +570,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if best is not None:
         plot(trace, fleet, best, planned, targets, outage, path)
     counted = [d for d in pr.decisions if 0 <= d[0] < trace.duration_s]
-    slo = round(share(planned, "ttft_ok", "tpot_ok"), 4)
-    ratio = round(planner_wm / best["worker_minutes"], 3) if best else None
     trade: dict[str, Any] | None = None
     if getattr(args, "planner_frontier", False) and best is not None:
-        default = {
-            "slo_windows_met": slo, "worker_minutes_ratio": ratio,
-            "failed_windows": [w["minute"] for w in planned if not (w["ttft_ok"] and w["tpot_ok"])],
-        }  # fmt: skip
         trade = frontier(
-            cfg, trace, targets, pcfg, outage, args.planner_interval_s, best["worker_minutes"], default
+            cfg, trace, targets, pcfg, outage, args.planner_interval_s, best["worker_minutes"], fleet
         )
         trade["plot"] = os.path.join(args.out, "planner_frontier.png")
         plot_frontier(trade["points"], trade["plot"])
     return {
-        "slo_windows_met": slo,
-        "worker_minutes_ratio": ratio,
+        "slo_windows_met": round(share(planned, "ttft_ok", "tpot_ok"), 4),
+        "worker_minutes_ratio": round(planner_wm / best["worker_minutes"], 3) if best else None,
         "flips_per_10min_steady": round(n_flips / steady_min * 10, 3),
         "below_min_during_outage": below_min(fleet, pcfg, *outage),
         "goals": {
@@ -599,7 +601,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_prefill_ready": max(c[1] for c in fleet.count_changes),
             "max_decode_ready": max(c[2] for c in fleet.count_changes),
             "outage_min": [round(outage[0] / 60, 2), round(outage[1] / 60, 2)],
-            "failed_windows": [w["minute"] for w in planned if not (w["ttft_ok"] and w["tpot_ok"])],
+            "failed_windows": failed(planned),
         },
         "best_fixed": None if best is None else {k: v for k, v in best.items() if not k.startswith("_")},
         "sweep": [{k: v for k, v in r.items() if not k.startswith("_")} for r in sweep],

@@ -14,20 +14,20 @@ TPOT: `RUNNING` sequences decode (cycling 0, 1, 3, 7), and a probe request joins
 with the fit removed (the recent decode step x (running + 1) / running: what it predicted before). Each is
 divided by the probe's measured TPOT (its tokens' spacing, from its second token on).
 
-Figures (JSON): per prompt size and per running count, `fit_over_actual` and `old_over_actual` (median,
-min, max over the `--rounds` x `PER_ROUND` requests after the warm-up), the fitted terms at the end, and
-the load average. 1.0 is a perfect prediction; above it a placement is refused that would have met its
-target; below it one is taken that will miss it.
+Figures (JSON): per prompt size and per running count, `fit_over_actual` and `old_over_actual`
+(bench/rounds.py `spread`: median, min, max and interquartile range over the `--rounds` x `PER_ROUND`
+requests after the warm-up), the fitted terms at the end, and the load average. 1.0 is a perfect
+prediction; above it a placement is refused that would have met its target; below it one is taken that
+will miss it.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from typing import Any
 
-from bench.rounds import load_avg
+from bench.rounds import load_avg, spread
 from common.sampling_params import SamplingParams
 
 SIZES = (24, 24, 96, 24, 400)  # prompt tokens, cycled: three short ones to a medium and a long one
@@ -35,12 +35,6 @@ RUNNING = (0, 1, 3, 7)  # sequences decoding when the TPOT probe joins
 PER_ROUND = 10
 WARMUP = 10
 PROBE_TOKENS = 12
-
-
-def _summary(xs: list[float]) -> dict[str, float] | None:
-    if not xs:
-        return None
-    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,8 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def figures(d: dict[int, dict[str, list[float]]]) -> dict[str, Any]:
         return {
-            str(k): {"requests": len(v["fit"]), "fit_over_actual": _summary(v["fit"]),
-                     "old_over_actual": _summary(v["old"])}
+            str(k): {"requests": len(v["fit"]), "fit_over_actual": spread(v["fit"]) if v["fit"] else None,
+                     "old_over_actual": spread(v["old"]) if v["old"] else None}
             for k, v in d.items()
         }  # fmt: skip
 

@@ -25,6 +25,7 @@ from bench.planner import (
     frontier,
     p90,
     plot_frontier,
+    replay_planner,
     run_fixed,
     share,
     steady_need,
@@ -213,7 +214,7 @@ def test_the_fleet_gives_the_utilization_signals_the_live_reader_builds() -> Non
     EWMA over its steps, weight 0.2), the queued prompt tokens and the decode sequences held; and the
     planner run hands them over as the live reader does."""
     fleet = Fleet(CFG, 1, 1)
-    assert fleet.prefill_tps() is None and fleet.prompt_tokens == 0
+    assert fleet.prefill_capacity() is None and fleet.prompt_tokens == 0
     fleet.run([(0.0, 4096, 300), (0.001, 2000, 300), (0.002, 3000, 300)], until=0.05)
     assert fleet.queued_tokens() == 4096 + 2000 + 3000  # the first step (the first prompt) still runs
     assert fleet.prompt_tokens == 0  # counted at the first token, as the router does
@@ -222,14 +223,15 @@ def test_the_fleet_gives_the_utilization_signals_the_live_reader_builds() -> Non
     assert fleet.prompt_tokens == 4096 + 2000 + 3000
     first = 4096 / step_seconds(PROFILE, [(4096, 0)])  # then the two that queued behind it, together
     second = 5000 / step_seconds(PROFILE, [(2000, 0), (3000, 0)])
-    assert fleet.prefill_tps() == pytest.approx(first + 0.2 * (second - first), rel=1e-9)
+    speed = fleet.ready("prefill")[0].speed  # the engine's own StepSpeed, fed each step
+    assert speed.prefill_tps == pytest.approx(first + 0.2 * (second - first), rel=1e-9)
     pr = PlannerRun(PlannerConfig(), (1e9, 1e9))
     pr.tick(15.0, fleet)
     pr.tick(30.0, fleet)
     inputs = pr.planner.last.inputs if pr.planner.last else {}
     assert inputs["decode"]["demand"] == 3.0 and inputs["decode"]["per_worker"] == CFG.decode_max_seqs
     # two steps are too few for the fit of step time against tokens: capacity is the average until then
-    assert inputs["prefill"]["per_worker"] == fleet.prefill_capacity() == fleet.prefill_tps()
+    assert inputs["prefill"]["per_worker"] == fleet.prefill_capacity() == speed.prefill_tps
     assert inputs["prefill"]["demand"] == 0.0
 
 
@@ -244,7 +246,7 @@ def test_the_fleets_prefill_capacity_is_a_full_step_by_the_fit_of_its_steps() ->
     assert speed.prefill_ms_per_token > 0  # fitted
     full = CFG.prefill_tokens_per_step / step_seconds(PROFILE, [(CFG.prefill_tokens_per_step, 0)])
     assert fleet.prefill_capacity() == pytest.approx(full, rel=0.05)
-    assert fleet.prefill_capacity() > (fleet.prefill_tps() or 0)
+    assert fleet.prefill_capacity() > speed.prefill_tps
 
 
 def test_the_steady_table_grows_with_the_rate() -> None:
@@ -282,11 +284,12 @@ def test_a_schedule_asks_a_start_up_ahead_for_the_next_grid_rate_at_or_above() -
 def test_the_frontier_replays_every_setting_on_the_same_trace(tmp_path: Path) -> None:
     trace = Trace(12, 8.0, seed=4)
     pcfg = PlannerConfig(budget=8, max_prefill=4, max_decode=4)
-    default = {"slo_windows_met": 0.5, "worker_minutes_ratio": 1.0, "failed_windows": []}
-    out = frontier(CFG, trace, TARGETS, pcfg, (300.0, 360.0), 15.0, 12 * 8, default)
-    labels = [p["label"] for p in out["points"]]
-    assert labels[0] == "the planner (defaults)" and len(labels) == len(set(labels)) == 9
-    for p in out["points"][1:]:
+    planner_fleet, _ = replay_planner(CFG, trace, pcfg, (300.0, 360.0), 15.0)
+    out = frontier(CFG, trace, TARGETS, pcfg, (300.0, 360.0), 15.0, 12 * 8, planner_fleet)
+    points = {p["label"]: p for p in out["points"]}
+    assert list(points)[0] == "the planner (defaults)" and len(points) == len(out["points"]) == 9
+    assert points["schedule that knows the rate"]["slo_windows_met"] == 1.0  # its table holds every rate
+    for p in out["points"]:
         assert 0 <= p["slo_windows_met"] <= 1 and p["worker_minutes_ratio"] > 0
         assert len(p["failed_windows"]) == round((1 - p["slo_windows_met"]) * 12)
     rates = [r["rate_rps"] for r in out["steady_need"]]
