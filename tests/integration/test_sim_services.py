@@ -11,7 +11,7 @@ import pytest
 from common.config import EngineConfig
 from common.engine.llm_engine import LLMEngine
 from common.sampling_params import SamplingParams
-from tests.support.cluster import Cluster, get_json, internal_auth, wait_router_sees
+from tests.support.cluster import Cluster, Proc, get_json, internal_auth, wait_router_sees
 
 pytestmark = pytest.mark.services
 SIM_FLAGS = ("--engine", "sim", "--sim-profile", "llama3-8b-h200", "--sim-output-len", "6", "--threads", "1")
@@ -66,15 +66,21 @@ def test_split_requests_complete_with_the_sims_tokens_and_real_kv_bytes(stack) -
 
 
 def test_sim_fleet_runs_many_registered_services_in_one_process(tmp_path, redis_url) -> None:  # type: ignore[no-untyped-def]
-    from bench.serving import free_ports
+    from bench.serving import free_ports, on_fresh_ports
 
     # Redis database 1: the module's other stack (database 0) is still registered and must not be routed to
     cluster = Cluster(redis_url.rstrip("/") + "/1", str(tmp_path))
-    try:
+
+    def start_fleet() -> tuple[int, Proc]:
+        """Three services on consecutive ports; others again if another process took one of them
+        first (the test workers and everything else on the machine pick ports at once)."""
         base = free_ports(3)
-        fleet = cluster.start(
+        return base, cluster.start(
             "sim-fleet", "--prefill", "1", "--decode", "2", "--sim-output-len", "3", port=base
         )
+
+    try:
+        base, fleet = on_fresh_ports(start_fleet)
         router = cluster.start("router")
         wait_router_sees(router, decode=2, prefill=1)
         for port in range(base, base + 3):  # each its own HTTP server, registered under its own id
