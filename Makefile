@@ -49,16 +49,18 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-# Three pytest-xdist workers on 2 cores, a whole test file to each (--dist loadfile: a module's services
-# start once): most of a test's time is a service process starting, or one waiting on another, so with
-# two workers the cores sat idle ~18 % of the run (vmstat, a fresh-clone `.ci/run`); three keep them ~92 %
-# busy. The 20 slowest tests are printed at the end (the suite's budget: 12 minutes on 2 cores).
+# Two pytest-xdist workers, a whole test file to each (--dist loadfile: a module's services start once):
+# most of a test's time is a service process starting or answering, so two keep both cores busy (~82 % in
+# a fresh-clone `.ci/run`, vmstat; the rest is one waiting on another, which mypy fills, below). Three
+# kept them ~93 % busy but took ~15 % more CPU in all (1,340 against 1,120 s) and finished no sooner
+# (10:54 and 12:05 against 11:33). The 20 slowest tests are printed at the end (the suite's budget: 12
+# minutes on 2 cores).
 # A worker that dies (--max-worker-restart=0) ends the run at once, naming its test: restarting it under
 # --dist loadfile once left the run hung with both workers idle.
 # --no-loadscope-reorder: files are handed out in collection order, which tests/conftest.py sorts
 # costliest first; without it pytest-xdist (3.7 and newer) re-sorts them by their number of tests, and
 # the long single-test files (the soak, the benches) started last.
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=20
 
 # The linters that take a second first (a failure stops here); mypy (~30 s of one core on a fresh clone)
