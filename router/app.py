@@ -30,7 +30,7 @@ from common.cluster.kv_events import KVIndex
 from common.cluster.owners import RouterOwnership
 from common.cluster.state import ClusterState
 from common.runtime.access import AccessLog
-from common.runtime.http_server import HTTPLimits, server_config
+from common.runtime.http_server import OVER_LIMIT, HTTPLimits, server_config
 from common.runtime.logs import configure_logging, is_configured
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
 from common.security.internal_auth import SignedCalls
@@ -39,7 +39,7 @@ from common.text.model_info import ModelInfo, load_model_info
 from router.access import AUTHENTICATED, Access
 from router.auth.keys import ApiKey
 from router.config import RouterConfig
-from router.errors import APIError, install_handlers
+from router.errors import APIError, install_handlers, unavailable
 from router.http_backend import service_transport, without_cookies
 from router.metrics import RouterMetrics
 from router.openai_types import ChatCompletionRequest, CompletionRequest, request_body_schema
@@ -126,6 +126,13 @@ def create_app(
         timeout_s=config.body_timeout_s,
         authenticate=access.authenticate,
     )
+    # over the connection limit (SPLITSERVE_ROUTER_MAX_CONNECTIONS; the server marks such requests:
+    # common/runtime/http_server.py): an OpenAI-style 503 with Retry-After, before the key or the body,
+    # with an access line and a request id like every other answer (the next middleware)
+    app.add_middleware(
+        OverLimit, retry_after_s=config.retry_after_s, count=metrics.shed.labels("connections").inc
+    )
+    app.state.answers_over_limit = True
     # outermost: every response carries x-request-id (the generation id when there is one: handlers set
     # request.state.request_id, else a fresh id), every request gets one access line (413s and 408s
     # too), and an unhandled error becomes an OpenAI-style 500 here, so it gets the header as well
@@ -266,6 +273,25 @@ def _internal_tls(config: RouterConfig) -> ssl.SSLContext:
     ctx = ssl.create_default_context(cafile=config.internal_ca_file)
     ctx.check_hostname = config.internal_tls_check_hostname
     return ctx
+
+
+class OverLimit:
+    """A request that came over the router's connection limit (marked by the HTTP server: its open
+    connections or requests in flight at SPLITSERVE_ROUTER_MAX_CONNECTIONS) gets an OpenAI-style 503 with
+    Retry-After and `Connection: close` (its connection is one too many), counted as shed
+    ("connections"); nothing of it is read or run."""
+
+    def __init__(self, app: ASGIApp, retry_after_s: int, count: Callable[[], None]) -> None:
+        self.app, self.retry_after_s, self.count = app, retry_after_s, count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not scope.get(OVER_LIMIT):
+            await self.app(scope, receive, send)
+            return
+        self.count()
+        error = unavailable("the router is at its limit of open connections; retry later", self.retry_after_s)
+        error.headers["Connection"] = "close"
+        await error.response()(scope, receive, send)
 
 
 class BodyLimit:

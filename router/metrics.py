@@ -150,9 +150,10 @@ class RouterMetrics:
         )
         self.shed = Counter(
             p + "shed",
-            "Requests refused with 503 because the decode services are overloaded (queue_depth: every "
+            "Requests refused with 503 for overload (queue_depth: every decode service's "
             "queue at max_decode_queue; queue_wait: every queue older than start_timeout_s; "
-            "start_timeout: placed, but no first token within start_timeout_s)",
+            "start_timeout: placed, but no first token within start_timeout_s; connections: the router "
+            "at max_connections open connections or requests in flight)",
             ["reason"],
             registry=r,
         )

@@ -5,7 +5,11 @@ untrusted clients needs:
   opening or of the previous response (a slow-loris client that trickles headers is disconnected), and
   may be at most `max_header_bytes` long (larger: 400 and the connection closed);
 - an idle keep-alive connection is closed after `keep_alive_s`;
-- at most `max_connections` connections at once (beyond it uvicorn answers 503);
+- at most `max_connections` connections at once, and as many requests in flight (uvicorn's count): beyond
+  it a request gets 503. uvicorn's own answer is a plain-text 503 with no Retry-After that passes by the
+  app (no access line, no request id) and logs a warning per request; an app that sets
+  `app.state.answers_over_limit` gets those requests instead, marked with `OVER_LIMIT` in their scope,
+  and answers them itself (the router: an OpenAI-style 503 with Retry-After, counted; router/app.py);
 - HTTP/1.1 only: one request in flight per connection, so "streams per connection" is 1 by construction;
 - TLS with `ssl_certfile`/`ssl_keyfile`.
 
@@ -33,6 +37,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from common.runtime.gc_pauses import freeze_startup_heap
 from common.runtime.logs import is_configured
 
+OVER_LIMIT = "splitserve.over_limit"  # in a request's scope: it came over max_connections (module doc)
+
 
 @dataclass(frozen=True)
 class HTTPLimits:
@@ -46,7 +52,7 @@ class HeadTooLarge(Exception):
     pass
 
 
-def _protocol(limits: HTTPLimits) -> type[HttpToolsProtocol]:
+def _protocol(limits: HTTPLimits, app_answers_limit: bool = False) -> type[HttpToolsProtocol]:
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """uvicorn's httptools protocol with a deadline and a size limit on each request's head."""
 
@@ -97,6 +103,11 @@ def _protocol(limits: HTTPLimits) -> type[HttpToolsProtocol]:
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            limit = limits.max_connections
+            # uvicorn's own test (its limit_concurrency is off when the app answers: server_config)
+            over = limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit)
+            if app_answers_limit and over:
+                self.scope[OVER_LIMIT] = True  # type: ignore[literal-required]
             super().on_headers_complete()
 
     return LimitedHttpToolsProtocol
@@ -119,7 +130,9 @@ def server_config(
     kwargs["log_config"], kwargs["access_log"] = None, False
     if is_configured():
         kwargs.pop("log_level", None)
-    on_serving = getattr(getattr(app, "state", None), "on_serving", None)
+    state = getattr(app, "state", None)
+    answers_limit = bool(getattr(state, "answers_over_limit", False))
+    on_serving = getattr(state, "on_serving", None)
     if callable(on_serving) and "callback_notify" not in kwargs:
         kwargs["callback_notify"] = _notify_once(on_serving, _url(host, port, bool(ssl_certfile)))
         logging.getLogger("uvicorn.error").addFilter(_drop_running_line)
@@ -127,9 +140,9 @@ def server_config(
         app,
         host=host,
         port=port,
-        http=_protocol(limits),
+        http=_protocol(limits, answers_limit),
         timeout_keep_alive=limits.keep_alive_s,
-        limit_concurrency=limits.max_connections,
+        limit_concurrency=None if answers_limit else limits.max_connections,
         ssl_certfile=ssl_certfile,
         ssl_keyfile=ssl_keyfile,
         **kwargs,

@@ -105,8 +105,11 @@ def test_a_key_holder_still_gets_its_body_read(stack) -> None:  # type: ignore[n
 
 
 def test_connections_are_capped_by_default(stack) -> None:  # type: ignore[no-untyped-def]
-    """No --max-connections given: the router's default cap (1024) answers 503 beyond it."""
-    _, router = stack
+    """No --max-connections given: the router's default cap (1024) answers 503 beyond it, as every other
+    503 of the router is answered (an OpenAI-style body, Retry-After, a request id), closes that
+    connection and counts it as shed."""
+    redis_url, router = stack
+    ops = {"Authorization": f"Bearer {create_key(redis_url, 'ops-metrics', scopes=('metrics',))}"}
     host, port = router.url.removeprefix("http://").split(":")
     idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(1024)]
     try:  # (idle ones are closed after the 10 s head timeout: ask well within it)
@@ -119,10 +122,21 @@ def test_connections_are_capped_by_default(stack) -> None:  # type: ignore[no-un
         for s in idle:
             s.close()
     assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert "limit of open connections" in error["message"] and error["type"], error
+    assert refused.headers["retry-after"] == "1" and refused.headers["x-request-id"]
+    assert refused.headers["connection"] == "close"
     deadline = time.monotonic() + 10
     while (ok := httpx.get(router.url + "/health", timeout=10)).status_code != 200:
         assert time.monotonic() < deadline, ok.text
         time.sleep(0.2)
+    text = httpx.get(router.url + "/metrics", headers=ops, timeout=10).text
+    shed = [
+        line
+        for line in text.splitlines()
+        if line.startswith('splitserve_router_shed_total{reason="connections"}')
+    ]
+    assert shed and float(shed[0].rsplit(" ", 1)[1]) >= 1, shed
 
 
 def test_tokenize_and_detokenize_are_charged_to_the_keys_limits(stack) -> None:  # type: ignore[no-untyped-def]

@@ -1,17 +1,20 @@
 """The internal secret and the signed-call check, without a network: what is accepted, what is refused
-and why (the reasons are metric labels), rotation, and the HTTP server's limits on a request's head."""
+and why (the reasons are metric labels), rotation, and the HTTP server's limits on a request's head and
+on connections."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
-from common.runtime.http_server import HTTPLimits, server_config
+from common.runtime.http_server import OVER_LIMIT, HTTPLimits, server_config
 from common.security.internal_auth import NONCE, SIGNATURE, TIMESTAMP, ReplayGuard, check, sign_headers
 from common.security.secret import InternalSecret, SecretError, is_loopback
 
@@ -103,20 +106,24 @@ def test_the_replay_guard_forgets_what_is_too_old_to_matter() -> None:
 # ---- the server's limits on a request's head (a real uvicorn on 127.0.0.1) --------------------------
 
 
-@pytest.fixture
-def server():  # type: ignore[no-untyped-def]
-    import uvicorn
-
+def _app() -> FastAPI:
     app = FastAPI()
 
     @app.get("/ok")
-    async def ok() -> dict[str, bool]:
-        return {"ok": True}
+    async def ok(request: Request) -> dict[str, bool]:
+        return {"ok": True, "over": bool(request.scope.get(OVER_LIMIT))}
+
+    return app
+
+
+@contextlib.contextmanager
+def _serving(app: FastAPI, limits: HTTPLimits) -> Iterator[int]:
+    """A real uvicorn on 127.0.0.1 with server_config's settings, in a thread; its port."""
+    import uvicorn
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    limits = HTTPLimits(header_timeout_s=0.5, max_header_bytes=2048, keep_alive_s=1)
     srv = uvicorn.Server(server_config(app, "127.0.0.1", port, limits, log_level="warning"))
     t = threading.Thread(target=lambda: asyncio.run(srv.serve()), daemon=True)
     t.start()
@@ -124,9 +131,17 @@ def server():  # type: ignore[no-untyped-def]
     while not srv.started:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    yield port
-    srv.should_exit = True
-    t.join(timeout=10)
+    try:
+        yield port
+    finally:
+        srv.should_exit = True
+        t.join(timeout=10)
+
+
+@pytest.fixture
+def server():  # type: ignore[no-untyped-def]
+    with _serving(_app(), HTTPLimits(header_timeout_s=0.5, max_header_bytes=2048, keep_alive_s=1)) as port:
+        yield port
 
 
 def _read_all(sock: socket.socket, timeout_s: float) -> bytes:
@@ -148,7 +163,7 @@ def test_a_slow_request_head_is_cut(server) -> None:  # type: ignore[no-untyped-
         assert _read_all(s, 3.0) == b""  # closed by the server, well before the 3 s
     with socket.create_connection(("127.0.0.1", server)) as s:
         s.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")  # a prompt client is served
-        assert b'{"ok":true}' in _read_all(s, 3.0)
+        assert b'{"ok":true' in _read_all(s, 3.0)
 
 
 def test_an_oversized_request_head_is_refused(server) -> None:  # type: ignore[no-untyped-def]
@@ -156,3 +171,32 @@ def test_an_oversized_request_head_is_refused(server) -> None:  # type: ignore[n
         s.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\nX-Junk: " + b"j" * 4096 + b"\r\n\r\n")
         reply = _read_all(s, 3.0)
     assert reply.startswith(b"HTTP/1.1 400") and not reply.endswith(b"<still open>")
+
+
+def _get_ok(port: int) -> bytes:
+    """GET /ok on a connection of its own, closed after the answer."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        return _read_all(s, 3.0)
+
+
+@pytest.mark.parametrize("app_answers", [False, True], ids=["uvicorn-answers", "app-answers"])
+def test_the_connection_limit_holds_whoever_answers_it(app_answers: bool) -> None:
+    """Over max_connections a request is refused by uvicorn (plain 503), or, for an app that says it
+    answers such requests itself (the router), handed to the app marked OVER_LIMIT: never served as
+    if under the limit."""
+    app = _app()
+    app.state.answers_over_limit = app_answers
+    with _serving(app, HTTPLimits(keep_alive_s=30, max_connections=2)) as port:
+        with socket.create_connection(("127.0.0.1", port)) as held:
+            held.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")  # answered and kept open
+            assert b'"over":false' in _read_all(held, 0.5)
+            over = _get_ok(port)  # the second connection: at the limit of two
+        if app_answers:
+            assert over.startswith(b"HTTP/1.1 200") and b'"over":true' in over, over
+        else:
+            assert over.startswith(b"HTTP/1.1 503") and b'"ok"' not in over, over
+        deadline = time.monotonic() + 5  # the held one closed: under the limit again once the server sees it
+        while b'"over":false' not in (reply := _get_ok(port)):
+            assert time.monotonic() < deadline, reply
+            time.sleep(0.05)
