@@ -50,10 +50,11 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 # Two pytest-xdist workers, a whole test file to each (--dist loadfile: a module's services start once):
-# most of a test's time is a service process starting or answering, so two keep both cores busy (~82 % in
-# a fresh-clone `.ci/run`, vmstat; the rest is one waiting on another, which mypy fills, below). Three
-# kept them ~93 % busy but took ~15 % more CPU in all (1,340 against 1,120 s) and finished no sooner
-# (10:54 and 12:05 against 11:33). The 20 slowest tests are printed at the end (the suite's budget: 12
+# most of a test's time is a service process starting or answering, so two keep both cores ~82 % busy
+# (vmstat over a fresh-clone `.ci/run`). The suite is bound by CPU: three workers kept the cores ~93 %
+# busy but took ~15 % more CPU in all (1,340 against 1,120 s) and finished no sooner (10:54 and 12:05
+# against 11:33), and mypy run beside the tests gained nothing either (12:11 of tests, 13:37 in all,
+# against 11:33 and 13:31). The 20 slowest tests are printed at the end (the suite's budget: 12
 # minutes on 2 cores).
 # A worker that dies (--max-worker-restart=0) ends the run at once, naming its test: restarting it under
 # --dist loadfile once left the run hung with both workers idle.
@@ -63,17 +64,8 @@ lint: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST_ARGS := -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=20
 
-# The linters that take a second first (a failure stops here); mypy (~30 s of one core on a fresh clone)
-# runs beside the tests and its verdict is printed after theirs: either failing fails `make test`.
-test: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/lint-imports
-	@out=$$(mktemp); $(VENV)/bin/mypy > "$$out" 2>&1 & typing=$$!; \
-	echo "$(PY) -m pytest $(PYTEST_ARGS)   (mypy beside it)"; \
-	$(PY) -m pytest $(PYTEST_ARGS); tests=$$?; \
-	wait $$typing; typed=$$?; echo "mypy:"; cat "$$out"; rm -f "$$out"; \
-	test $$tests -eq 0 && test $$typed -eq 0
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Unit tests only, no lint: the quick loop while editing.
 test-fast: $(STAMP)
