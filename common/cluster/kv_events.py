@@ -295,8 +295,8 @@ class KVIndex:
     The blocking read goes through `redis`'s own pool, the one the request path uses (records, API
     keys, leases). That cannot starve it: this index is one task that sends one command at a time, so
     it holds at most one connection of that pool, now for up to block_s rather than ~1 ms a poll; the
-    pool (redis-py's ConnectionPool, as `common.cluster.state.connect` builds it) opens another for
-    anyone else, up to max_connections (100 or more unless the URL sets it). A client of its own
+    pool (redis-py's BlockingConnectionPool, as `common.cluster.state.connect` builds it) opens another
+    for anyone else, up to max_connections (100 unless the URL sets it). A client of its own
     would have to rebuild the pool's settings (TLS, unix socket, Sentinel) to save that one
     connection. The pool's socket timeout, when set (unset by default), bounds every reply, a blocked
     XREAD's included: block_s is kept to half of it.

@@ -37,19 +37,31 @@ class ClusterState:
         await self.redis.aclose()
 
 
+POOL_CONNECTIONS = 100  # Redis connections a process opens at most (a URL's ?max_connections= wins)
+POOL_WAIT_S = 5.0  # a command waits this long for one of them, then fails as if Redis were away
+
+
 def connect(url: str) -> aioredis.Redis:
-    """A client for `url`:
+    """A client for `url`, whose commands wait for a free connection when all POOL_CONNECTIONS are busy
+    (redis-py's BlockingConnectionPool): redis-py's default pool raises MaxConnectionsError at once
+    instead, which every caller takes for Redis being away. In `bench fleet` at 330 req/s a router with
+    ~1,000 requests in flight hit it 144 times in 15 s: record writes were parked for a Redis that was
+    there, and the router's liveness heartbeat failed (a router whose key expires is swept by the
+    others: common/cluster/owners.py). The URLs:
 
     - `redis://[[user]:password@]host:port/db`, `rediss://...` (TLS), `unix:///path.sock?db=0`: one
       server, as redis-py reads them;
     - `redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]` (or
       `rediss+sentinel://` for TLS): Redis Sentinel; the client asks the sentinels for the master of
       `service` and follows it across failovers. The password is the master's; sentinels that need one
-      too take the same.
+      too take the same. (This one keeps redis-py's sentinel pool, which raises when it is full.)
     """
     parts = urllib.parse.urlsplit(url)
     if not parts.scheme.endswith("+sentinel"):
-        return aioredis.Redis.from_url(url, decode_responses=True)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, decode_responses=True, max_connections=POOL_CONNECTIONS, timeout=POOL_WAIT_S
+        )
+        return aioredis.Redis.from_pool(pool)  # the client owns it: aclose() closes it
     hosts = parts.netloc.rpartition("@")[2]
     path = [p for p in parts.path.split("/") if p]
     if not hosts or not path:

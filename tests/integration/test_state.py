@@ -19,7 +19,7 @@ import pytest
 from common.cluster.leases import LeaseKeeper, LeaseTerm
 from common.cluster.records import DuplicateRequest, IllegalTransition, RequestState, UnknownRequest
 from common.cluster.registry import Heartbeat
-from common.cluster.state import ClusterState
+from common.cluster.state import ClusterState, connect
 
 S = RequestState
 
@@ -423,3 +423,20 @@ def test_a_dead_routers_live_requests_are_failed_by_another_router(redis_url: st
         assert (await store.records.get("r3"))["state"] is S.FAILED  # type: ignore[index]
 
     run_with_store(redis_url, body)
+
+
+def test_a_full_connection_pool_makes_commands_wait_not_fail(redis_url: str) -> None:
+    """More commands at once than the pool has connections (two here, ?max_connections=2; 100 by default)
+    wait for one to be free: redis-py's default pool raised MaxConnectionsError, which every caller
+    takes for Redis being away (common/cluster/state.py `connect`)."""
+
+    async def main() -> list[Any]:
+        client = connect(redis_url.rstrip("/") + "/0?max_connections=2")
+        try:
+            # each BLPOP holds its connection for 0.2 s: six need three rounds of the two connections
+            key = f"test:{uuid.uuid4().hex}"
+            return await asyncio.gather(*(client.blpop([f"{key}:{i}"], timeout=0.2) for i in range(6)))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(main()) == [None] * 6
