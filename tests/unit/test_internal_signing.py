@@ -12,11 +12,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import uvicorn
 from fastapi import FastAPI, Request
 
 from common.runtime.http_server import OVER_LIMIT, HTTPLimits, server_config
 from common.security.internal_auth import NONCE, SIGNATURE, TIMESTAMP, ReplayGuard, check, sign_headers
 from common.security.secret import InternalSecret, SecretError, is_loopback
+from tests.support.cluster import wait_until
 
 A = InternalSecret(b"a" * 32)
 B = InternalSecret(b"b" * 32)
@@ -117,10 +119,9 @@ def _app() -> FastAPI:
 
 
 @contextlib.contextmanager
-def _serving(app: FastAPI, limits: HTTPLimits) -> Iterator[int]:
-    """A real uvicorn on 127.0.0.1 with server_config's settings, in a thread; its port."""
-    import uvicorn
-
+def _serving(app: FastAPI, limits: HTTPLimits) -> Iterator[uvicorn.Server]:
+    """A real uvicorn on 127.0.0.1 with server_config's settings, in a thread (its port:
+    `.config.port`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -132,7 +133,7 @@ def _serving(app: FastAPI, limits: HTTPLimits) -> Iterator[int]:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     try:
-        yield port
+        yield srv
     finally:
         srv.should_exit = True
         t.join(timeout=10)
@@ -140,8 +141,8 @@ def _serving(app: FastAPI, limits: HTTPLimits) -> Iterator[int]:
 
 @pytest.fixture
 def server():  # type: ignore[no-untyped-def]
-    with _serving(_app(), HTTPLimits(header_timeout_s=0.5, max_header_bytes=2048, keep_alive_s=1)) as port:
-        yield port
+    with _serving(_app(), HTTPLimits(header_timeout_s=0.5, max_header_bytes=2048, keep_alive_s=1)) as srv:
+        yield srv.config.port
 
 
 def _read_all(sock: socket.socket, timeout_s: float) -> bytes:
@@ -187,7 +188,8 @@ def test_the_connection_limit_holds_whoever_answers_it(app_answers: bool) -> Non
     if under the limit."""
     app = _app()
     app.state.answers_over_limit = app_answers
-    with _serving(app, HTTPLimits(keep_alive_s=30, max_connections=2)) as port:
+    with _serving(app, HTTPLimits(keep_alive_s=30, max_connections=2)) as srv:
+        port = srv.config.port
         with socket.create_connection(("127.0.0.1", port)) as held:
             held.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")  # answered and kept open
             assert b'"over":false' in _read_all(held, 0.5)
@@ -196,7 +198,6 @@ def test_the_connection_limit_holds_whoever_answers_it(app_answers: bool) -> Non
             assert over.startswith(b"HTTP/1.1 200") and b'"over":true' in over, over
         else:
             assert over.startswith(b"HTTP/1.1 503") and b'"ok"' not in over, over
-        deadline = time.monotonic() + 5  # the held one closed: under the limit again once the server sees it
-        while b'"over":false' not in (reply := _get_ok(port)):
-            assert time.monotonic() < deadline, reply
-            time.sleep(0.05)
+        # the held one closed: under the limit again once the server has seen it go
+        wait_until(lambda: not srv.server_state.connections, 5, "the server to let the held connection go")
+        assert b'"over":false' in _get_ok(port)
