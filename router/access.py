@@ -43,6 +43,7 @@ from opentelemetry import trace
 from starlette.datastructures import Headers
 
 from common.runtime.logs import current_request_id
+from common.runtime.tasks import cancel_and_wait
 from common.security.secret import is_loopback
 from router.auth.keys import (
     ApiKey,
@@ -153,9 +154,7 @@ class Access:
     async def stop(self) -> None:
         for task in (self._poll, self._revocations):
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
 
     async def _watch(self) -> None:
         while not self.enabled:

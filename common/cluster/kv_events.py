@@ -53,6 +53,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from common.prefix_hash import DEVICE, DISK, RAM, KVEvent, KVHeld
+from common.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 SNAPSHOT_TTL_PERIODS = 3  # a snapshot (and the stream) outlives this many missed snapshot periods
@@ -180,9 +181,7 @@ class KVEventPublisher:
     async def stop(self, delete: bool = True) -> None:
         """Stop publishing; by default also delete the stream and snapshot (the worker is leaving)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         if delete:
             try:
@@ -277,6 +276,17 @@ class _Tracked:
     refused: bool = False  # its events are of a format this reader does not know (logged once)
 
 
+def socket_timeout_s(redis: aioredis.Redis) -> float | None:
+    """The socket timeout `redis`'s connections get: the pool's setting, else the connection class's
+    default (redis-py 8: 5 s; redis-py 5: none), read from a connection made and never opened."""
+    pool = redis.connection_pool
+    try:
+        timeout = pool.connection_class(**pool.connection_kwargs).socket_timeout
+    except Exception:  # a connection class that wants more than the pool's settings (Sentinel's)
+        timeout = pool.connection_kwargs.get("socket_timeout")
+    return float(timeout) if timeout else None
+
+
 class KVIndex:
     """The router's approximate view of every worker's prefix cache (see the module docstring).
 
@@ -298,8 +308,9 @@ class KVIndex:
     pool (redis-py's BlockingConnectionPool, as `common.cluster.state.connect` builds it) opens another
     for anyone else, up to max_connections (100 unless the URL sets it). A client of its own
     would have to rebuild the pool's settings (TLS, unix socket, Sentinel) to save that one
-    connection. The pool's socket timeout, when set (unset by default), bounds every reply, a blocked
-    XREAD's included: block_s is kept to half of it.
+    connection. The connections' socket timeout bounds every reply, a blocked XREAD's included:
+    block_s is kept to half of it. redis-py sets 5 s unless told otherwise (since its version 8;
+    none before), so the 1 s default stands and a longer block needs a longer timeout in the URL.
     """
 
     def __init__(
@@ -312,7 +323,7 @@ class KVIndex:
         block_s: float = 1.0,
     ) -> None:
         assert block_s >= 0, block_s
-        socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout")
+        socket_timeout = socket_timeout_s(redis)
         if socket_timeout:  # past it the client gives up on the read and drops the connection
             block_s = min(block_s, socket_timeout / 2)
         self.redis, self.prefix = redis, prefix
@@ -379,9 +390,7 @@ class KVIndex:
         """Cancel the task, a blocked read included (redis-py drops that connection rather than
         returning it to the pool with the reply still due)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _run(self) -> None:

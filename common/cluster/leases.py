@@ -27,6 +27,8 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 
+from common.runtime.tasks import cancel_and_wait
+
 log = logging.getLogger(__name__)
 SIDES = ("prefill", "decode")
 PEER = {"decode": "prefill", "prefill": "decode"}
@@ -147,9 +149,7 @@ class LeaseKeeper:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
         for h in list(self.holders()):
             await self.release(h)
 

@@ -26,6 +26,7 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from common.cluster.records import IllegalTransition, OwnedSet, RequestRecords, RequestState, UnknownRequest
+from common.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,6 @@ class RouterOwnership:
     async def stop(self) -> None:
         """A router that stops cleanly: its key goes at once, so what it leaves live is swept soon."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         with contextlib.suppress(Exception):
             await self.redis.delete(self._alive_key(self.router_id))

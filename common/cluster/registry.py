@@ -15,7 +15,6 @@ secret (loopback development) nothing is checked: there is nothing to sign with.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.typing import EncodableT
 
+from common.runtime.tasks import cancel_and_wait
 from common.security.identity import WorkerIdentity
 from common.security.secret import InternalSecret
 
@@ -249,9 +249,7 @@ class Heartbeat:
     async def stop(self, deregister: bool = True) -> None:
         """Stop beating; by default also remove the worker so routers stop picking it at once."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         if deregister:
             await self.registry.deregister(self.worker_id)

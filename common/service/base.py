@@ -33,6 +33,7 @@ from common.engine.llm_engine import LLMEngine
 from common.protocol import MAX_FRAME_BYTES, AbortRequest, Message, ProtocolError, decode, encode
 from common.runtime.access import AccessLog
 from common.runtime.logs import adopt_loggers
+from common.runtime.tasks import cancel_and_wait
 from common.runtime.telemetry import fastapi_telemetry, setup_tracing
 from common.security.identity import WorkerIdentity, audience
 from common.security.internal_auth import InternalAuthMiddleware
@@ -437,9 +438,9 @@ async def stop_bounded(
 ) -> bool:
     """Await `stopping` (a part's stop) for at most timeout_s; False (logged) if it failed or did not
     end. Not asyncio.wait_for, which waits for the cancelled awaitable to end as well. A part whose
-    loop task (`part._task`) is still running then is cancelled again until it ends (bounded too): a
-    Redis client that swallowed the first cancellation mid-command must not leave a heartbeat or an
-    event publisher running for a role this process no longer has."""
+    loop task (`part._task`) is still running then is cancelled again until it ends (bounded too;
+    common/runtime/tasks.py says how a Redis command can swallow a cancellation): a heartbeat or an
+    event publisher must not go on running for a role this process no longer has."""
     task = asyncio.ensure_future(stopping)
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if done:
@@ -450,10 +451,8 @@ async def stop_bounded(
     task.cancel()
     log.error("%s did not stop within %.0f s; left behind", what, timeout_s)
     loop_task = getattr(part, "_task", None)
-    deadline = time.monotonic() + timeout_s
-    while isinstance(loop_task, asyncio.Task) and not loop_task.done() and time.monotonic() < deadline:
-        loop_task.cancel()
-        await asyncio.wait({loop_task}, timeout=0.1)
+    if isinstance(loop_task, asyncio.Task):
+        await cancel_and_wait(loop_task, timeout_s=timeout_s)
     return False
 
 

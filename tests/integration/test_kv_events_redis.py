@@ -27,6 +27,7 @@ from common.cluster.kv_events import (
     KVIndex,
     TierMatch,
     snapshot_key,
+    socket_timeout_s,
     stream_key,
 )
 from common.cluster.state import connect
@@ -287,9 +288,9 @@ def count_xreads(client: aioredis.Redis) -> list[int]:
     return calls
 
 
-def index_client(redis_url: str, name: str) -> aioredis.Redis:
+def index_client(redis_url: str, name: str, **kwargs: Any) -> aioredis.Redis:
     """A client like the router's (state.connect) whose connections are named, for CLIENT LIST."""
-    return aioredis.Redis.from_url(redis_url, decode_responses=True, client_name=name)
+    return aioredis.Redis.from_url(redis_url, decode_responses=True, client_name=name, **kwargs)
 
 
 def test_a_blocked_read_wakes_on_an_entry_and_stop_cancels_it(redis_url: str) -> None:
@@ -302,9 +303,10 @@ def test_a_blocked_read_wakes_on_an_entry_and_stop_cancels_it(redis_url: str) ->
         pending, source = event_queue()
 
         name = f"kvindex-{uuid.uuid4().hex[:8]}"
-        reader = index_client(redis_url, name)
+        reader = index_client(redis_url, name, socket_timeout=2 * block_s)  # room for the whole block
         pub = KVEventPublisher(client, prefix, "w0", "inc-a", 16, source, list, interval_s=HOUR)
         index = KVIndex(reader, prefix, block_s=block_s)
+        assert index.block_s == block_s
         index.set_workers([("w0", "inc-a", 16)])
         await pub.start()
         await index.start()
@@ -385,7 +387,13 @@ def test_the_block_stays_under_the_socket_timeout(redis_url: str) -> None:
         try:
             index = KVIndex(timed, prefix)
             assert index.block_s == 0.6
-            assert KVIndex(client, prefix).block_s == 1.0  # connect() sets no socket timeout
+            assert socket_timeout_s(timed) == 1.2
+            plain = aioredis.Redis()  # redis-py's defaults (never connects): 5 s since its version 8
+            default = socket_timeout_s(plain)
+            assert default in (None, 5.0), default
+            assert KVIndex(plain, prefix).block_s == 1.0  # under either default
+            assert KVIndex(plain, prefix, block_s=60).block_s == (default / 2 if default else 60)
+            await plain.aclose()
             pub = KVEventPublisher(client, prefix, "w0", "inc-a", 16, list, list, interval_s=HOUR)
             await pub.start()
             index.set_workers([("w0", "inc-a", 16)])
