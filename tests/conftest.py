@@ -24,6 +24,9 @@ from common.text.tokenizer import Tokenizer
 from tests.support.cluster import INTERNAL_SECRET
 from tests.support.tiny_model import real_model_path, tiny_model_path
 
+# What a pytest-xdist worker that goes down says: a timeout's report, stacks on a signal, how it ended.
+pytest_plugins = ["tests.support.xdist_report"]
+
 # Internal authentication is on in every test, as in every deployment: each service and router process a
 # test starts (they inherit this environment), and each router built in-process, proves this secret.
 # Tests that check behaviour without it set their own environment.
@@ -92,49 +95,3 @@ def redis_url() -> Iterator[str]:
         return
     with RedisServer() as server:
         yield server.url
-
-
-# ---- a pytest-xdist worker that dies: how its process ended ----
-# Twice in full `.ci/run`s a worker went down with "Not properly terminated" and nothing on stderr: no
-# Python traceback (faulthandler prints one for SIGSEGV, SIGABRT, SIGBUS, SIGFPE and SIGILL), no
-# pytest-timeout dump, no OOM kill in the kernel log, and the test it was running passes alone. These say
-# more next time: a worker prints every thread's stack on SIGTERM, SIGHUP or SIGINT before it goes on as
-# it would have, and the controller says whether the process exited (its status), was killed (the signal)
-# or still runs (its channel to pytest broke, e.g. a file descriptor closed under it).
-def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import faulthandler
-        import signal
-        import sys
-
-        # a copy of stderr as it is now, before output capture replaces fd 2 (as pytest's own
-        # faulthandler does); kept open for the process's life
-        out = os.dup(sys.__stderr__.fileno()) if sys.__stderr__ is not None else 2
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            faulthandler.register(sig, file=out, all_threads=True, chain=True)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: object, error: object) -> None:
-    if not error:
-        return
-    import signal
-    import subprocess
-    import sys
-
-    popen = getattr(getattr(getattr(node, "gateway", None), "_io", None), "popen", None)
-    if popen is None:
-        return
-    try:
-        rc = popen.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        rc = None
-    if rc is None:
-        how = "still running 5 s later: its channel to pytest broke"
-    elif rc < 0:
-        how = f"killed by signal {-rc}" + (
-            f" ({signal.Signals(-rc).name})" if -rc in signal.valid_signals() else ""
-        )
-    else:
-        how = f"exited with status {rc}"
-    sys.stderr.write(f"pytest-xdist worker (pid {popen.pid}) went down: {how}\n")
