@@ -11,7 +11,9 @@ in 4 tries of 5.
 
 cancel_and_wait cancels again, every `every_s`, until the task has ended. A task that swallows one
 cancellation reaches its next await soon (a loop sleeps or sends its next command), and the next
-cancel() is delivered there.
+cancel() is delivered there. It is for loops with nothing to clean up once cancelled: a task still
+cleaning up (a finally that awaits, say a record write) when the next cancel() comes would have that
+clean-up cut short. A request's task, which records how it ended, is cancelled once.
 """
 
 from __future__ import annotations
