@@ -4,10 +4,10 @@
 cancelled, returns the awaited call's result instead of raising when that call completed in the same
 loop iteration (CPython gh-86296; wait_for was rewritten on asyncio.timeout in 3.12). redis-py sends
 every command through wait_for whenever the connection has a socket timeout, and since redis-py 8 every
-connection has one unless told otherwise (5 s). So a cancel() that lands while a loop task sends a Redis command can be lost, and
-the task goes on looping: its owner's stop() then never returns. That hung a KV-index test for its whole
-timeout in 3 of about 25 full test runs; run alone in a loop, that test file hung within 1 to 83 runs
-in 4 tries of 5.
+connection has one unless told otherwise (5 s). So a cancel() that lands while a loop task sends a Redis
+command can be lost, and the task goes on looping: its owner's stop() then never returns. That hung a
+KV-index test for its whole timeout in 3 of about 25 full test runs; run alone in a loop, that test
+file hung within 1 to 83 runs in 4 tries of 5.
 
 cancel_and_wait cancels again, every `every_s`, until the task has ended. A task that swallows one
 cancellation reaches its next await soon (a loop sleeps or sends its next command), and the next
