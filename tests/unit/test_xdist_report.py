@@ -19,7 +19,8 @@ def _run_pytest(tmp_path: Path, source: str, *args: str) -> subprocess.Completed
     env.pop("PYTEST_XDIST_WORKER", None)  # this test may itself run in a worker
     env.pop("PYTEST_ADDOPTS", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.support.xdist_report"]
-    cmd += ["-c", os.devnull, "--rootdir", str(tmp_path), "-o", "timeout_method=thread", *args]
+    cmd += ["-c", os.devnull, "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "basetemp")]
+    cmd += ["-o", "timeout_method=thread", *args]  # --basetemp: the outer run's temp dirs are not rotated
     return subprocess.run(
         cmd + ["test_hangs.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
