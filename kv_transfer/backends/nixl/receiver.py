@@ -12,6 +12,7 @@ from typing import Any
 
 from common.kv.kv_cache import PagedKVCache
 from common.protocol import KVCompat, KVDone, ProtocolError, decode
+from common.runtime.tasks import cancel_and_wait
 from common.security.secret import InternalSecret
 from kv_transfer.backends.nixl.agent import make_agent, mem_type, regions
 from kv_transfer.backends.nixl.messages import (
@@ -128,10 +129,9 @@ class NixlReceiver(PreflightReceiver):
         for conn in list(self._conns):
             conn.writer.close()
         await asyncio.gather(*self._serving, return_exceptions=True)
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # the poller waits in asyncio.wait_for, which can lose a cancel (common/runtime/tasks.py); neither
+        # it nor a grace timer has anything to clean up once cancelled
+        await asyncio.gather(*(cancel_and_wait(t) for t in list(self._tasks)))
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
