@@ -175,7 +175,8 @@ class DecodeService(Service):
             while job.finish_reason is None:
                 timeout = None if req.deadline is None else max(0.0, req.deadline - time.time())
                 try:
-                    ev = await asyncio.wait_for(job.events.get(), timeout)
+                    async with asyncio.timeout(timeout):  # not wait_for: common/runtime/tasks.py
+                        ev = await job.events.get()
                 except TimeoutError:
                     ev = Interrupt(rid, "deadline exceeded on the decode service", 504)
                 if isinstance(ev, Interrupt):

@@ -226,7 +226,8 @@ class PrefillService(Service):
         num_cached = 0
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.time())
-            ev = await asyncio.wait_for(job.events.get(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: common/runtime/tasks.py
+                ev = await job.events.get()
             if isinstance(ev, Interrupt):
                 raise Interrupted(ev)
             if isinstance(ev, Admission):

@@ -434,7 +434,8 @@ class KVIndex:
         if not streams:
             if block is not None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._added.wait(), block / 1000)
+                    async with asyncio.timeout(block / 1000):  # not wait_for: common/runtime/tasks.py
+                        await self._added.wait()
             return
         reply = await self.redis.xread(
             {key: t.last_id for key, t in streams.items()}, count=self.count, block=block

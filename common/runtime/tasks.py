@@ -9,6 +9,10 @@ command can be lost, and the task goes on looping: its owner's stop() then never
 KV-index test for its whole timeout in 3 of about 25 full test runs; run alone in a loop, that test
 file hung within 1 to 83 runs in 4 tries of 5.
 
+Our own code waits with `async with asyncio.timeout(...)` instead: it awaits in the task itself, so a
+cancellation is raised there whatever else completes (and 3.11's Timeout tells its own expiry from an
+outside cancel). redis-py's wait_for is not ours to change; that is what cancel_and_wait is for.
+
 cancel_and_wait cancels again, every `every_s`, until the task has ended. A task that swallows one
 cancellation reaches its next await soon (a loop sleeps or sends its next command), and the next
 cancel() is delivered there. It is for loops with nothing to clean up once cancelled: a task still

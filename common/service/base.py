@@ -350,7 +350,8 @@ class Service:
             return
         self.interrupt(request_id, "aborted", 499)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(job.ended.wait(), ABORT_WAIT_S)
+            async with asyncio.timeout(ABORT_WAIT_S):
+                await job.ended.wait()
 
     async def record(self, request_id: str, new_state: RequestState, **fields: Any) -> None:
         """A request-record update that never takes the request down: one that Redis cannot take now is

@@ -275,7 +275,8 @@ class NixlReceiver(PreflightReceiver):
                 timeout = delay
                 delay = min(delay * 2, self.poll_idle_s)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: common/runtime/tasks.py
+                    await self._wake.wait()
             if self._wake.is_set():  # something changed: start over from the fast poll
                 delay = self.poll_active_s
 
