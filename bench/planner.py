@@ -40,8 +40,9 @@ Figures (JSON):
 
 `--planner-frontier` (`frontier` in the JSON, a plot in planner_frontier.png): where SLO windows and
 worker-minutes trade on this trace. The same requests replayed under other settings of the planner (its
-utilization targets, a floor at the capacity the first burst needs, a shorter start-up) and under two
-schedules that read no signal but know the rate ahead, one the whole trace's and one its ramps without the
+utilization targets, a floor at the capacity the first burst needs, a shorter start-up) and under three
+schedules that read no signal but know the rate ahead: the whole trace's, yesterday's (the same shape drawn
+with another seed, counted per minute: a forecast from a day that repeats) and the ramps' without the
 bursts. A schedule asks, at every decision, for the most workers that the rates of the next start-up plus
 interval need by a steady table: for each rate on a grid (eighths of the peak), the fewest prefill
 workers that meet the TTFT target in every window of 10 minutes at that constant rate (with the most
@@ -383,6 +384,23 @@ def steady_need(
     return {rate: _need_at(cfg, targets, Steady(rate, seed), max_prefill, max_decode) for rate in rates}
 
 
+YESTERDAY_SEED = 100  # yesterday's trace: the same shape, drawn with seed + this
+
+
+def minute_rates(trace: Trace) -> Callable[[float], float]:
+    """The rate a day like `trace` had, minute by minute (its requests counted per minute of arrival,
+    warm-up included): what a forecast from yesterday's traffic knows, if today has the same shape."""
+    first = -int(WARMUP_S // 60)
+    counts = [0] * (math.ceil(trace.duration_s / 60) - first)
+    for t, _, _ in trace.arrivals:
+        counts[int(t // 60) - first] += 1
+
+    def rate(t: float) -> float:
+        return counts[min(max(int(t // 60) - first, 0), len(counts) - 1)] / 60
+
+    return rate
+
+
 class ScheduledRun:
     """A schedule that knows the rate ahead (the trace's, or its ramps without the bursts): at every tick,
     each role asks for the most workers that the rates of the next `lead_s` need by the steady table (the
@@ -418,7 +436,7 @@ def frontier(
     cfg: FleetConfig, trace: Trace, targets: Targets, pcfg: PlannerConfig, outage: tuple[float, float],
     interval_s: float, fixed_wm: float, planner_fleet: Fleet,
 ) -> dict[str, Any]:  # fmt: skip
-    """The same trace under other settings of the law and under two schedules that know the rate ahead:
+    """The same trace under other settings of the law and under three schedules that know the rate ahead:
     where SLO windows and worker-minutes trade (module doc, --planner-frontier). `planner_fleet`: the
     planner's own replay, with the defaults."""
     low = trace.rate(0.0)
@@ -453,8 +471,10 @@ def frontier(
         vp = PlannerConfig(**{**asdict(pcfg), **overrides})
         fleet, _ = replay_planner(vcfg, trace, vp, outage, interval_s)
         points.append(point(label, fleet))
+    yesterday = minute_rates(Trace(trace.minutes, trace.peak_rps, trace.seed + YESTERDAY_SEED))
     for label, rate in (
         ("schedule that knows the rate", trace.rate),
+        ("schedule from yesterday's rates", yesterday),
         ("schedule that knows the ramps, not the bursts", trace.base_rate),
     ):
         sched = ScheduledRun(rate, need, cfg.startup_s + interval_s)
@@ -489,7 +509,7 @@ def plot_frontier(points: list[dict[str, Any]], path: str) -> None:
     ax.set(
         xlim=(min(0.55, min(xs) - 0.05), max(xs) + 0.25), ylim=(min(0.8, min(ys) - 0.02), 1.02),
         xlabel="worker-minutes / the best fixed split's", ylabel="share of 1-minute windows meeting the SLO",
-        title="SLO windows against worker-minutes on one trace: the planner's law, and two schedules",
+        title="SLO windows against worker-minutes: the planner's law and three schedules",
     )  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)

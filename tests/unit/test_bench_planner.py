@@ -23,6 +23,7 @@ from bench.planner import (
     best_fixed,
     flips,
     frontier,
+    minute_rates,
     p90,
     plot_frontier,
     replay_planner,
@@ -281,13 +282,24 @@ def test_a_schedule_asks_a_start_up_ahead_for_the_next_grid_rate_at_or_above() -
     assert above.need_at(0.0) == (3, 2)  # past the table: its last row
 
 
+def test_yesterdays_rates_are_its_requests_counted_per_minute_warm_up_included() -> None:
+    day = Trace(12, 8.0, seed=5)
+    rate = minute_rates(day)
+    counted = sum(rate(m * 60.0 + 30) * 60 for m in range(-int(WARMUP_S // 60), 12))
+    assert counted == pytest.approx(len(day.arrivals))  # every request in exactly one minute
+    burst = [a for a in day.arrivals if 60 <= a[0] < 120]  # the first burst: 60-96 s
+    assert rate(60.0) == rate(119.9) == len(burst) / 60
+    assert rate(-1e6) == rate(-WARMUP_S) and rate(1e6) == rate(11 * 60.0)  # outside: the nearest minute
+    assert rate(60.0) > 1.5 * rate(0.0)  # the burst's minute against the plateau's before it
+
+
 def test_the_frontier_replays_every_setting_on_the_same_trace(tmp_path: Path) -> None:
     trace = Trace(12, 8.0, seed=4)
     pcfg = PlannerConfig(budget=8, max_prefill=4, max_decode=4)
     planner_fleet, _ = replay_planner(CFG, trace, pcfg, (300.0, 360.0), 15.0)
     out = frontier(CFG, trace, TARGETS, pcfg, (300.0, 360.0), 15.0, 12 * 8, planner_fleet)
     points = {p["label"]: p for p in out["points"]}
-    assert list(points)[0] == "the planner (defaults)" and len(points) == len(out["points"]) == 9
+    assert list(points)[0] == "the planner (defaults)" and len(points) == len(out["points"]) == 10
     assert points["schedule that knows the rate"]["slo_windows_met"] == 1.0  # its table holds every rate
     for p in out["points"]:
         assert 0 <= p["slo_windows_met"] <= 1 and p["worker_minutes_ratio"] > 0
