@@ -47,7 +47,8 @@ bursts. A schedule asks, at every decision, for the most workers that the rates 
 interval need by a steady table: for each rate on a grid (eighths of the peak), the fewest prefill
 workers that meet the TTFT target in every window of 10 minutes at that constant rate (with the most
 decode workers), and the fewest decode workers that meet TPOT's (with the most prefill workers). Each
-point: `slo_windows_met`, `worker_minutes_ratio` (over the same best fixed split) and the windows missed.
+point: `slo_windows_met`, `worker_minutes_ratio` (over the same best fixed split), the windows missed and
+`flips_per_10min_steady` (a schedule's asks counted as the planner's decisions are).
 """
 
 from __future__ import annotations
@@ -412,6 +413,7 @@ class ScheduledRun:
     ) -> None:
         self.rate, self.lead_s = rate, lead_s
         self.grid = sorted(need.items())
+        self.decisions: list[tuple[float, int, int, bool]] = []  # as PlannerRun's: when, prefill, decode
 
     def need_at(self, t: float) -> tuple[int, int]:
         rate = self.rate(t)
@@ -419,8 +421,10 @@ class ScheduledRun:
 
     def tick(self, now: float, fleet: Fleet) -> None:
         ahead = [self.need_at(now + k * 5.0) for k in range(int(self.lead_s // 5) + 1)]
-        fleet.scale("prefill", max(p for p, _ in ahead))
-        fleet.scale("decode", max(d for _, d in ahead))
+        prefill, decode = max(p for p, _ in ahead), max(d for _, d in ahead)
+        fleet.scale("prefill", prefill)
+        fleet.scale("decode", decode)
+        self.decisions.append((now, prefill, decode, False))
 
 
 def replay_planner(
@@ -434,11 +438,11 @@ def replay_planner(
 
 def frontier(
     cfg: FleetConfig, trace: Trace, targets: Targets, pcfg: PlannerConfig, outage: tuple[float, float],
-    interval_s: float, fixed_wm: float, planner_fleet: Fleet,
+    interval_s: float, fixed_wm: float, planner: tuple[Fleet, PlannerRun],
 ) -> dict[str, Any]:  # fmt: skip
     """The same trace under other settings of the law and under three schedules that know the rate ahead:
-    where SLO windows and worker-minutes trade (module doc, --planner-frontier). `planner_fleet`: the
-    planner's own replay, with the defaults."""
+    where SLO windows and worker-minutes trade (module doc, --planner-frontier). `planner`: the planner's
+    own replay, with the defaults."""
     low = trace.rate(0.0)
     top = max(trace.rate(t) for t in np.linspace(0, trace.duration_s, 2000))
     rates = sorted({round(trace.peak_rps * k / 8, 6) for k in range(1, 9)} | {round(top, 6)})
@@ -446,16 +450,18 @@ def frontier(
     need = steady_need(cfg, targets, rates, pcfg.max_prefill, pcfg.max_decode, trace.seed)
     burst_p, burst_d = max(pd for r, pd in need.items() if r <= 2.5 * low + 1e-9)
 
-    def point(label: str, fleet: Fleet) -> dict[str, Any]:
+    def point(label: str, fleet: Fleet, decisions: list[tuple[float, int, int, bool]]) -> dict[str, Any]:
         ws = windows(fleet, trace, targets)
+        n_flips, steady_min = flips([d for d in decisions if d[0] >= 0], trace)
         return {
             "label": label,
             "slo_windows_met": round(share(ws, "ttft_ok", "tpot_ok"), 4),
             "worker_minutes_ratio": round(fleet.worker_seconds(0, trace.duration_s) / 60 / fixed_wm, 3),
             "failed_windows": failed(ws),
+            "flips_per_10min_steady": round(n_flips / steady_min * 10, 3),
         }
 
-    points = [point("the planner (defaults)", planner_fleet)]
+    points = [point("the planner (defaults)", planner[0], planner[1].decisions)]
     floor = {"min_prefill": burst_p, "min_decode": burst_d}
     variants: list[tuple[str, dict[str, Any], float]] = [
         ("up 0.85 / down 0.7", {"up_target": 0.85, "down_target": 0.7}, cfg.startup_s),
@@ -469,8 +475,8 @@ def frontier(
     for label, overrides, startup in variants:
         vcfg = FleetConfig(cfg.profile, startup_s=startup)
         vp = PlannerConfig(**{**asdict(pcfg), **overrides})
-        fleet, _ = replay_planner(vcfg, trace, vp, outage, interval_s)
-        points.append(point(label, fleet))
+        fleet, pr = replay_planner(vcfg, trace, vp, outage, interval_s)
+        points.append(point(label, fleet, pr.decisions))
     yesterday = minute_rates(Trace(trace.minutes, trace.peak_rps, trace.seed + YESTERDAY_SEED))
     for label, rate in (
         ("schedule that knows the rate", trace.rate),
@@ -480,7 +486,7 @@ def frontier(
         sched = ScheduledRun(rate, need, cfg.startup_s + interval_s)
         fleet = Fleet(cfg, *sched.need_at(-WARMUP_S), at=-WARMUP_S)
         fleet.run(trace.arrivals, trace.duration_s + DRAIN_S, sched.tick, interval_s)
-        points.append(point(label, fleet))
+        points.append(point(label, fleet, sched.decisions))
     return {
         "points": points,
         "steady_need": [{"rate_rps": r, "prefill": p, "decode": d} for r, (p, d) in sorted(need.items())],
@@ -593,7 +599,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trade: dict[str, Any] | None = None
     if getattr(args, "planner_frontier", False) and best is not None:
         trade = frontier(
-            cfg, trace, targets, pcfg, outage, args.planner_interval_s, best["worker_minutes"], fleet
+            cfg, trace, targets, pcfg, outage, args.planner_interval_s, best["worker_minutes"], (fleet, pr)
         )
         trade["plot"] = os.path.join(args.out, "planner_frontier.png")
         plot_frontier(trade["points"], trade["plot"])

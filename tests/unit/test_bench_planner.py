@@ -296,11 +296,15 @@ def test_yesterdays_rates_are_its_requests_counted_per_minute_warm_up_included()
 def test_the_frontier_replays_every_setting_on_the_same_trace(tmp_path: Path) -> None:
     trace = Trace(12, 8.0, seed=4)
     pcfg = PlannerConfig(budget=8, max_prefill=4, max_decode=4)
-    planner_fleet, _ = replay_planner(CFG, trace, pcfg, (300.0, 360.0), 15.0)
-    out = frontier(CFG, trace, TARGETS, pcfg, (300.0, 360.0), 15.0, 12 * 8, planner_fleet)
+    planner = replay_planner(CFG, trace, pcfg, (300.0, 360.0), 15.0)
+    out = frontier(CFG, trace, TARGETS, pcfg, (300.0, 360.0), 15.0, 12 * 8, planner)
     points = {p["label"]: p for p in out["points"]}
     assert list(points)[0] == "the planner (defaults)" and len(points) == len(out["points"]) == 10
     assert points["schedule that knows the rate"]["slo_windows_met"] == 1.0  # its table holds every rate
+    n, steady_min = flips([d for d in planner[1].decisions if d[0] >= 0], trace)
+    assert points["the planner (defaults)"]["flips_per_10min_steady"] == round(n / steady_min * 10, 3)
+    # flat on every steady stretch, so it never turns within one
+    assert points["schedule that knows the ramps, not the bursts"]["flips_per_10min_steady"] == 0
     for p in out["points"]:
         assert 0 <= p["slo_windows_met"] <= 1 and p["worker_minutes_ratio"] > 0
         assert len(p["failed_windows"]) == round((1 - p["slo_windows_met"]) * 12)
