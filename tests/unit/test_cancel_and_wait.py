@@ -72,7 +72,7 @@ def test_cancel_and_wait_gives_up_after_its_timeout_and_collects_what_a_task_rai
         async def stubborn() -> None:
             while True:
                 try:
-                    await asyncio.sleep(1)
+                    await asyncio.Event().wait()  # until cancelled
                 except asyncio.CancelledError:
                     if not refuse[0]:
                         raise ValueError("stopped with an error") from None

@@ -129,8 +129,8 @@ class NixlReceiver(PreflightReceiver):
         for conn in list(self._conns):
             conn.writer.close()
         await asyncio.gather(*self._serving, return_exceptions=True)
-        # the poller waits in asyncio.wait_for, which can lose a cancel (common/runtime/tasks.py); neither
-        # it nor a grace timer has anything to clean up once cancelled
+        # stopped as every loop task is (common/runtime/tasks.py): neither the poller nor a grace timer has
+        # anything to clean up once cancelled
         await asyncio.gather(*(cancel_and_wait(t) for t in list(self._tasks)))
         if self._server is not None:
             await self._server.wait_closed()
