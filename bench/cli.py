@@ -293,11 +293,24 @@ def add_bench_parser(sub: Any) -> None:
     pl.add_argument("--planner-ttft-s", type=float, default=1.0, help="planner: TTFT p90 target")
     pl.add_argument("--planner-tpot-s", type=float, default=0.05, help="planner: TPOT p90 target")
     pl.add_argument(
+        "--planner-law",
+        choices=["forecast", "reactive"],
+        default="forecast",
+        help="planner: the law whose figures are the JSON's top-level keys and the plot's (both are "
+        "replayed; planner/forecast.py, planner/policy.py)",
+    )
+    pl.add_argument(
+        "--planner-capacity-out",
+        metavar="FILE",
+        help="planner: also write the capacity table measured on the simulated fleet (splitserve planner "
+        "--capacity-table reads it)",
+    )
+    pl.add_argument(
         "--planner-frontier",
         action="store_true",
-        help="planner: also replay the trace under other settings of the law and two schedules that know the "
-        "rate ahead, "
-        "with a plot of SLO windows against worker-minutes (<--out>/planner_frontier.png)",
+        help="planner: also replay the trace under other settings of the reactive law and three schedules "
+        "that know the rate ahead, with a plot of SLO windows against worker-minutes "
+        "(<--out>/planner_frontier.png)",
     )
     o = b.add_argument_group("soak")
     o.add_argument("--concurrency", type=int, default=8, help="soak, chaos-fleet: requests in flight at once")

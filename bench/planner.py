@@ -67,7 +67,8 @@ from bench.fleet_model import Fleet, FleetConfig
 from bench.plots import pyplot, save
 from bench.rounds import load_avg
 from common.engine.sim_profile import SimProfile
-from planner.policy import Planner, PlannerConfig, RoleSignals, Signals
+from planner.forecast import CapacityRow, CapacityTable, ForecastConfig, ForecastPlanner, RateLog
+from planner.policy import Decision, Planner, PlannerConfig, RoleSignals, Signals
 
 PROFILE = "llama3-8b-h100"
 WARMUP_S = 900.0
@@ -279,12 +280,17 @@ def best_fixed(
 class PlannerRun:
     """The real Planner deciding every interval from the virtual fleet's signals (module doc)."""
 
-    def __init__(self, config: PlannerConfig, outage: tuple[float, float]) -> None:
+    def __init__(
+        self, config: PlannerConfig, outage: tuple[float, float],
+        law: Callable[[Signals | None, float], Decision] | None = None,
+    ) -> None:  # fmt: skip
         self.planner = Planner(config)
+        self.step = law or self.planner.step  # the reactive law unless another is given (the forecast's)
         self.config = config
         self.outage = outage
         self.decisions: list[tuple[float, int, int, bool]] = []  # when, prefill, decode, during the outage
         self._tokens: tuple[float, int] | None = None  # the prompt-token counter at the previous read
+        self._arrivals: tuple[float, int] | None = None  # the arrivals counter at the previous read
 
     def tick(self, now: float, fleet: Fleet) -> None:
         in_outage = self.outage[0] <= now < self.outage[1]
@@ -305,8 +311,13 @@ class PlannerRun:
                 demand=float(fleet.running()), per_worker=float(fleet.cfg.decode_max_seqs),
                 finished_per_s=done,
             )  # fmt: skip
-            signals = Signals(now, prefill, decode)
-        d = self.planner.step(signals, now)
+            # the router's arrivals counter between two reads (a read after the outage spans it)
+            seen, self._arrivals = self._arrivals, (now, len(fleet.requests))
+            arrivals = (
+                None if seen is None or now <= seen[0] else (len(fleet.requests) - seen[1]) / (now - seen[0])
+            )
+            signals = Signals(now, prefill, decode, arrivals, None if seen is None else now - seen[0])
+        d = self.step(signals, now)
         fleet.scale("prefill", d.prefill)
         fleet.scale("decode", d.decode)
         self.decisions.append((now, d.prefill, d.decode, in_outage))
@@ -436,18 +447,48 @@ def replay_planner(
     return fleet, pr
 
 
-def frontier(
-    cfg: FleetConfig, trace: Trace, targets: Targets, pcfg: PlannerConfig, outage: tuple[float, float],
-    interval_s: float, fixed_wm: float, planner: tuple[Fleet, PlannerRun],
-) -> dict[str, Any]:  # fmt: skip
-    """The same trace under other settings of the law and under three schedules that know the rate ahead:
-    where SLO windows and worker-minutes trade (module doc, --planner-frontier). `planner`: the planner's
-    own replay, with the defaults."""
+def table_rates(trace: Trace) -> list[float]:
+    """The steady table's grid: eighths of the peak and the trace's highest rate, from its lowest up."""
     low = trace.rate(0.0)
     top = max(trace.rate(t) for t in np.linspace(0, trace.duration_s, 2000))
     rates = sorted({round(trace.peak_rps * k / 8, 6) for k in range(1, 9)} | {round(top, 6)})
-    rates = [r for r in rates if r >= low - 1e-9]
-    need = steady_need(cfg, targets, rates, pcfg.max_prefill, pcfg.max_decode, trace.seed)
+    return [r for r in rates if r >= low - 1e-9]
+
+
+def capacity_table(need: dict[float, tuple[int, int]]) -> CapacityTable:
+    return CapacityTable(CapacityRow(rate, p, d) for rate, (p, d) in need.items())
+
+
+def forecast_period_s(trace: Trace, interval_s: float) -> float:
+    """The forecast law's period in the replay: warm-up, trace and drain, in whole minutes (a replay's
+    clock is its virtual time plus WARMUP_S, so each day's starts at a period's start)."""
+    return 60.0 * math.ceil((WARMUP_S + trace.duration_s + DRAIN_S + interval_s) / 60)
+
+
+def replay_forecast(
+    cfg: FleetConfig, trace: Trace, pcfg: PlannerConfig, table: CapacityTable, log: RateLog, day: int,
+    outage: tuple[float, float], interval_s: float,
+) -> tuple[Fleet, PlannerRun, ForecastPlanner]:  # fmt: skip
+    """The forecast law (planner/forecast.py) on `day` of `log`'s period: it forecasts from day - 1's
+    record, and records this day's arrivals into the log."""
+    law = ForecastPlanner(pcfg, table, log, ForecastConfig(lead_s=cfg.startup_s + interval_s))
+    offset = WARMUP_S + day * log.period_s
+    pr = PlannerRun(pcfg, outage, lambda signals, now: law.step(signals, now, now + offset))
+    fleet = Fleet(cfg, pcfg.min_prefill, pcfg.min_decode, at=-WARMUP_S)
+    fleet.run(trace.arrivals, trace.duration_s + DRAIN_S, pr.tick, interval_s)
+    return fleet, pr, law
+
+
+def frontier(
+    cfg: FleetConfig, trace: Trace, targets: Targets, pcfg: PlannerConfig, outage: tuple[float, float],
+    interval_s: float, fixed_wm: float, planner: tuple[Fleet, PlannerRun],
+    need: dict[float, tuple[int, int]], laws: list[tuple[str, Fleet, PlannerRun]],
+) -> dict[str, Any]:  # fmt: skip
+    """The same trace under other settings of the reactive law and under three schedules that know the rate
+    ahead: where SLO windows and worker-minutes trade (module doc, --planner-frontier). `planner`: the
+    reactive law's own replay, with the defaults; `need`: the steady table (table_rates); `laws`: other
+    replays already made (the forecast law's), as points."""
+    low = trace.rate(0.0)
     burst_p, burst_d = max(pd for r, pd in need.items() if r <= 2.5 * low + 1e-9)
 
     def point(label: str, fleet: Fleet, decisions: list[tuple[float, int, int, bool]]) -> dict[str, Any]:
@@ -461,7 +502,8 @@ def frontier(
             "flips_per_10min_steady": round(n_flips / steady_min * 10, 3),
         }
 
-    points = [point("the planner (defaults)", planner[0], planner[1].decisions)]
+    points = [point("the reactive law (defaults)", planner[0], planner[1].decisions)]
+    points += [point(label, fleet, pr.decisions) for label, fleet, pr in laws]
     floor = {"min_prefill": burst_p, "min_decode": burst_d}
     variants: list[tuple[str, dict[str, Any], float]] = [
         ("up 0.85 / down 0.7", {"up_target": 0.85, "down_target": 0.7}, cfg.startup_s),
@@ -523,7 +565,7 @@ def plot_frontier(points: list[dict[str, Any]], path: str) -> None:
 
 
 def plot(trace: Trace, planner_fleet: Fleet, fixed: dict[str, Any], planned: list[dict[str, Any]],
-         targets: Targets, outage: tuple[float, float], path: str) -> None:  # fmt: skip
+         targets: Targets, outage: tuple[float, float], path: str, law: str = "planner") -> None:  # fmt: skip
     plt = pyplot()
 
     fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
@@ -531,8 +573,8 @@ def plot(trace: Trace, planner_fleet: Fleet, fixed: dict[str, Any], planned: lis
     ts = [c[0] / 60 for c in planner_fleet.count_changes if c[0] <= T] + [T / 60]
     ps = [c[1] for c in planner_fleet.count_changes if c[0] <= T]
     ds = [c[2] for c in planner_fleet.count_changes if c[0] <= T]
-    ax1.step(ts, ps + ps[-1:], where="post", label="planner: prefill ready", color="tab:blue")
-    ax1.step(ts, ds + ds[-1:], where="post", label="planner: decode ready", color="tab:orange")
+    ax1.step(ts, ps + ps[-1:], where="post", label=f"{law}: prefill ready", color="tab:blue")
+    ax1.step(ts, ds + ds[-1:], where="post", label=f"{law}: decode ready", color="tab:orange")
     ax1.axhline(
         fixed["prefill"], ls="--", color="tab:blue", alpha=0.6, label=f"fixed: {fixed['prefill']} prefill"
     )
@@ -547,7 +589,7 @@ def plot(trace: Trace, planner_fleet: Fleet, fixed: dict[str, Any], planned: lis
     ax1.legend(loc="upper left", fontsize=8)
     panels = ((ax2, "ttft_p90_s", targets.ttft_s, "TTFT"), (ax3, "tpot_p90_s", targets.tpot_s, "TPOT"))
     for ax, key, target, name in panels:
-        for ws, label, style in ((planned, "planner", "-"), (fixed["_windows"], "best fixed split", "--")):
+        for ws, label, style in ((planned, law, "-"), (fixed["_windows"], "best fixed split", "--")):
             xs = [w["minute"] + 0.5 for w in ws]
             ys = [min(w[key], 10 * target) / target if w[key] is not None else np.nan for w in ws]
             ax.plot(xs, ys, style, marker=".", label=label)
@@ -562,6 +604,39 @@ def plot(trace: Trace, planner_fleet: Fleet, fixed: dict[str, Any], planned: lis
         ax.grid(alpha=0.3)
     ax3.set_xlabel("minutes (shaded: bursts purple, metrics outage red)")
     save(fig, path, dpi=110)
+
+
+def figures(
+    fleet: Fleet, pr: PlannerRun, trace: Trace, targets: Targets, pcfg: PlannerConfig,
+    outage: tuple[float, float], fixed_wm: float | None,
+) -> dict[str, Any]:  # fmt: skip
+    """One law's replay judged: the JSON's figures (module doc) and its details (`planner`)."""
+    planned = windows(fleet, trace, targets)
+    wm = fleet.worker_seconds(0, trace.duration_s) / 60
+    n_flips, steady_min = flips([d for d in pr.decisions if d[0] >= 0], trace)
+    counted = [d for d in pr.decisions if 0 <= d[0] < trace.duration_s]
+    return {
+        "slo_windows_met": round(share(planned, "ttft_ok", "tpot_ok"), 4),
+        "worker_minutes_ratio": round(wm / fixed_wm, 3) if fixed_wm else None,
+        "flips_per_10min_steady": round(n_flips / steady_min * 10, 3),
+        "below_min_during_outage": below_min(fleet, pcfg, *outage),
+        "planner": {
+            "worker_minutes": round(wm, 1),
+            "ttft_windows_met": round(share(planned, "ttft_ok"), 4),
+            "tpot_windows_met": round(share(planned, "tpot_ok"), 4),
+            "decisions": len(counted),
+            "count_changes": sum(
+                (a[1], a[2]) != (b[1], b[2]) for a, b in zip(counted, counted[1:], strict=False)
+            ),
+            "flips_steady": n_flips,
+            "steady_minutes": round(steady_min, 1),
+            "max_prefill_ready": max(c[1] for c in fleet.count_changes),
+            "max_decode_ready": max(c[2] for c in fleet.count_changes),
+            "outage_min": [round(outage[0] / 60, 2), round(outage[1] / 60, 2)],
+            "failed_windows": failed(planned),
+        },
+        "_windows": planned,
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -584,51 +659,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not outage[1] <= steady_peak.end:
         raise ValueError("--planner-outage-min: the outage must fit in the peak plateau's last two thirds")
 
-    fleet, pr = replay_planner(cfg, trace, pcfg, outage, args.planner_interval_s)
-    planned = windows(fleet, trace, targets)
-    planner_wm = fleet.worker_seconds(0, trace.duration_s) / 60
-    n_flips, steady_min = flips([d for d in pr.decisions if d[0] >= 0], trace)
+    interval = args.planner_interval_s
+    reactive = replay_planner(cfg, trace, pcfg, outage, interval)
+    need = steady_need(cfg, targets, table_rates(trace), pcfg.max_prefill, pcfg.max_decode, trace.seed)
+    table = capacity_table(need)
+    if getattr(args, "planner_capacity_out", None):
+        table.save(args.planner_capacity_out)
+    # the forecast law: yesterday (the same shape, drawn with another seed) recorded by the law itself with
+    # nothing to forecast from, then today forecast from that record; and today with an empty record
+    log = RateLog(forecast_period_s(trace, interval))
+    yesterday = Trace(trace.minutes, trace.peak_rps, trace.seed + YESTERDAY_SEED)
+    replay_forecast(cfg, yesterday, pcfg, table, log, 0, outage, interval)
+    forecast = replay_forecast(cfg, trace, pcfg, table, log, 1, outage, interval)
+    first_day = replay_forecast(cfg, trace, pcfg, table, RateLog(log.period_s), 0, outage, interval)
 
     best, sweep = best_fixed(
         lambda p, d: run_fixed(cfg, trace, targets, p, d), pcfg.max_prefill, pcfg.max_decode
     )
+    fixed_wm = best["worker_minutes"] if best else None
+    laws = {
+        "forecast": figures(forecast[0], forecast[1], trace, targets, pcfg, outage, fixed_wm),
+        "forecast_first_day": figures(first_day[0], first_day[1], trace, targets, pcfg, outage, fixed_wm),
+        "reactive": figures(reactive[0], reactive[1], trace, targets, pcfg, outage, fixed_wm),
+    }
+    law = args.planner_law
+    fleet, chosen = (forecast[0], laws["forecast"]) if law == "forecast" else (reactive[0], laws["reactive"])
     path = os.path.join(args.out, "planner.png")
     if best is not None:
-        plot(trace, fleet, best, planned, targets, outage, path)
-    counted = [d for d in pr.decisions if 0 <= d[0] < trace.duration_s]
+        plot(trace, fleet, best, chosen.pop("_windows"), targets, outage, path, f"{law} law")
+    for figs in laws.values():
+        figs.pop("_windows", None)
     trade: dict[str, Any] | None = None
     if getattr(args, "planner_frontier", False) and best is not None:
         trade = frontier(
-            cfg, trace, targets, pcfg, outage, args.planner_interval_s, best["worker_minutes"], (fleet, pr)
-        )
+            cfg, trace, targets, pcfg, outage, interval, best["worker_minutes"], reactive, need,
+            [("the forecast law (yesterday recorded)", forecast[0], forecast[1]),
+             ("the forecast law, first day (nothing recorded)", first_day[0], first_day[1])],
+        )  # fmt: skip
         trade["plot"] = os.path.join(args.out, "planner_frontier.png")
         plot_frontier(trade["points"], trade["plot"])
+    top = {k: chosen[k] for k in ("slo_windows_met", "worker_minutes_ratio", "flips_per_10min_steady",
+                                  "below_min_during_outage")}  # fmt: skip
     return {
-        "slo_windows_met": round(share(planned, "ttft_ok", "tpot_ok"), 4),
-        "worker_minutes_ratio": round(planner_wm / best["worker_minutes"], 3) if best else None,
-        "flips_per_10min_steady": round(n_flips / steady_min * 10, 3),
-        "below_min_during_outage": below_min(fleet, pcfg, *outage),
+        **top,
+        "law": law,
         "goals": {
             "slo_windows_met": ">= 0.95",
             "worker_minutes_ratio": "<= 0.8",
             "flips_per_10min_steady": "<= 1",
             "below_min_during_outage": False,
         },  # fmt: skip
-        "planner": {
-            "worker_minutes": round(planner_wm, 1),
-            "ttft_windows_met": round(share(planned, "ttft_ok"), 4),
-            "tpot_windows_met": round(share(planned, "tpot_ok"), 4),
-            "decisions": len(counted),
-            "count_changes": sum(
-                (a[1], a[2]) != (b[1], b[2]) for a, b in zip(counted, counted[1:], strict=False)
-            ),
-            "flips_steady": n_flips,
-            "steady_minutes": round(steady_min, 1),
-            "max_prefill_ready": max(c[1] for c in fleet.count_changes),
-            "max_decode_ready": max(c[2] for c in fleet.count_changes),
-            "outage_min": [round(outage[0] / 60, 2), round(outage[1] / 60, 2)],
-            "failed_windows": failed(planned),
+        "planner": chosen["planner"],
+        "laws": {
+            name: {
+                **{k: v for k, v in figs.items() if k != "planner"},
+                "failed_windows": figs["planner"]["failed_windows"],
+            }
+            for name, figs in laws.items()
         },
+        "capacity_table": table.as_json()["rows"],
         "best_fixed": None if best is None else {k: v for k, v in best.items() if not k.startswith("_")},
         "sweep": [{k: v for k, v in r.items() if not k.startswith("_")} for r in sweep],
         "requests": len(trace.arrivals),

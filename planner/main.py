@@ -1,5 +1,6 @@
-"""`splitserve planner`: read the signals every --interval-s, decide, hand the decision to the actuator,
-log it with its inputs and what the actuator reports (one JSON line). Actuators: the dry run (says what it
+"""`splitserve planner`: read the signals every --interval-s, decide (--law: reactive, planner/policy.py, or
+forecast, planner/forecast.py), hand the decision to the actuator, log it with its inputs and what the
+actuator reports (one JSON line). Actuators: the dry run (says what it
 would do) and Kubernetes (planner/kube.py: the Deployments' replicas); `splitserve up --autoscale`
 (splitserve/autoscale.py) acts on `up`'s own workers."""
 
@@ -13,7 +14,8 @@ import sys
 import time
 from typing import Any, Protocol
 
-from planner.policy import Decision, Planner, PlannerConfig
+from planner.forecast import CapacityTable, ForecastConfig, ForecastPlanner, RateLog, RedisRateLog
+from planner.policy import Decision, Planner, PlannerConfig, Signals
 from planner.signals import SignalReader, describe
 
 log = logging.getLogger("splitserve.planner")
@@ -29,6 +31,55 @@ def config_from_args(args: argparse.Namespace) -> PlannerConfig:
     timings["window_s"] = "autoscale_window_s"
     given |= {k: getattr(args, a) for k, a in timings.items() if getattr(args, a, None) is not None}
     return PlannerConfig(**given)
+
+
+class Law(Protocol):
+    async def start(self) -> None: ...
+    async def step(self, signals: Signals | None, now: float) -> Decision: ...
+
+
+class Reactive:
+    """The reactive law (planner/policy.py)."""
+
+    def __init__(self, config: PlannerConfig) -> None:
+        self.planner = Planner(config)
+
+    async def start(self) -> None:
+        return None
+
+    async def step(self, signals: Signals | None, now: float) -> Decision:
+        return self.planner.step(signals, now)
+
+
+class Forecast:
+    """The forecast law (planner/forecast.py), its rate log kept in Redis: read at the start (a restarted
+    planner keeps yesterday), each read's minutes written after each decision. The log's clock is the
+    wall clock (a day from 00:00 UTC)."""
+
+    def __init__(self, law: ForecastPlanner, redis: Any, prefix: str) -> None:
+        self.law = law
+        self.store = RedisRateLog(redis, prefix, law.log)
+        self._unsaved: set[tuple[int, int]] = set()
+
+    async def start(self) -> None:
+        try:
+            minutes = await self.store.load(time.time())
+            log.info("forecast law: %d minutes of arrivals read from Redis", minutes)
+        except Exception as e:  # noqa: BLE001 - without it the law forecasts nothing yet: it says so
+            log.warning(
+                "forecast law: the arrivals log could not be read (%s): no forecast until it is recorded", e
+            )
+
+    async def step(self, signals: Signals | None, now: float) -> Decision:
+        d = self.law.step(signals, now, time.time())
+        self._unsaved.update(self.law.touched)
+        if self._unsaved:
+            try:
+                await self.store.save(self._unsaved)
+                self._unsaved.clear()
+            except Exception as e:  # noqa: BLE001 - kept in memory and written with the next decision's
+                log.warning("forecast law: the arrivals log could not be written (%s): retried next time", e)
+        return d
 
 
 class Actuator(Protocol):
@@ -62,15 +113,17 @@ async def run(
     interval_s: float,
     rounds: int | None,
     actuator: Actuator | None = None,
+    law: Law | None = None,
 ) -> Decision:
-    planner, actuator = Planner(config), actuator or DryRun()
+    law, actuator = law or Reactive(config), actuator or DryRun()
     decision: Decision | None = None
     done = 0
     try:
+        await law.start()
         await actuator.start()
         while rounds is None or done < rounds:
             signals = await reader.read()
-            decision = planner.step(signals, time.monotonic())
+            decision = await law.step(signals, time.monotonic())
             actuated = await actuator.apply(decision)
             line: dict[str, Any] = {**decision.as_log(), "signals": describe(signals)}
             if actuated:
@@ -84,6 +137,29 @@ async def run(
         await actuator.close()
     assert decision is not None
     return decision
+
+
+def forecast_from_args(args: argparse.Namespace, config: PlannerConfig) -> ForecastPlanner | None:
+    """The forecast law from --law forecast and its settings (None: the reactive law); ValueError says
+    what is missing or wrong."""
+    law = getattr(args, "law", None) or "reactive"
+    if law == "reactive":
+        return None
+    if law != "forecast":  # from SPLITSERVE_PLANNER_LAW, which argparse does not check
+        raise ValueError(f"--law / SPLITSERVE_PLANNER_LAW: reactive or forecast, not {law}")
+    if not args.capacity_table:
+        raise ValueError(
+            "--law forecast needs --capacity-table FILE: the workers each request rate needs (a profiling "
+            "run measures it; `splitserve bench planner --planner-capacity-out FILE` writes the simulated "
+            "fleet's)"
+        )
+    if not args.router_url:
+        raise ValueError(
+            "--law forecast needs --router-url: the router's arrivals counter is what it records"
+        )
+    table = CapacityTable.load(args.capacity_table)
+    fc = ForecastConfig(lead_s=args.forecast_lead_s)
+    return ForecastPlanner(config, table, RateLog(args.forecast_period_s), fc)
 
 
 def actuator_from_args(args: argparse.Namespace, config: PlannerConfig) -> Actuator:
@@ -114,9 +190,15 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    reader = SignalReader(args.redis_url, args.router_url, args.api_key)
     try:
-        asyncio.run(run(config, reader, args.interval_s, args.rounds, actuator))
+        forecast = forecast_from_args(args, config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    reader = SignalReader(args.redis_url, args.router_url, args.api_key)
+    law = None if forecast is None else Forecast(forecast, reader.state.redis, reader.state.prefix)
+    try:
+        asyncio.run(run(config, reader, args.interval_s, args.rounds, actuator, law))
     except KeyboardInterrupt:
         return 0
     return 0

@@ -77,6 +77,10 @@ class Signals:
     at: float  # when they were read (monotonic seconds)
     prefill: RoleSignals
     decode: RoleSignals
+    # requests that arrived per second over the `span_s` seconds before `at` (the router's arrivals
+    # counter between two reads); None: unknown. The forecast law (planner/forecast.py) logs and reads it
+    arrivals_rps: float | None = None
+    span_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ The utilization signals (planner/policy.py), from figures the services and the r
 - decode: demand, the decode workers' `running` (sequences counted against max_num_seqs); per worker,
   the `max_num_seqs` of their registry capacity (the smallest, if they differ); finished per second, the
   TPOT histogram's count since the previous read (one per finished request).
+The arrivals (the forecast law, planner/forecast.py): the router's `splitserve_router_arrivals_total` per
+second since the previous read, with the seconds that read spans.
 Unknown until two reads, or without a router URL (no counter): the planner then decides on latency,
 queues and KV alone, as before."""
 
@@ -113,13 +115,15 @@ def role_load(role: str, workers: list[WorkerInfo]) -> RoleLoad:
 class SignalReader:
     TTFT, TPOT = "splitserve_router_ttft_seconds", "splitserve_router_tpot_seconds"
     PROMPT_TOKENS = "splitserve_router_prompt_tokens"
+    ARRIVALS = "splitserve_router_arrivals"
 
     def __init__(self, redis_url: str, router_url: str | None, api_key: str | None = None) -> None:
         self.state = ClusterState.from_url(redis_url)
         self.router_url = router_url.rstrip("/") if router_url else None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # the previous read of the router's /metrics: when, the histograms, the prompt-token counter
-        self._previous: tuple[float, dict[str, Buckets], float | None] | None = None
+        # the previous read of the router's /metrics: when, the histograms, the prompt-token and arrivals
+        # counters
+        self._previous: tuple[float, dict[str, Buckets], float | None, float | None] | None = None
 
     async def read(self) -> Signals | None:
         try:
@@ -130,6 +134,7 @@ class SignalReader:
             return None
         p, d = roles["prefill"], roles["decode"]
         prompt_tps, finished_per_s = latency.get(self.PROMPT_TOKENS), latency.get("finished_per_s")
+        arrivals, span = latency.get(self.ARRIVALS), latency.get("span_s")
         return Signals(
             time.monotonic(),
             RoleSignals(
@@ -141,6 +146,7 @@ class SignalReader:
                 demand=float(d.running) if d.per_worker else None, per_worker=d.per_worker,
                 finished_per_s=finished_per_s,
             ),
+            arrivals, span if arrivals is not None else None,
         )  # fmt: skip
 
     async def _role(self, role: str) -> RoleLoad:
@@ -157,11 +163,12 @@ class SignalReader:
         at = time.monotonic()
         now = parse_histograms(r.text, (self.TTFT, self.TPOT))
         tokens = parse_counter(r.text, self.PROMPT_TOKENS)
-        before, self._previous = self._previous, (at, now, tokens)
+        arrivals = parse_counter(r.text, self.ARRIVALS)
+        before, self._previous = self._previous, (at, now, tokens, arrivals)
         if before is None:
             return {}
-        then, hists, tokens_before = before
-        out = {}
+        then, hists, tokens_before, arrivals_before = before
+        out = {"span_s": at - then}
         for name, buckets in now.items():
             delta = {le: c - hists.get(name, {}).get(le, 0.0) for le, c in buckets.items()}
             p90 = histogram_quantile(0.9, delta)
@@ -171,6 +178,11 @@ class SignalReader:
                 out["finished_per_s"] = max(0.0, delta[max(delta)]) / (at - then)
         if tokens is not None and tokens_before is not None and at > then:
             out[self.PROMPT_TOKENS] = max(0.0, tokens - tokens_before) / (at - then)  # a reset: 0, not < 0
+        if arrivals is not None and arrivals_before is not None and at > then:
+            # a router restarted between two reads counts from 0: what it counted since is the least
+            # that arrived (not a negative rate)
+            grew = arrivals - arrivals_before
+            out[self.ARRIVALS] = (grew if grew >= 0 else arrivals) / (at - then)
         return out
 
     async def close(self) -> None:

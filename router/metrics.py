@@ -130,6 +130,12 @@ class RouterMetrics:
             buckets=_PLACEMENT_BUCKETS,
         )
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.arrivals = Counter(
+            p + "arrivals",
+            "Requests let in (valid, within their key's limits), counted on arrival, before any shedding: "
+            "the demand the planner's forecast records per minute",
+            registry=r,
+        )
         self.output_tokens = Counter(p + "output_tokens", "Tokens generated and delivered", registry=r)
         self.slo_misses = Counter(p + "slo_misses", "Requests over an SLO", ["slo"], registry=r)
         self.transfer_failures = Counter(

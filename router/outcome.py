@@ -83,6 +83,7 @@ class Outcomes:
         """The request's attributes on its span, once it is let in; its content only when opted in."""
         span, req = run.span, parsed.req
         run.request_id = request_id
+        self.metrics.arrivals.inc()
         if span.is_recording():
             span.set_attributes({
                 "gen_ai.request.model": req.model,

@@ -1,7 +1,8 @@
 """The planner against real processes: a real Redis, a decode service and a router on the tiny model.
 Its signals come from the worker registry and the router's /metrics (latency, and the utilization figures:
 prompt tokens and finished requests per second, max_num_seqs); `splitserve planner` prints one JSON
-decision per round with its inputs, and holds (the floor) when Redis is gone."""
+decision per round with its inputs, and holds (the floor) when Redis is gone; with --law forecast it
+records the router's arrivals per minute in Redis, where a restarted planner finds them."""
 
 from __future__ import annotations
 
@@ -67,6 +68,9 @@ def test_signals_and_decisions_from_a_real_stack(tmp_path) -> None:  # type: ign
         assert s.decode.finished_per_s is not None and s.decode.finished_per_s > 0
         assert s.decode.per_worker is not None and s.decode.per_worker >= 1
         assert s.decode.demand == 0.0  # nothing running once the three have finished
+        # the arrivals counter (the forecast law's input): three requests over the span between the reads
+        assert s.arrivals_rps is not None and s.span_s is not None and s.span_s > 0
+        assert s.arrivals_rps * s.span_s == pytest.approx(3.0)
 
         cmd = [sys.executable, "-m", "splitserve", "planner", "--redis-url", redis.url]
         cmd += ["--router-url", router.url, "--rounds", "2", "--interval-s", "0.2"]
@@ -79,6 +83,33 @@ def test_signals_and_decisions_from_a_real_stack(tmp_path) -> None:  # type: ign
         assert (first["prefill"], first["decode"]) == (1, 1), first
         assert first["signals"]["prefill"]["workers"] == 0 and first["signals"]["decode"]["workers"] == 1
         assert set(first["inputs"]) == {"prefill", "decode"} and first["reason"]
+
+        # the forecast law: its rate log is written to Redis as it reads, and a restarted planner reads it
+        table = tmp_path / "capacity.json"
+        table.write_text(json.dumps({"rows": [{"rate_rps": 10, "prefill": 1, "decode": 1}]}))
+        cmd = [sys.executable, "-m", "splitserve", "planner", "--redis-url", redis.url, "--law", "forecast"]
+        cmd += ["--capacity-table", str(table), "--router-url", router.url, "--rounds", "3"]
+        cmd += ["--interval-s", "0.2", "--log-level", "info"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [(d["prefill"], d["decode"]) for d in lines] == [(1, 1)] * 3
+        assert lines[-1]["inputs"]["seen_rps"] == 0.0 and lines[-1]["inputs"]["forecast_rps"] is None
+        assert "0 minutes of arrivals read" in out.stderr
+
+        async def logged() -> list[bytes]:
+            state = ClusterState.from_url(redis_url)
+            try:  # one hash per day (two if the run crossed midnight UTC): field minute, "requests seconds"
+                keys = await state.redis.keys("splitserve:planner:arrivals:86400:*")
+                return [v for k in keys for v in (await state.redis.hgetall(k)).values()]
+            finally:
+                await state.close()
+
+        minutes = asyncio.run(logged())
+        assert minutes and all(float(v.split()[1]) > 0 for v in minutes)  # seconds observed
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert f"{len(minutes)} minutes of arrivals read" in out.stderr
     finally:
         c.stop()
         redis.stop()

@@ -206,6 +206,7 @@ ROUTER_MOVES = [
     "splitserve_router_tpot_seconds_count",
     "splitserve_router_e2e_seconds_count",
     "splitserve_router_prompt_tokens_total",
+    "splitserve_router_arrivals_total",
     "splitserve_router_output_tokens_total",
     "splitserve_router_goodput_requests_total",
     "splitserve_router_slo_judged_requests_total",

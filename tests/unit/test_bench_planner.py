@@ -21,18 +21,23 @@ from bench.planner import (
     Trace,
     below_min,
     best_fixed,
+    capacity_table,
     flips,
+    forecast_period_s,
     frontier,
     minute_rates,
     p90,
     plot_frontier,
+    replay_forecast,
     replay_planner,
     run_fixed,
     share,
     steady_need,
+    table_rates,
     windows,
 )
 from common.engine.sim_profile import SimProfile, step_seconds
+from planner.forecast import CapacityRow, CapacityTable, RateLog
 from planner.policy import PlannerConfig
 
 PROFILE = SimProfile.load("llama3-8b-h100")
@@ -297,12 +302,17 @@ def test_the_frontier_replays_every_setting_on_the_same_trace(tmp_path: Path) ->
     trace = Trace(12, 8.0, seed=4)
     pcfg = PlannerConfig(budget=8, max_prefill=4, max_decode=4)
     planner = replay_planner(CFG, trace, pcfg, (300.0, 360.0), 15.0)
-    out = frontier(CFG, trace, TARGETS, pcfg, (300.0, 360.0), 15.0, 12 * 8, planner)
+    need = steady_need(CFG, TARGETS, table_rates(trace), pcfg.max_prefill, pcfg.max_decode, trace.seed)
+    fleet, pr, _ = replay_forecast(CFG, trace, pcfg, capacity_table(need), RateLog(3600.0), 0, (0, 0), 15.0)
+    out = frontier(
+        CFG, trace, TARGETS, pcfg, (300.0, 360.0), 15.0, 12 * 8, planner, need, [("forecast", fleet, pr)]
+    )
     points = {p["label"]: p for p in out["points"]}
-    assert list(points)[0] == "the planner (defaults)" and len(points) == len(out["points"]) == 10
+    assert list(points)[:2] == ["the reactive law (defaults)", "forecast"]
+    assert len(points) == len(out["points"]) == 11
     assert points["schedule that knows the rate"]["slo_windows_met"] == 1.0  # its table holds every rate
     n, steady_min = flips([d for d in planner[1].decisions if d[0] >= 0], trace)
-    assert points["the planner (defaults)"]["flips_per_10min_steady"] == round(n / steady_min * 10, 3)
+    assert points["the reactive law (defaults)"]["flips_per_10min_steady"] == round(n / steady_min * 10, 3)
     # flat on every steady stretch, so it never turns within one
     assert points["schedule that knows the ramps, not the bursts"]["flips_per_10min_steady"] == 0
     for p in out["points"]:
@@ -312,3 +322,25 @@ def test_the_frontier_replays_every_setting_on_the_same_trace(tmp_path: Path) ->
     assert rates == sorted(rates) and rates[0] == pytest.approx(trace.rate(0.0)) and rates[-1] == 8.0
     plot_frontier(out["points"], str(tmp_path / "f.png"))
     assert (tmp_path / "f.png").stat().st_size > 10_000
+
+
+def test_the_forecast_law_records_yesterday_and_asks_for_todays_burst_before_it_comes() -> None:
+    """Yesterday (another draw of the same shape), replayed under the forecast law with nothing recorded,
+    leaves every arrival in the log; today, forecast from it, the burst's workers are asked for a lead
+    (start-up plus interval) before the burst's minute, where the first day asked for them only once it
+    saw the burst."""
+    trace = Trace(12, 8.0, seed=4)  # the first burst: 60-96 s, 5 requests/s over 2
+    table = CapacityTable([CapacityRow(3.0, 1, 1), CapacityRow(8.0, 2, 2)])  # the plateau: 2/s
+    pcfg = PlannerConfig(budget=8, max_prefill=4, max_decode=4)
+    log = RateLog(forecast_period_s(trace, 15.0))
+    yesterday = Trace(12, 8.0, seed=4 + 100)
+    _, day0, _ = replay_forecast(CFG, yesterday, pcfg, table, log, 0, (0.0, 0.0), 15.0)
+    recorded = sum(slot[0] for slot in log.periods[0].values())
+    first_read = day0.decisions[0][0]  # the counter's baseline: what came before it is not counted
+    assert recorded == pytest.approx(len([a for a in yesterday.arrivals if a[0] >= first_read]))
+    _, today, _ = replay_forecast(CFG, trace, pcfg, table, log, 1, (0.0, 0.0), 15.0)
+    _, first, _ = replay_forecast(CFG, trace, pcfg, table, RateLog(log.period_s), 0, (0.0, 0.0), 15.0)
+    asked = {t: (p, d) for t, p, d, _ in today.decisions}
+    assert asked[-15.0] == (2, 2) and asked[-30.0] == (1, 1)  # 75 s before minute 1 (60 s)
+    assert dict((t, (p, d)) for t, p, d, _ in first.decisions)[-15.0] == (1, 1)
+    assert max(p for t, p, _, _ in first.decisions if 60 <= t < 120) == 2  # seen, then corrected
