@@ -1,6 +1,7 @@
-"""`splitserve bench planner`: the planner (planner/policy.py, the real `Planner`) against the best fixed
-split, on one bursty trace replayed in virtual time over a simulated fleet (bench/fleet_model.py: per-worker
-continuous batching timed by the llama3-8b-h100 profile's roofline).
+"""`splitserve bench planner`: the planner's two laws (planner/policy.py, the reactive `Planner`;
+planner/forecast.py, the `ForecastPlanner`) against the best fixed split, on one bursty trace replayed in
+virtual time over a simulated fleet (bench/fleet_model.py: per-worker continuous batching timed by the
+llama3-8b-h100 profile's roofline).
 
 The trace (`--planner-minutes`, 60 by default, after 15 minutes of warm-up at the opening rate that no
 figure counts): a low plateau (a quarter of `--planner-peak-rps`) with a 2-minute burst at 2.5x, a cosine
@@ -20,13 +21,19 @@ requests and are judged against the same targets.
   TPOT histogram's count). Its decision is applied at once (new workers ready after
   `--planner-startup-s`, removed ones drain). For `--planner-outage-min` minutes in the peak plateau the
   signals are missing (the planner gets None, as from a failed read).
+- The forecast law's runs: the same signals plus the arrivals between two reads (the router's arrivals
+  counter). Its capacity table is the steady table (below: `--planner-capacity-out` writes it). Yesterday,
+  the same trace shape drawn with seed + YESTERDAY_SEED, is replayed first under the law with nothing
+  recorded, its clock one period (`forecast_period_s`) behind today's; today is then forecast from the
+  law's own record of it; and today once more with an empty record (`forecast_first_day`, the first day).
 - The best fixed split: the fewest workers (prefill + decode, each at most the planner's per-role maximum)
   whose run meets the SLO in at least 95% of the windows. Found by search, not by trying every split: the
   fewest prefill workers whose TTFT meets target in 95% of windows with the most decode workers, the
   fewest decode workers whose TPOT does with the most prefill workers, then that pair and, while it falls
   short, pairs of one more worker (every run is in `sweep`).
 
-Figures (JSON):
+Figures (JSON; the top-level ones are `--planner-law`'s, forecast by default, and `laws` has each law's:
+`forecast`, `forecast_first_day`, `reactive`):
 - `slo_windows_met`: the planner run's share of 1-minute windows (by arrival) whose requests' TTFT p90 and
   TPOT p90 are within target (a request not finished when the replay ends counts as over target);
   goal >= 0.95.
@@ -543,11 +550,10 @@ def plot_frontier(points: list[dict[str, Any]], path: str) -> None:
     for i, p in enumerate(points):
         x, y = p["worker_minutes_ratio"], p["slo_windows_met"]
         ax.scatter([x], [y], s=40, color=f"C{i % 10}", zorder=3)
-        # a label near an earlier point's goes under its point, not over the other label
-        near = any(abs(x - a) < 0.08 and abs(y - b) < 0.008 for a, b in placed)
-        ax.annotate(
-            p["label"], (x, y), textcoords="offset points", xytext=(6, -11 if near else 4), fontsize=8
-        )
+        # a label on the line of an earlier point's label (one starting up to a label's length to the left,
+        # or close to the right) goes a line lower for each, not over it
+        near = sum(-0.08 < x - a < 0.3 and abs(y - b) < 0.008 for a, b in placed)
+        ax.annotate(p["label"], (x, y), textcoords="offset points", xytext=(6, 4 - 11 * near), fontsize=8)
         placed.append((x, y))
     ax.axhline(SLO_GOAL, color="tab:green", lw=0.8, ls="--")
     ax.axvline(0.8, color="tab:green", lw=0.8, ls="--")
@@ -557,7 +563,7 @@ def plot_frontier(points: list[dict[str, Any]], path: str) -> None:
     ax.set(
         xlim=(min(0.55, min(xs) - 0.05), max(xs) + 0.25), ylim=(min(0.8, min(ys) - 0.02), 1.02),
         xlabel="worker-minutes / the best fixed split's", ylabel="share of 1-minute windows meeting the SLO",
-        title="SLO windows against worker-minutes: the planner's law and three schedules",
+        title="SLO windows against worker-minutes: the planner's two laws and three schedules",
     )  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
@@ -664,6 +670,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     need = steady_need(cfg, targets, table_rates(trace), pcfg.max_prefill, pcfg.max_decode, trace.seed)
     table = capacity_table(need)
     if getattr(args, "planner_capacity_out", None):
+        os.makedirs(os.path.dirname(os.path.abspath(args.planner_capacity_out)), exist_ok=True)
         table.save(args.planner_capacity_out)
     # the forecast law: yesterday (the same shape, drawn with another seed) recorded by the law itself with
     # nothing to forecast from, then today forecast from that record; and today with an empty record

@@ -8,7 +8,8 @@
 #           ownership, request records, the worker index sets (it drops dead ids); worker entries, KV
 #           events and the transfer ledger read-only
 #   worker  prefill and decode: their registry entries and index sets, KV events, the transfer ledger,
-#           request records; no API key, no rate limit, nothing of the routers'
+#           request records; the planner (it runs as worker) its forecast's arrivals log (planner:*);
+#           no API key, no rate limit, nothing of the routers'
 #
 # Neither service user gets the dangerous commands (CONFIG, KEYS, FLUSHALL, DEBUG, MONITOR, ...) or any
 # pub/sub channel; a connection without a user and password can do nothing (default needs its password). Each
@@ -38,6 +39,6 @@ umask 077
 cat >"$acl" <<EOF
 user default on >$admin ~* &* +@all
 user router on >$router resetchannels +@all -@dangerous ~${p}apikey* ~${p}ratelimit:* ~${p}router:* ~${p}owned:* ~${p}routers ~${p}req:* ~${p}workers:* %R~${p}worker:* %R~${p}kvev:* %R~${p}kvsnap:* %R~${p}lease:*
-user worker on >$worker resetchannels +@all -@dangerous ~${p}worker:* ~${p}workers:* ~${p}kvev:* ~${p}kvsnap:* ~${p}lease:* ~${p}req:*
+user worker on >$worker resetchannels +@all -@dangerous ~${p}worker:* ~${p}workers:* ~${p}kvev:* ~${p}kvsnap:* ~${p}lease:* ~${p}req:* ~${p}planner:*
 EOF
 exec redis-server --aclfile "$acl" "$@"

@@ -20,7 +20,10 @@ The parts:
   workers; a row never needs fewer than the rows below it (taken as the largest up to it).
 - `ForecastPlanner`, the law. Each decision, per role, the largest of:
   - the forecast's workers: the table's for the highest forecast rate from now to `lead_s` ahead (a
-    worker's start-up plus one interval), so the workers a rise needs are asked for before it;
+    worker's start-up plus one interval), so the workers a rise needs are asked for before it. The rate
+    less `noise_sigmas` (2) standard deviations of a minute's Poisson count (sqrt(rate / 60)): one day's
+    minute at 25.5 requests/s against a row of 25 is noise, not the next row (2 sigma: 5 % at 25/s,
+    2.6 % at 100/s), and without it the role flips between two rows from minute to minute;
   - the correction: when the rate seen over the last `rate_window_s` is above the forecast by more than
     `margin` (a burst that yesterday did not have, or no forecast at all), the table's workers for the rate
     seen, held for `hold_s` after the last reading that asked for them (the largest asked in that time):
@@ -208,9 +211,10 @@ class RateLog:
 
 
 class RedisRateLog:
-    """The rate log kept in Redis, one hash per period (`{prefix}planner:arrivals:{period}`, field: the
-    minute, value: "requests seconds"), expiring after `keep` periods: a restarted planner keeps its
-    forecast, and nothing needs a volume."""
+    """The rate log kept in Redis, one hash per period (`{prefix}planner:arrivals:{period_s}:{period}`,
+    field: the minute, value: "requests seconds"), expiring after `keep` periods and an hour: a restarted
+    planner keeps its forecast (and goes on counting the minute it stopped in), and nothing needs a
+    volume."""
 
     def __init__(self, redis: Any, prefix: str, log: RateLog) -> None:
         self.redis, self.prefix, self.log = redis, prefix, log
@@ -254,12 +258,15 @@ class ForecastConfig:
     margin: float = 0.15  # the rate seen corrects the forecast when above it by more than this share
     hold_s: float = 120.0  # a correction (and a latency extra) holds this long after it was last needed
     rate_window_s: float = 30.0  # the rate seen: the arrivals of the reads over the last this long
+    noise_sigmas: float = 2.0  # the forecast less this many standard deviations of a minute's count
 
     def __post_init__(self) -> None:
         if not self.lead_s >= 0:
             raise ValueError(f"lead_s must not be negative, got {self.lead_s}")
         if not self.margin >= 0:
             raise ValueError(f"margin must not be negative, got {self.margin}")
+        if not self.noise_sigmas >= 0:
+            raise ValueError(f"noise_sigmas must not be negative, got {self.noise_sigmas}")
         if not self.hold_s > 0 or not self.rate_window_s > 0:
             raise ValueError("hold_s and rate_window_s must be positive")
 
@@ -301,7 +308,9 @@ class ForecastPlanner:
             base = {"prefill": cfg.min_prefill, "decode": cfg.min_decode}
             beyond = False
         else:
-            p, d, beyond = self.table.need(ahead)
+            # yesterday's minute is one Poisson draw: a rate within noise_sigmas of its count's standard
+            # deviation over a row is that row's (else noise alone flips a role between two rows)
+            p, d, beyond = self.table.need(max(0.0, ahead - fc.noise_sigmas * math.sqrt(ahead / 60.0)))
             base = {"prefill": p, "decode": d}
         inputs: dict[str, Any] = {"forecast_rps": None if ahead is None else round(ahead, 3),
                                   "forecast_workers": dict(base), "beyond_table": beyond}  # fmt: skip

@@ -1224,3 +1224,41 @@ def test_planner_settings_are_checked() -> None:
         render({"planner": {"enabled": True, "minDecode": 0}})  # decode workers serve every request
     with pytest.raises(Exception, match="planner"):
         render({"planner": {"enabled": True, "replicas": 2}})  # not a setting: refused, never ignored
+
+
+def test_the_forecast_law_gets_its_capacity_table_and_arguments_splitserve_planner_takes(
+    tmp_path: Path,
+) -> None:
+    """planner.law=forecast: the capacity table rendered into a ConfigMap (as `--capacity-table` reads
+    it) mounted read-only, the forecast flags, which `splitserve planner` turns into the forecast law; a
+    forecast without a table, or without the router's /metrics (its arrivals), is refused at render."""
+    from planner.forecast import CapacityTable, ForecastPlanner
+    from planner.main import config_from_args, forecast_from_args
+    from splitserve.cli import build_parser
+
+    rows = [{"rate_rps": 25, "prefill": 2, "decode": 1}, {"rate_rps": 50.5, "prefill": 3, "decode": 2}]
+    vals = {"planner": {"enabled": True, "law": "forecast", "capacityTable": rows, "forecastLeadSeconds": 90}}
+    vals |= {"auth": {"requireApiKey": False, "allowUnauthenticated": True}}
+    m = objects(render(vals))
+    cm = m[("ConfigMap", f"{FULL}-planner-capacity")]
+    table = CapacityTable.from_json(json.loads(cm["data"]["capacity.json"]))
+    assert [(r.rate_rps, r.prefill, r.decode) for r in table.rows] == [(25.0, 2, 1), (50.5, 3, 2)]
+    pod = m[("Deployment", f"{FULL}-planner")]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mount = next(v for v in c["volumeMounts"] if v["name"] == "capacity")
+    assert mount == {"name": "capacity", "mountPath": "/etc/splitserve/planner", "readOnly": True}
+    assert {"name": "capacity", "configMap": {"name": f"{FULL}-planner-capacity"}} in pod["volumes"]
+    args = build_parser().parse_args(c["args"])
+    assert (args.law, args.capacity_table) == ("forecast", "/etc/splitserve/planner/capacity.json")
+    assert (args.forecast_period_s, args.forecast_lead_s) == (86400.0, 90.0)
+    (tmp_path / "capacity.json").write_text(cm["data"]["capacity.json"])  # as the pod's mount holds it
+    args.capacity_table = str(tmp_path / "capacity.json")
+    law = forecast_from_args(args, config_from_args(args))
+    assert isinstance(law, ForecastPlanner) and law.fc.lead_s == 90.0
+    assert ("ConfigMap", f"{FULL}-planner-capacity") not in objects(render({"planner": {"enabled": True}}))
+    with pytest.raises(Exception, match="needs planner.capacityTable"):
+        render({"planner": {"enabled": True, "law": "forecast"}})
+    with pytest.raises(Exception, match="needs the router's /metrics"):
+        render({"planner": {"enabled": True, "law": "forecast", "capacityTable": rows}})  # keys, no key
+    with pytest.raises(Exception, match="planner"):
+        render({"planner": {"enabled": True, "law": "guess"}})

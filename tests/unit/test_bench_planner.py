@@ -344,3 +344,37 @@ def test_the_forecast_law_records_yesterday_and_asks_for_todays_burst_before_it_
     assert asked[-15.0] == (2, 2) and asked[-30.0] == (1, 1)  # 75 s before minute 1 (60 s)
     assert dict((t, (p, d)) for t, p, d, _ in first.decisions)[-15.0] == (1, 1)
     assert max(p for t, p, _, _ in first.decisions if 60 <= t < 120) == 2  # seen, then corrected
+
+
+def test_the_bench_reports_the_chosen_laws_figures_and_every_laws(tmp_path: Path) -> None:
+    """`splitserve bench planner` end to end on a short, light trace: the top-level figures are
+    --planner-law's, `laws` has the forecast law's (today, and the first day) and the reactive law's, the
+    capacity table is written where asked and is what the JSON says."""
+    import argparse
+    import json
+
+    from bench.planner import run
+
+    args = argparse.Namespace(
+        out=str(tmp_path), seed=4, planner_minutes=12.0, planner_peak_rps=8.0, planner_interval_s=15.0,
+        planner_startup_s=60.0, planner_outage_min=1.0, planner_budget=8, planner_max_role=4,
+        planner_ttft_s=1.0, planner_tpot_s=0.05, planner_frontier=False, planner_law="reactive",
+        planner_capacity_out=str(tmp_path / "t" / "capacity.json"),
+    )  # fmt: skip
+    out = run(args)
+    assert set(out["laws"]) == {"forecast", "forecast_first_day", "reactive"}
+    for key in (
+        "slo_windows_met",
+        "worker_minutes_ratio",
+        "flips_per_10min_steady",
+        "below_min_during_outage",
+    ):
+        assert out[key] == out["laws"]["reactive"][key]
+    assert (
+        out["law"] == "reactive"
+        and out["planner"]["failed_windows"] == out["laws"]["reactive"]["failed_windows"]
+    )
+    written = json.loads((tmp_path / "t" / "capacity.json").read_text())
+    assert written["rows"] == out["capacity_table"] and out["capacity_table"][0]["rate_rps"] == 2.0
+    assert (tmp_path / "planner.png").stat().st_size > 10_000
+    assert out["laws"]["forecast"]["below_min_during_outage"] is False

@@ -180,6 +180,18 @@ def test_a_rate_within_the_margin_of_the_forecast_adds_nothing() -> None:
     assert counts == {(2, 1)}
 
 
+def test_a_forecast_within_its_counts_noise_over_a_row_is_that_rows() -> None:
+    """Yesterday's minute is one Poisson draw: 25.9/s (1,554 requests, sigma ~39) against the 25/s row is
+    within two standard deviations of it; 28/s is not."""
+    d = law(yesterday(lambda t: 25.9)).step(signals(0.0, 25.0), 0.0, PERIOD)
+    assert (d.prefill, d.decode) == (2, 1) and d.inputs["forecast_rps"] == pytest.approx(25.9)
+    d = law(yesterday(lambda t: 28.0)).step(signals(0.0, 25.0), 0.0, PERIOD)
+    assert (d.prefill, d.decode) == (3, 2)
+    exact = ForecastPlanner(PlannerConfig(), TABLE, yesterday(lambda t: 25.9), ForecastConfig(noise_sigmas=0))
+    d = exact.step(signals(0.0, 25.0), 0.0, PERIOD)
+    assert (d.prefill, d.decode) == (3, 2)
+
+
 def test_a_burst_yesterday_had_is_no_correction() -> None:
     """The rate seen is compared with the forecast of the minutes it was seen over, not only ahead: the
     end of a forecast burst is not taken for a new one."""
@@ -256,6 +268,8 @@ def test_bad_settings_are_clear_errors(tmp_path: Path) -> None:
         ForecastConfig(lead_s=-1)
     with pytest.raises(ValueError, match="margin"):
         ForecastConfig(margin=-0.1)
+    with pytest.raises(ValueError, match="noise_sigmas"):
+        ForecastConfig(noise_sigmas=-1)
 
     class Args:
         law, capacity_table, router_url = "forecast", None, "http://127.0.0.1:1"
