@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.client
 import math
 import os
 import re
@@ -339,6 +340,11 @@ def _wait_healthy(
                     return time.monotonic() - start
         except OSError:
             time.sleep(0.3)
+        except http.client.HTTPException as e:  # an answer, but not HTTP: another process has the port
+            raise StartupFailed(
+                f"{name}: {url} is taken (something that is not a splitserve service answers there: "
+                f"{type(e).__name__}); another process took the port after `up` found it free"
+            ) from e
     raise StartupFailed(f"{name} was not ready after {timeout_s:.0f} s (--startup-timeout)")
 
 
