@@ -139,9 +139,11 @@ async def run(
     return decision
 
 
-def forecast_from_args(args: argparse.Namespace, config: PlannerConfig) -> ForecastPlanner | None:
+def forecast_from_args(
+    args: argparse.Namespace, config: PlannerConfig, router_url: str | None
+) -> ForecastPlanner | None:
     """The forecast law from --law forecast and its settings (None: the reactive law); ValueError says
-    what is missing or wrong."""
+    what is missing or wrong. `router_url`: the router whose arrivals counter it records."""
     law = getattr(args, "law", None) or "reactive"
     if law == "reactive":
         return None
@@ -153,7 +155,7 @@ def forecast_from_args(args: argparse.Namespace, config: PlannerConfig) -> Forec
             "run measures it; `splitserve bench planner --planner-capacity-out FILE` writes the simulated "
             "fleet's)"
         )
-    if not args.router_url:
+    if not router_url:
         raise ValueError(
             "--law forecast needs --router-url: the router's arrivals counter is what it records"
         )
@@ -191,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        forecast = forecast_from_args(args, config)
+        forecast = forecast_from_args(args, config, args.router_url)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

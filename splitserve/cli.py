@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_planner_parser(sub: argparse._SubParsersAction) -> None:
-    from splitserve.flags import add_log_flags, env_or, flag
+    from splitserve.flags import add_law_flags, add_log_flags, env_or, flag
 
     p = sub.add_parser(
         "planner",
@@ -175,20 +175,7 @@ def _add_planner_parser(sub: argparse._SubParsersAction) -> None:
         flag(p, f"--min-{role}", type=int, default=1, help=f"{role} workers at least")
         flag(p, f"--max-{role}", type=int, default=8, help=f"{role} workers at most")
     flag(p, "--budget", type=int, default=16, help="prefill + decode workers at most")
-    flag(p, "--law", env="SPLITSERVE_PLANNER_LAW", choices=["reactive", "forecast"],
-         default=env_or("SPLITSERVE_PLANNER_LAW") or "reactive", shown_default="reactive",
-         help="reactive: from load and latency (planner/policy.py); forecast: ahead, from the arrivals "
-         "the same minute had the previous period, corrected upward by today's (planner/forecast.py)",
-         )  # fmt: skip
-    flag(p, "--capacity-table", env="SPLITSERVE_PLANNER_CAPACITY_TABLE",
-         default=env_or("SPLITSERVE_PLANNER_CAPACITY_TABLE"), shown_default=None,
-         help="forecast law: a JSON file of the prefill and decode workers each request rate needs",
-         )  # fmt: skip
-    flag(p, "--forecast-period-s", type=float, default=86400.0,
-         help="forecast law: the period traffic repeats over (a day; a week is 604800)")  # fmt: skip
-    flag(p, "--forecast-lead-s", type=float, default=75.0,
-         help="forecast law: how far ahead it asks for workers (a worker's start-up plus one interval)",
-         )  # fmt: skip
+    add_law_flags(p)
     add_log_flags(p)
 
     def run(args: argparse.Namespace) -> int:

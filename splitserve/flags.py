@@ -76,6 +76,24 @@ def add_log_flags(p: argparse.ArgumentParser) -> None:
          help="text lines, or one JSON object per line (with the request id)")  # fmt: skip
 
 
+def add_law_flags(p: argparse.ArgumentParser) -> None:
+    """The planner's law and the forecast law's settings (`splitserve planner`, `up --autoscale`)."""
+    flag(p, "--law", env="SPLITSERVE_PLANNER_LAW", choices=["reactive", "forecast"],
+         default=env_or("SPLITSERVE_PLANNER_LAW") or "reactive", shown_default="reactive",
+         help="reactive: from load and latency (planner/policy.py); forecast: ahead, from the arrivals "
+         "the same minute had the previous period, corrected upward by today's (planner/forecast.py)",
+         )  # fmt: skip
+    flag(p, "--capacity-table", env="SPLITSERVE_PLANNER_CAPACITY_TABLE",
+         default=env_or("SPLITSERVE_PLANNER_CAPACITY_TABLE"), shown_default=None,
+         help="forecast law: a JSON file of the prefill and decode workers each request rate needs",
+         )  # fmt: skip
+    flag(p, "--forecast-period-s", type=float, default=86400.0,
+         help="forecast law: the period traffic repeats over (a day; a week is 604800)")  # fmt: skip
+    flag(p, "--forecast-lead-s", type=float, default=75.0,
+         help="forecast law: how far ahead it asks for workers (a worker's start-up plus one interval)",
+         )  # fmt: skip
+
+
 def env_or(name: str, kind: Any = str) -> Any:
     """A parser default from an environment variable (None when unset or empty): for the flags of
     `up`, which no settings class reads. A bad value is one line, as a bad flag is."""

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 from common.config import EngineConfig, ServiceConfig
 from router.config import RouterConfig
-from splitserve.flags import add_log_flags, config_errors, env_or, field_help, flag
+from splitserve.flags import add_law_flags, add_log_flags, config_errors, env_or, field_help, flag
 from splitserve.placement import PlacementError, parse_devices, plan, spread, visible_gpus
 
 if TYPE_CHECKING:
@@ -833,6 +833,7 @@ def add_up_parser(sub: Any) -> None:
         flag(u, f"--min-{role}", type=int, default=1, help=f"--autoscale: {role} services at least")
         flag(u, f"--max-{role}", type=int, default=4, help=f"--autoscale: {role} services at most")
     flag(u, "--budget", type=int, default=8, help="--autoscale: prefill + decode services at most")
+    add_law_flags(u)
     add_log_flags(u)
     u.set_defaults(func=_up_defaults, engine_num_threads=None)
 
@@ -865,10 +866,10 @@ def _up_defaults(args: argparse.Namespace) -> int:
         print(f"error: --tool-call-parser: {e}", file=sys.stderr)
         return 2
     if args.autoscale:
-        from planner.main import config_from_args
+        from planner.main import config_from_args, forecast_from_args
 
-        try:
-            config_from_args(args)  # the planner's settings, checked before anything starts
+        try:  # the planner's settings, checked before anything starts (up runs the router it reads)
+            forecast_from_args(args, config_from_args(args), router_url=f"http://127.0.0.1:{args.port}")
         except ValueError as e:
             print(f"error: --autoscale: {e}", file=sys.stderr)
             return 2

@@ -209,6 +209,36 @@ def test_up_autoscale_adds_a_decode_service_under_pressure_and_removes_it_after(
         up.stop()
 
 
+def test_up_autoscale_with_the_forecast_law_adds_what_the_arrivals_need(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`up --autoscale --law forecast`: nothing recorded yet (its first day), so the arrivals the router
+    counts are over the forecast, and the capacity table's row for their rate (2 decode services) is what
+    the law asks for: a second decode service starts, for the arrivals alone (latency targets no run
+    misses). The law records the arrivals per minute in up's Redis."""
+    table = tmp_path / "capacity.json"
+    table.write_text(json.dumps({"rows": [{"rate_rps": 1000, "prefill": 1, "decode": 2}]}))
+    up = Up(tmp_path, "--kv-cache-mb", "64", "--autoscale", "--autoscale-interval-s", "1",
+            "--law", "forecast", "--capacity-table", str(table), "--ttft-target-s", "100",
+            "--tpot-target-s", "100", "--max-decode", "2", "--max-prefill", "1")  # fmt: skip
+    try:
+        up.wait_for("up", lambda: "splitserve is up" in up.text())
+        body = {"model": "default", "prompt": "Count with me:", "max_tokens": 4, "temperature": 0}
+        deadline = time.monotonic() + 180
+        while up.workers()[1] != 2:
+            assert up.proc.poll() is None and time.monotonic() < deadline, f"no second decode:\n{up.text()}"
+            assert httpx.post(up.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        decisions = [
+            json.JSONDecoder().raw_decode(line.split("autoscale: ", 1)[1])[0]
+            for line in up.text().splitlines()
+            if "autoscale: {" in line
+        ]
+        asked = [d for d in decisions if d["decode"] == 2]
+        assert asked and "over the forecast" in asked[0]["reason"], decisions
+        assert asked[0]["inputs"]["forecast_rps"] is None and asked[0]["inputs"]["seen_rps"] > 0
+        assert asked[0]["inputs"]["extra"] == {"prefill": 0, "decode": 0}  # not the latency net
+    finally:
+        up.stop()
+
+
 def test_up_autoscale_moves_a_service_to_the_other_role_without_a_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """`up --autoscale` at its budget: a TTFT target no CPU can meet puts prefill over target, and the
     budget (3) lets it grow only if decode gives one up: the newest decode service changes role in place
