@@ -1262,3 +1262,5 @@ def test_the_forecast_law_gets_its_capacity_table_and_arguments_splitserve_plann
         render({"planner": {"enabled": True, "law": "forecast", "capacityTable": rows}})  # keys, no key
     with pytest.raises(Exception, match="planner"):
         render({"planner": {"enabled": True, "law": "guess"}})
+    with pytest.raises(Exception, match="router.replicas > 1"):  # one router's counter, not the sum
+        render({**vals, "router": {"replicas": 2}})
