@@ -29,6 +29,7 @@ from common.cluster.records import (
     RequestState,
     UnknownRequest,
 )
+from common.runtime.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError, OSError)
@@ -91,13 +92,15 @@ class RecordWriter:
         await self._write(request_id, "set_fields", lambda: self.records.set_fields(request_id, **fields))
 
     async def close(self, timeout_s: float = 2.0) -> None:
-        """Give pending writes a last chance, then stop."""
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
-            except TimeoutError:
-                self._task.cancel()
-                log.warning("%d record write(s) never reached Redis", self.pending)
+        """Give pending writes a last chance, then stop the retries and wait until they have stopped
+        (cancel_and_wait: the retry loop cleans nothing up once cancelled, and a cancel that lands while it
+        sends a command can be lost under Python 3.11; common/runtime/tasks.py)."""
+        if self._task is None:
+            return
+        done, _ = await asyncio.wait({self._task}, timeout=timeout_s)  # waits; cancels nothing
+        if not done:
+            log.warning("%d record write(s) never reached Redis", self.pending)
+            await cancel_and_wait(self._task)
 
     # --- the writing ------------------------------------------------------------------------------
     async def _write(self, request_id: str, what: str, write: Write) -> None:

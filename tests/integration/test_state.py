@@ -335,6 +335,29 @@ def test_record_writes_wait_for_redis_and_land_in_order(tmp_path) -> None:  # ty
         redis.stop()
 
 
+def test_closing_a_writer_whose_redis_is_away_stops_its_retries_for_sure() -> None:
+    """close() gives pending writes their grace, then stops the retry loop and returns only once it has
+    stopped (it cancels until the loop ends: a cancel lost inside a Redis command under Python 3.11 would
+    leave it retrying, common/runtime/tasks.py). Redis here: a port nothing listens on."""
+    from common.cluster.record_writer import RecordWriter
+    from tests.support.cluster import free_port
+
+    async def body() -> None:
+        store = ClusterState.from_url(f"redis://127.0.0.1:{free_port()}/0")
+        writer = RecordWriter(store.records)
+        try:
+            await writer.create("r", route="split")  # refused: kept, and retried in the background
+            assert writer.pending == 1 and writer._task is not None
+            retries = writer._task
+            async with asyncio.timeout(10):
+                await writer.close(timeout_s=0.3)
+            assert retries.done() and writer.pending == 1  # stopped; the write never landed
+        finally:
+            await store.close()
+
+    asyncio.run(body())
+
+
 def test_a_sentinel_url_finds_the_master(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """redis+sentinel://host:port/service/db against a real Sentinel (the same redis-server binary, in
     sentinel mode) watching a real master."""
