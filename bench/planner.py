@@ -422,20 +422,18 @@ def minute_rates(trace: Trace) -> Callable[[float], float]:
 
 class ScheduledRun:
     """A schedule that knows the rate ahead (the trace's, or its ramps without the bursts): at every tick,
-    each role asks for the most workers that the rates of the next `lead_s` need by the steady table (the
-    next grid rate at or above), so that the workers a rise needs were asked for a start-up before it. It
-    knows the rate, not the requests, and reads no signal."""
+    each role asks for the most workers that the rates of the next `lead_s` need by the steady table (as
+    the forecast law reads it, CapacityTable: the first row at or above), so that the workers a rise
+    needs were asked for a start-up before it. It knows the rate, not the requests, and reads no
+    signal."""
 
-    def __init__(
-        self, rate: Callable[[float], float], need: dict[float, tuple[int, int]], lead_s: float
-    ) -> None:
-        self.rate, self.lead_s = rate, lead_s
-        self.grid = sorted(need.items())
+    def __init__(self, rate: Callable[[float], float], table: CapacityTable, lead_s: float) -> None:
+        self.rate, self.table, self.lead_s = rate, table, lead_s
         self.decisions: list[tuple[float, int, int, bool]] = []  # as PlannerRun's: when, prefill, decode
 
     def need_at(self, t: float) -> tuple[int, int]:
-        rate = self.rate(t)
-        return next((pd for r, pd in self.grid if r >= rate - 1e-9), self.grid[-1][1])
+        prefill, decode, _ = self.table.need(self.rate(t))
+        return prefill, decode
 
     def tick(self, now: float, fleet: Fleet) -> None:
         ahead = [self.need_at(now + k * 5.0) for k in range(int(self.lead_s // 5) + 1)]
@@ -532,7 +530,7 @@ def frontier(
         ("schedule from yesterday's rates", yesterday),
         ("schedule that knows the ramps, not the bursts", trace.base_rate),
     ):
-        sched = ScheduledRun(rate, need, cfg.startup_s + interval_s)
+        sched = ScheduledRun(rate, capacity_table(need), cfg.startup_s + interval_s)
         fleet = Fleet(cfg, *sched.need_at(-WARMUP_S), at=-WARMUP_S)
         fleet.run(trace.arrivals, trace.duration_s + DRAIN_S, sched.tick, interval_s)
         points.append(point(label, fleet, sched.decisions))

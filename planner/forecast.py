@@ -51,7 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from planner.policy import Decision, PlannerConfig, Signals
+from planner.policy import Decision, PlannerConfig, Signals, within_budget
 
 DAY_S = 86400.0
 MIN_COVER = 0.5  # a minute observed for less than this share of it forecasts nothing
@@ -396,18 +396,9 @@ class ForecastPlanner:
         """Within the budget: the role whose latency is further under its target gives way."""
         cfg = self.config
 
-        def pressure(role: str) -> float:
-            if s is None:
-                return 0.0
-            lat = getattr(s, role).latency_s
-            target = cfg.ttft_target_s if role == "prefill" else cfg.tpot_target_s
-            return 0.0 if lat is None else lat / target
+        def pressure(role: str, target: float) -> float:
+            latency = None if s is None else getattr(s, role).latency_s
+            return 0.0 if latency is None else latency / target
 
-        while prefill + decode > cfg.budget:
-            if (
-                pressure("prefill") <= pressure("decode") and prefill > cfg.min_prefill
-            ) or decode <= cfg.min_decode:
-                prefill -= 1
-            else:
-                decode -= 1
-        return prefill, decode
+        p, d = pressure("prefill", cfg.ttft_target_s), pressure("decode", cfg.tpot_target_s)
+        return within_budget(cfg, prefill, decode, p, d)

@@ -142,6 +142,21 @@ class _Reading:
     sustained: float  # latency pressure, the window's smallest raw reading
 
 
+def within_budget(
+    config: PlannerConfig, prefill: int, decode: int, prefill_pressure: float, decode_pressure: float
+) -> tuple[int, int]:
+    """Over `config.budget`, the role under less pressure gives way one worker at a time, never below
+    its minimum (both laws)."""
+    while prefill + decode > config.budget:
+        if (
+            prefill_pressure <= decode_pressure and prefill > config.min_prefill
+        ) or decode <= config.min_decode:
+            prefill -= 1
+        else:
+            decode -= 1
+    return prefill, decode
+
+
 class Planner:
     def __init__(self, config: PlannerConfig | None = None) -> None:
         self.config = config or PlannerConfig()
@@ -293,17 +308,9 @@ class Planner:
         return self._fewer_for(role, r.load, current, lo)
 
     def _fit(self, prefill: int, decode: int, inputs: dict[str, Any]) -> tuple[int, int]:
-        """Within the budget: the role under less pressure gives way, never below its minimum."""
-        cfg = self.config
-        while prefill + decode > cfg.budget:
-            p, d = (
-                max(inputs[r]["smoothed"], inputs[r].get("utilization", 0.0)) for r in ("prefill", "decode")
-            )
-            if (p <= d and prefill > cfg.min_prefill) or decode <= cfg.min_decode:
-                prefill -= 1
-            else:
-                decode -= 1
-        return prefill, decode
+        """Within the budget: the role under less pressure (smoothed latency or utilization) gives way."""
+        p, d = (max(inputs[r]["smoothed"], inputs[r].get("utilization", 0.0)) for r in ("prefill", "decode"))
+        return within_budget(self.config, prefill, decode, p, d)
 
     def _hold(self, now: float, why: str) -> Decision:
         cfg = self.config

@@ -276,14 +276,14 @@ class _Recorder:
 
 def test_a_schedule_asks_a_start_up_ahead_for_the_next_grid_rate_at_or_above() -> None:
     need = {10.0: (1, 1), 20.0: (2, 1), 30.0: (3, 2)}
-    sched = ScheduledRun(lambda t: 10.0 if t < 100 else 25.0, need, lead_s=60.0)
+    sched = ScheduledRun(lambda t: 10.0 if t < 100 else 25.0, capacity_table(need), lead_s=60.0)
     assert sched.need_at(0.0) == (1, 1) and sched.need_at(100.0) == (3, 2)  # 25 -> the 30 row
     fleet = _Recorder()
     sched.tick(10.0, fleet)  # type: ignore[arg-type]
     assert fleet.asked == {"prefill": 1, "decode": 1}  # the rise at 100 s is more than 60 s away
     sched.tick(45.0, fleet)  # type: ignore[arg-type]
     assert fleet.asked == {"prefill": 3, "decode": 2}  # within 60 s: asked for now
-    above = ScheduledRun(lambda t: 99.0, need, lead_s=0.0)
+    above = ScheduledRun(lambda t: 99.0, capacity_table(need), lead_s=0.0)
     assert above.need_at(0.0) == (3, 2)  # past the table: its last row
 
 

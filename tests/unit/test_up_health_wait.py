@@ -25,13 +25,15 @@ def test_a_port_answered_by_something_else_is_taken() -> None:
 
     thread = threading.Thread(target=echo_once, daemon=True)
     thread.start()
-    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    # a process that runs until its stdin closes
+    waiting = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         with pytest.raises(StartupFailed, match=r"decode-0: http://127.0.0.1:\d+ is taken \("):
             _wait_healthy("decode-0", f"http://127.0.0.1:{port}", waiting, 20.0)
     finally:
-        waiting.kill()
-        waiting.wait()
+        assert waiting.stdin is not None
+        waiting.stdin.close()
+        waiting.wait(10)
         server.close()
         thread.join(5)
 
