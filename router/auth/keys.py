@@ -21,7 +21,8 @@ Revocation wins over both caches:
 - a router (`follow_revocations`) reads the version counter every REVOCATION_POLL_S and, when it moved,
   reads its cached keys again in one pipeline: a revocation made anywhere reaches every router within a
   second, even if no request for the key came in between and Redis stops answering right after;
-- a cache entry is written only if no revocation was learned while its Redis read was in flight.
+- a cache entry is written only if no revocation was learned while its Redis read was in flight (the
+  key is read again, up to VERIFY_REREADS times, to find a read that none overtook).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ _SECRET_RE = re.compile(r"sk-ss-(k_[0-9a-f]{12})-([A-Za-z0-9_-]{43})")
 _TOKEN_RE = re.compile(r"[\x21-\x7e]{1,512}")  # printable ASCII, no spaces, bounded (we hash it)
 MIN_STATIC_SECRET_CHARS = 20
 CACHE_MAX_ENTRIES = 10_000
+VERIFY_REREADS = 2  # reads again when a revocation overtook the read (KeyStore.authenticate)
 REVOCATION_POLL_S = 0.25  # how often a router reads the revocation counter (follow_revocations)
 # Compared against when the key id is unknown, so an unknown id costs the same work as a wrong secret
 _DUMMY_SALT = secrets.token_hex(16)
@@ -334,6 +336,32 @@ class KeyStore:
             raise InvalidKey("malformed" if token.startswith(SECRET_PREFIX) else "unknown")
         key_id = match.group(1)
         learned = self._learned
+        key, fresh = await self._verify(key_id, token, digest, hit, now)
+        for _ in range(VERIFY_REREADS):
+            if not fresh or self._learned == learned:
+                break
+            # a revocation was learned while the read was in flight, which it may predate: read again (a
+            # router's first revocation poll counts as one, so a key first seen then would go uncached)
+            learned = self._learned
+            try:
+                key, fresh = await self._verify(key_id, token, digest, hit, now)
+            except KeyStoreUnavailable:
+                return key  # Redis answered a moment ago: served, not cached
+        if fresh and self._learned == learned:
+            if len(self._verified) >= CACHE_MAX_ENTRIES:
+                keep_s = max(self.cache_s, self.stale_s)
+                self._verified = {d: e for d, e in self._verified.items() if now - e[1] <= keep_s}
+                if len(self._verified) >= CACHE_MAX_ENTRIES:
+                    self._verified.clear()
+            self._verified[digest] = (key, now)
+        return key
+
+    async def _verify(
+        self, key_id: str, token: str, digest: str, hit: tuple[ApiKey, float] | None, now: float
+    ) -> tuple[ApiKey, bool]:
+        """`token`'s key as Redis has it now, and True (InvalidKey when refused); while Redis cannot be
+        asked, the key verified within stale_s, and False (KeyStoreUnavailable without one, or for a key
+        refused before)."""
         try:
             row = await self._fetch(key_id) if self.redis is not None else {}
         except KeyStoreUnavailable:
@@ -343,7 +371,7 @@ class KeyStore:
             if hit is None or now - hit[1] > self.stale_s:
                 raise
             self.served_stale += 1
-            return self._admit(hit[0])
+            return self._admit(hit[0]), False
         if not row or "hash" not in row or "salt" not in row:
             hmac.compare_digest(_secret_hash(_DUMMY_SALT, token), _DUMMY_HASH)  # same work as a miss
             if hit is not None:  # a key verified before, gone from Redis now (deleted)
@@ -358,16 +386,7 @@ class KeyStore:
             self._refuse(digest, key.status)
             raise InvalidKey(key.status)
         self._refused.pop(digest, None)
-        keep_s = max(self.cache_s, self.stale_s)
-        if self._learned != learned:  # a revocation was learned meanwhile: this read may predate it
-            keep_s = 0
-        if keep_s > 0:
-            if len(self._verified) >= CACHE_MAX_ENTRIES:
-                self._verified = {d: e for d, e in self._verified.items() if now - e[1] <= keep_s}
-                if len(self._verified) >= CACHE_MAX_ENTRIES:
-                    self._verified.clear()
-            self._verified[digest] = (key, now)
-        return key
+        return key, True
 
     def _refuse(self, digest: str, reason: str) -> None:
         """Redis refused this secret's key: out of the cache, and remembered (module doc)."""

@@ -251,6 +251,47 @@ def test_known_keys_ride_out_a_redis_outage() -> None:
         server.stop()
 
 
+def test_a_key_read_while_a_revocation_is_learned_is_read_again_and_cached(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Another key's revocation is learned while this key's read is in flight (a router's first
+    revocation poll counts as one): the read may predate it, so the key is read again and that read is
+    cached, and it rides out a Redis outage right after (a CI run lost a /metrics call to this)."""
+    from common.cluster.redis_server import RedisServer
+
+    server = RedisServer().start()
+
+    async def main() -> None:
+        client, admin_client = connect(server.url), connect(server.url)
+        store = KeyStore(client, prefix="overtaken:", cache_s=0.0, stale_s=60.0, redis_timeout_s=0.5)
+        admin = KeyStore(admin_client, prefix="overtaken:")
+        revoked, revoked_key = await admin.create("revoked-meanwhile")
+        wanted, wanted_key = await admin.create("wanted")
+        await store.authenticate(f"Bearer {revoked}")  # cached: recheck_cached will drop it
+        real_hgetall, reads = client.hgetall, []
+
+        async def hgetall(name: str) -> Any:
+            reads.append(name)
+            if len(reads) == 1:  # the revocation is learned while this read is in flight
+                assert await admin.revoke(revoked_key.key_id)
+                await store.recheck_cached()
+            return await real_hgetall(name)
+
+        monkeypatch.setattr(client, "hgetall", hgetall)
+        assert (await store.authenticate(f"Bearer {wanted}")).key_id == wanted_key.key_id
+        assert len(reads) == 2 and all(wanted_key.key_id in r for r in reads)  # read again, once
+        server.stop()
+        assert (await store.authenticate(f"Bearer {wanted}")).key_id == wanted_key.key_id
+        assert store.served_stale == 1
+        with pytest.raises(InvalidKey):  # the revocation learned stays: 401, not a pass
+            await store.authenticate(f"Bearer {revoked}")
+        await client.aclose()
+        await admin_client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
 # ---- rate limits ----
 
 
