@@ -149,6 +149,19 @@ class EngineConfig(BaseSettings):
         return self
 
 
+def resolve_advertise_host(v: str | None) -> str | None:
+    """An advertise_host setting: 'auto' becomes the address this machine's hostname resolves to (a
+    container's own IP); ValueError when it does not resolve."""
+    if v != "auto":
+        return v
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError as e:
+        msg = f"advertise_host=auto: this machine's hostname {name!r} does not resolve ({e})"
+        raise ValueError(msg) from e
+
+
 class ServiceConfig(BaseSettings):
     """A prefill or decode service process: where it listens and whom it tells."""
 
@@ -194,14 +207,7 @@ class ServiceConfig(BaseSettings):
     @field_validator("advertise_host")
     @classmethod
     def _resolve_auto(cls, v: str | None) -> str | None:
-        if v != "auto":
-            return v
-        name = socket.gethostname()
-        try:
-            return socket.gethostbyname(name)
-        except OSError as e:
-            msg = f"advertise_host=auto: this machine's hostname {name!r} does not resolve ({e})"
-            raise ValueError(msg) from e
+        return resolve_advertise_host(v)
 
     @property
     def public_host(self) -> str:

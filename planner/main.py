@@ -140,10 +140,11 @@ async def run(
 
 
 def forecast_from_args(
-    args: argparse.Namespace, config: PlannerConfig, router_url: str | None
+    args: argparse.Namespace, config: PlannerConfig, reads_router: bool
 ) -> ForecastPlanner | None:
     """The forecast law from --law forecast and its settings (None: the reactive law); ValueError says
-    what is missing or wrong. `router_url`: the router whose arrivals counter it records."""
+    what is missing or wrong. `reads_router`: whether a router's arrivals counter is read (--router-url
+    or --discover-routers), which it records."""
     law = getattr(args, "law", None) or "reactive"
     if law == "reactive":
         return None
@@ -155,9 +156,10 @@ def forecast_from_args(
             "run measures it; `splitserve bench planner --planner-capacity-out FILE` writes the simulated "
             "fleet's)"
         )
-    if not router_url:
+    if not reads_router:
         raise ValueError(
-            "--law forecast needs --router-url: the router's arrivals counter is what it records"
+            "--law forecast needs --router-url or --discover-routers: the routers' arrivals counter is "
+            "what it records"
         )
     table = CapacityTable.load(args.capacity_table)
     fc = ForecastConfig(lead_s=args.forecast_lead_s)
@@ -192,12 +194,19 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    discover = bool(getattr(args, "discover_routers", False))
+    if discover and args.router_url:
+        print("error: --router-url or --discover-routers, not both", file=sys.stderr)
+        return 2
     try:
-        forecast = forecast_from_args(args, config, args.router_url)
+        forecast = forecast_from_args(args, config, bool(args.router_url) or discover)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    reader = SignalReader(args.redis_url, args.router_url, args.api_key)
+    reader = SignalReader(
+        args.redis_url, args.router_url, args.api_key, discover=discover,
+        check_hostname=getattr(args, "router_tls_check_hostname", True),
+    )  # fmt: skip
     law = None if forecast is None else Forecast(forecast, reader.state.redis, reader.state.prefix)
     try:
         asyncio.run(run(config, reader, args.interval_s, args.rounds, actuator, law))

@@ -17,13 +17,16 @@ The utilization signals (planner/policy.py), from figures the services and the r
   TPOT histogram's count since the previous read (one per finished request).
 The arrivals (the forecast law, planner/forecast.py): the router's `splitserve_router_arrivals_total` per
 second since the previous read, with the seconds that read spans.
-Unknown until two reads, or without a router URL (no counter): the planner then decides on latency,
-queues and KV alone, as before."""
+Unknown until two reads, or without a router (no counter): the planner then decides on latency, queues
+and KV alone, as before. With several routers (`discover`) every figure is their sum (SignalReader)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import os
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +35,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.cluster.capacity import prefill_capacity
+from common.cluster.owners import live_router_urls
 from common.cluster.registry import WorkerInfo
 from common.cluster.state import ClusterState
 from planner.policy import RoleSignals, Signals
@@ -112,25 +116,59 @@ def role_load(role: str, workers: list[WorkerInfo]) -> RoleLoad:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class RouterRead:
+    """One router's /metrics at one read: when, its TTFT/TPOT buckets, its prompt-token and arrivals
+    counters (None: the text has no such counter)."""
+
+    at: float
+    hists: dict[str, Buckets]
+    tokens: float | None
+    arrivals: float | None
+
+
 class SignalReader:
+    """The signals, each read. The router's figures come from one router (`router_url`) or from every
+    live router the registry lists (`discover`: each router registers its URL, common/cluster/owners.py),
+    summed: histogram bucket deltas added before the p90, counter rates added. A router's first read is
+    its baseline (nothing counted from it until the next); a router that does not answer fails the whole
+    read (the planner holds), until its registration expires."""
+
     TTFT, TPOT = "splitserve_router_ttft_seconds", "splitserve_router_tpot_seconds"
     PROMPT_TOKENS = "splitserve_router_prompt_tokens"
     ARRIVALS = "splitserve_router_arrivals"
 
-    def __init__(self, redis_url: str, router_url: str | None, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        router_url: str | None,
+        api_key: str | None = None,
+        *,
+        discover: bool = False,
+        check_hostname: bool = True,
+    ) -> None:
+        if discover and router_url:
+            raise ValueError("--router-url or --discover-routers, not both")
         self.state = ClusterState.from_url(redis_url)
         self.router_url = router_url.rstrip("/") if router_url else None
+        self.discover = discover
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # the previous read of the router's /metrics: when, the histograms, the prompt-token and arrivals
-        # counters
-        self._previous: tuple[float, dict[str, Buckets], float | None, float | None] | None = None
+        self.verify: ssl.SSLContext | bool = True
+        if not check_hostname:  # the chain to the CA alone: routers registered at pod IPs
+            self.verify = ssl.create_default_context(cafile=os.environ.get("SSL_CERT_FILE") or None)
+            self.verify.check_hostname = False
+        self._previous: dict[str, RouterRead] = {}  # router (id, or URL) -> its previous read
+
+    @property
+    def reads_routers(self) -> bool:
+        return self.discover or self.router_url is not None
 
     async def read(self) -> Signals | None:
         try:
             roles = {role: await self._role(role) for role in ("prefill", "decode")}
             latency = await self._latency()
         except Exception as e:  # noqa: BLE001 - any failure to read is an outage: hold, say why
-            log.warning("signals unavailable (%s): holding", type(e).__name__)
+            log.warning("signals unavailable (%s: %s): holding", type(e).__name__, e)
             return None
         p, d = roles["prefill"], roles["decode"]
         prompt_tps, finished_per_s = latency.get(self.PROMPT_TOKENS), latency.get("finished_per_s")
@@ -152,37 +190,78 @@ class SignalReader:
     async def _role(self, role: str) -> RoleLoad:
         return role_load(role, await self.state.registry.alive(role))
 
-    async def _latency(self) -> dict[str, float]:
-        """p90 TTFT and TPOT since the previous read, the prompt tokens and finished requests per second;
-        empty without a router or before two reads."""
-        if self.router_url is None:
-            return {}
-        async with httpx.AsyncClient(timeout=5.0) as client:
-            r = await client.get(self.router_url + "/metrics", headers=self.headers)
+    async def _routers(self) -> dict[str, str]:
+        if self.discover:
+            return await live_router_urls(self.state.redis, self.state.prefix)
+        return {self.router_url: self.router_url} if self.router_url else {}
+
+    async def _metrics(self, client: httpx.AsyncClient, name: str, url: str) -> str:
+        try:
+            r = await client.get(url.rstrip("/") + "/metrics", headers=self.headers)
             r.raise_for_status()
-        at = time.monotonic()
-        now = parse_histograms(r.text, (self.TTFT, self.TPOT))
-        tokens = parse_counter(r.text, self.PROMPT_TOKENS)
-        arrivals = parse_counter(r.text, self.ARRIVALS)
-        before, self._previous = self._previous, (at, now, tokens, arrivals)
-        if before is None:
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"router {name} ({url}): {type(e).__name__}: {e}") from e
+        return r.text
+
+    async def _latency(self) -> dict[str, float]:
+        """p90 TTFT and TPOT since the previous read, the prompt tokens, finished requests and arrivals
+        per second, over every router read; empty without a router or before two reads of one."""
+        routers = await self._routers()
+        if not routers:
+            self._previous = {}
             return {}
-        then, hists, tokens_before, arrivals_before = before
-        out = {"span_s": at - then}
-        for name, buckets in now.items():
-            delta = {le: c - hists.get(name, {}).get(le, 0.0) for le, c in buckets.items()}
+        async with httpx.AsyncClient(timeout=5.0, verify=self.verify) as client:
+            texts = await asyncio.gather(
+                *(self._metrics(client, n, u) for n, u in routers.items()), return_exceptions=True
+            )
+        failed = [t for t in texts if isinstance(t, BaseException)]
+        if failed:
+            raise failed[0]
+        at = time.monotonic()
+        reads = {}
+        for name, text in zip(routers, texts, strict=True):
+            assert isinstance(text, str)
+            reads[name] = RouterRead(
+                at, parse_histograms(text, (self.TTFT, self.TPOT)), parse_counter(text, self.PROMPT_TOKENS),
+                parse_counter(text, self.ARRIVALS),
+            )  # fmt: skip
+        before, self._previous = self._previous, reads
+        summed: dict[str, Buckets] = {self.TTFT: {}, self.TPOT: {}}
+        rates: dict[str, float] = {}
+        spans = []
+        for name, now in reads.items():
+            then = before.get(name)
+            if then is None or now.at <= then.at:
+                continue
+            span = now.at - then.at
+            spans.append(span)
+            for hist, buckets in now.hists.items():
+                delta = summed.setdefault(hist, {})
+                for le, c in buckets.items():
+                    delta[le] = delta.get(le, 0.0) + c - then.hists.get(hist, {}).get(le, 0.0)
+            if now.tokens is not None and then.tokens is not None:  # a reset: 0, not < 0
+                rates[self.PROMPT_TOKENS] = (
+                    rates.get(self.PROMPT_TOKENS, 0.0) + max(0.0, now.tokens - then.tokens) / span
+                )
+            if now.arrivals is not None and then.arrivals is not None:
+                # a router restarted between two reads counts from 0: what it counted since is the least
+                # that arrived (not a negative rate)
+                grew = now.arrivals - then.arrivals
+                rates[self.ARRIVALS] = (
+                    rates.get(self.ARRIVALS, 0.0) + (grew if grew >= 0 else now.arrivals) / span
+                )
+            tpot = now.hists.get(self.TPOT, {})
+            if tpot:
+                top = max(tpot)
+                finished = max(0.0, tpot[top] - then.hists.get(self.TPOT, {}).get(top, 0.0))
+                rates["finished_per_s"] = rates.get("finished_per_s", 0.0) + finished / span
+        if not spans:
+            return {}
+        out = {"span_s": max(spans), **rates}
+        for hist, delta in summed.items():
             p90 = histogram_quantile(0.9, delta)
             if p90 is not None:
-                out[name] = p90
-            if name == self.TPOT and at > then and delta:
-                out["finished_per_s"] = max(0.0, delta[max(delta)]) / (at - then)
-        if tokens is not None and tokens_before is not None and at > then:
-            out[self.PROMPT_TOKENS] = max(0.0, tokens - tokens_before) / (at - then)  # a reset: 0, not < 0
-        if arrivals is not None and arrivals_before is not None and at > then:
-            # a router restarted between two reads counts from 0: what it counted since is the least
-            # that arrived (not a negative rate)
-            grew = arrivals - arrivals_before
-            out[self.ARRIVALS] = (grew if grew >= 0 else arrivals) / (at - then)
+                out[hist] = p90
         return out
 
     async def close(self) -> None:

@@ -81,7 +81,9 @@ def create_app(
         if warm_pool:  # the request-preparation workers (router/prep.py) before the first large body
             await server.prep.warm()
         if isinstance(state, ClusterState):
-            orch.owners = RouterOwnership(state.redis, state.prefix, router_id, state.records)
+            orch.owners = RouterOwnership(
+                state.redis, state.prefix, router_id, state.records, url=config.metrics_url()
+            )
             orch.owners.start()
         if index is not None:
             await index.start()

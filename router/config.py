@@ -17,6 +17,12 @@ class RouterConfig(BaseSettings):
 
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="the OpenAI API's port")
+    advertise_host: str | None = Field(
+        None,
+        description="the address the planner reaches this router's /metrics at, registered in Redis "
+        "(planner --discover-routers); default: host, or with a wildcard host the address this machine's "
+        "hostname resolves to; 'auto': that address always (containers: the pod or container IP)",
+    )
     redis_url: str | None = Field(None, description="request records and the worker registry")
     redis_prefix: str = "splitserve:"
     # Several models: `--model A --model B` (the environment: comma-separated, or a JSON list), each named
@@ -188,6 +194,29 @@ class RouterConfig(BaseSettings):
             listed = ", ".join(map(repr, unknown))
             raise ValueError(f"unknown tool call parser {listed}: choose from {', '.join(PARSER_NAMES)}")
         return v
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _resolve_auto(cls, v: str | None) -> str | None:
+        from common.config import resolve_advertise_host
+
+        return resolve_advertise_host(v)
+
+    def metrics_url(self) -> str | None:
+        """Where other processes reach this router (its /metrics, for the planner): None when the port is
+        chosen at bind time (0), or when the host is a wildcard and the hostname does not resolve."""
+        if self.port == 0:
+            return None
+        host = self.advertise_host or self.host
+        if host in ("0.0.0.0", "::", ""):
+            try:
+                from common.config import resolve_advertise_host
+
+                host = resolve_advertise_host("auto") or host
+            except ValueError:
+                return None
+        scheme = "https" if self.ssl_certfile else "http"
+        return f"{scheme}://[{host}]:{self.port}" if ":" in host else f"{scheme}://{host}:{self.port}"
 
     @field_validator("decode_urls", "prefill_urls")
     @classmethod

@@ -22,7 +22,7 @@ class Autoscaler:
         self.interval_s = args.autoscale_interval_s
         self.loop = asyncio.new_event_loop()  # the reader's Redis client lives on this one loop
         self.reader = SignalReader(redis_url, router_url, args.api_key)
-        forecast = forecast_from_args(args, config, router_url)
+        forecast = forecast_from_args(args, config, reads_router=True)
         state = self.reader.state
         self.law: Law = (
             Reactive(config) if forecast is None else Forecast(forecast, state.redis, state.prefix)

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_planner_parser(sub: argparse._SubParsersAction) -> None:
-    from splitserve.flags import add_law_flags, add_log_flags, env_or, flag
+    from splitserve.flags import add_law_flags, add_log_flags, env_or, flag, parse_bool
 
     p = sub.add_parser(
         "planner",
@@ -165,6 +165,15 @@ def _add_planner_parser(sub: argparse._SubParsersAction) -> None:
     flag(p, "--redis-url", env="SPLITSERVE_REDIS_URL", default=env_or("SPLITSERVE_REDIS_URL"),
          shown_default=None, help="the worker registry (required)")  # fmt: skip
     flag(p, "--router-url", help="the router whose /metrics gives TTFT and TPOT (none: load signals only)")
+    flag(p, "--discover-routers", action="store_true", env="SPLITSERVE_PLANNER_DISCOVER_ROUTERS",
+         default=bool(env_or("SPLITSERVE_PLANNER_DISCOVER_ROUTERS", parse_bool)), shown_default=False,
+         help="read every live router the Redis registry lists (each registers its URL), their figures "
+         "summed; instead of --router-url")  # fmt: skip
+    check = env_or("SPLITSERVE_PLANNER_ROUTER_TLS_CHECK_HOSTNAME", parse_bool)
+    flag(p, "--router-tls-check-hostname", action=argparse.BooleanOptionalAction,
+         env="SPLITSERVE_PLANNER_ROUTER_TLS_CHECK_HOSTNAME", default=True if check is None else check,
+         shown_default=True, help="match the routers' HTTPS certificates to their URLs' hosts; off: the "
+         "chain to SSL_CERT_FILE's CA alone (routers registered at pod IPs)")  # fmt: skip
     flag(p, "--api-key", env="SPLITSERVE_PLANNER_API_KEY", default=env_or("SPLITSERVE_PLANNER_API_KEY"),
          shown_default=None, help="a key with the metrics scope, when the router requires keys")  # fmt: skip
     flag(p, "--interval-s", type=float, default=10.0, help="seconds between decisions")

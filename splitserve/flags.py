@@ -106,6 +106,16 @@ def env_or(name: str, kind: Any = str) -> Any:
         sys.exit(f"splitserve: error: {name}={value!r}: {e}")
 
 
+def parse_bool(value: str) -> bool:
+    """An on/off environment variable: 1/true/yes/on or 0/false/no/off."""
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("true or false")
+
+
 def config_errors(e: ValidationError, flags: dict[str, str], env_prefix: str) -> str:
     """A settings ValidationError as one line per field, naming the flag and its variable."""
     lines = []

@@ -86,6 +86,7 @@ DECODE_FLAGS = {"--kv-port": "kv_port"}
 ROUTER_FLAGS = {  # flag -> RouterConfig field (SPLITSERVE_ROUTER_<FIELD>)
     "--host": "host",
     "--port": "port",
+    "--advertise-host": "advertise_host",
     "--redis-url": "redis_url",
     "--model": "model",
     "--served-model-name": "served_model_name",
@@ -869,7 +870,7 @@ def _up_defaults(args: argparse.Namespace) -> int:
         from planner.main import config_from_args, forecast_from_args
 
         try:  # the planner's settings, checked before anything starts (up runs the router it reads)
-            forecast_from_args(args, config_from_args(args), router_url=f"http://127.0.0.1:{args.port}")
+            forecast_from_args(args, config_from_args(args), reads_router=True)
         except ValueError as e:
             print(f"error: --autoscale: {e}", file=sys.stderr)
             return 2

@@ -1,7 +1,8 @@
 """Requests whose router died are ended with a reason, not left live in Redis forever.
 
-    routers            set of router ids that own (or owned) requests
+    routers            set of router ids: every live router, and those that owned requests
     router:{id}        "1" with a TTL, refreshed every interval: this router process is alive
+    router:{id}:url    where this router is reached (its /metrics, for the planner), the same TTL
     owned:{id}         set of the ids of the live requests this router accepted
 
 A router adds each request it accepts to its set in the script that creates the request's record
@@ -14,6 +15,10 @@ its requests (SIGKILL, OOM, a lost node); each of its requests still live moves 
 reason, and its set goes. The decode and prefill services free those requests' KV on their own — the
 router's streams to them closed when it died. Two routers sweeping the same set is harmless: a
 transition is atomic, the second refused.
+
+The planner reads every live router's /metrics (`live_router_urls`): each router adds itself to
+`routers` and writes its URL beside its liveness key at every heartbeat; a router that stops cleanly
+deletes both keys, one that dies is gone from the list when its keys expire.
 """
 
 from __future__ import annotations
@@ -31,6 +36,19 @@ from common.runtime.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 
+def url_key(prefix: str, router_id: str) -> str:
+    return f"{prefix}router:{router_id}:url"
+
+
+async def live_router_urls(client: aioredis.Redis, prefix: str) -> dict[str, str]:
+    """Every live router that registered its URL: router id -> URL (two reads)."""
+    ids = sorted(cast(set[str], await client.smembers(f"{prefix}routers")))
+    if not ids:
+        return {}
+    urls = cast(list[str | None], await client.mget([url_key(prefix, rid) for rid in ids]))
+    return {rid: url for rid, url in zip(ids, urls, strict=True) if url}
+
+
 class RouterOwnership:
     def __init__(
         self,
@@ -40,8 +58,10 @@ class RouterOwnership:
         records: RequestRecords,
         interval_s: float = 2.0,
         ttl_s: float = 10.0,
+        url: str | None = None,
     ) -> None:
         self.redis, self.prefix, self.router_id, self.records = client, prefix, router_id, records
+        self.url = url  # registered for the planner; None: this router is not listed
         self.interval_s, self.ttl_ms = interval_s, int(ttl_s * 1000)
         self.swept = 0  # requests this router ended for a dead one (a metric)
         self._task: asyncio.Task[None] | None = None
@@ -57,7 +77,14 @@ class RouterOwnership:
         return f"{self.prefix}owned:{router_id}"
 
     async def heartbeat(self) -> None:
-        await self.redis.set(self._alive_key(self.router_id), "1", px=self.ttl_ms)
+        if self.url is None:
+            await self.redis.set(self._alive_key(self.router_id), "1", px=self.ttl_ms)
+            return
+        async with self.redis.pipeline(transaction=True) as p:
+            p.set(self._alive_key(self.router_id), "1", px=self.ttl_ms)
+            p.set(url_key(self.prefix, self.router_id), self.url, px=self.ttl_ms)
+            p.sadd(f"{self.prefix}routers", self.router_id)
+            await p.execute()
 
     async def sweep(self) -> int:
         """End the live requests of every router whose key expired; returns how many."""
@@ -100,4 +127,4 @@ class RouterOwnership:
         if self._task is not None:
             await cancel_and_wait(self._task)
         with contextlib.suppress(Exception):
-            await self.redis.delete(self._alive_key(self.router_id))
+            await self.redis.delete(self._alive_key(self.router_id), url_key(self.prefix, self.router_id))

@@ -236,7 +236,7 @@ def test_schema_settings_are_config_fields() -> None:
     assert "tensor_parallel_size" not in settings
     missing = set(EngineConfig.model_fields) - {"model", "tensor_parallel_size"} - settings
     assert not missing, f"add {missing} to definitions.settings in helm/splitserve/values.schema.json"
-    chart_owned = {"host", "port", "redis_url", "model", "decode_urls", "prefill_urls"}
+    chart_owned = {"host", "port", "advertise_host", "redis_url", "model", "decode_urls", "prefill_urls"}
     # auth.* and tls.* set these (docs/security.md), never router.config
     chart_owned |= {
         "require_api_key",
@@ -1253,7 +1253,7 @@ def test_the_forecast_law_gets_its_capacity_table_and_arguments_splitserve_plann
     assert (args.forecast_period_s, args.forecast_lead_s) == (86400.0, 90.0)
     (tmp_path / "capacity.json").write_text(cm["data"]["capacity.json"])  # as the pod's mount holds it
     args.capacity_table = str(tmp_path / "capacity.json")
-    law = forecast_from_args(args, config_from_args(args), args.router_url)
+    law = forecast_from_args(args, config_from_args(args), bool(args.router_url or args.discover_routers))
     assert isinstance(law, ForecastPlanner) and law.fc.lead_s == 90.0
     assert ("ConfigMap", f"{FULL}-planner-capacity") not in objects(render({"planner": {"enabled": True}}))
     with pytest.raises(Exception, match="needs planner.capacityTable"):

@@ -121,3 +121,78 @@ def test_signals_and_decisions_from_a_real_stack(tmp_path) -> None:  # type: ign
     held = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(d["prefill"], d["decode"]) for d in held] == [(1, 2), (1, 2)]
     assert all("holding" in d["reason"] for d in held) and "signals unavailable" in out.stderr
+
+
+def test_every_live_router_is_read_and_summed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--discover-routers: each router registers its URL in Redis; the planner reads every live one and
+    sums their figures (arrivals, finished requests, the TTFT histogram); a router that stops cleanly
+    leaves the list at once; one that is killed fails the read (the planner holds) until its
+    registration expires."""
+    from common.cluster.owners import live_router_urls
+
+    redis = RedisServer(port=free_port()).start()
+    c = Cluster(redis.url, str(tmp_path))
+    try:
+        c.start("decode", "--threads", "1", "--kv-cache-mb", "32")
+        a, b = c.start("router"), c.start("router")
+        c.wait_routed()
+
+        async def listed() -> set[str]:
+            state = ClusterState.from_url(redis.url)
+            try:
+                return set((await live_router_urls(state.redis, state.prefix)).values())
+            finally:
+                await state.close()
+
+        wait_until(lambda: asyncio.run(listed()) == {a.url, b.url}, 10, "both routers registered")
+
+        async def complete(client: httpx.AsyncClient, url: str) -> None:
+            body = {"model": "default", "prompt": "Hello there", "max_tokens": 2}
+            r = await client.post(url + "/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+
+        async def around(reader: SignalReader, sends: list[str]):  # type: ignore[no-untyped-def]
+            await reader.read()  # each router's baseline
+            async with httpx.AsyncClient(timeout=60) as client:
+                for url in sends:
+                    await complete(client, url)
+            return await reader.read()
+
+        async def scenario():  # type: ignore[no-untyped-def]
+            reader = SignalReader(redis.url, None, discover=True)
+            try:
+                s = await around(reader, [a.url, a.url, b.url, b.url, b.url])
+                assert s is not None and s.arrivals_rps is not None and s.span_s is not None
+                assert s.arrivals_rps * s.span_s == pytest.approx(5.0)  # 2 through a, 3 through b
+                assert s.decode.finished_per_s is not None
+                assert s.decode.finished_per_s * s.span_s == pytest.approx(5.0)
+                assert s.prefill.latency_s is not None and s.prefill.latency_s > 0
+                c.stop(b)  # cleanly: its registration goes with it
+                assert await listed() == {a.url}
+                s = await around(reader, [a.url])
+                assert s is not None and s.arrivals_rps is not None and s.span_s is not None
+                assert s.arrivals_rps * s.span_s == pytest.approx(1.0)
+                d = c.start("router")
+                await asyncio.to_thread(wait_until, lambda: asyncio.run(listed()) == {a.url, d.url}, 10, "d")
+                d.popen.kill()  # registered, not answering: an outage until its key expires
+                d.popen.wait()
+                assert await reader.read() is None
+            finally:
+                await reader.close()
+
+        asyncio.run(scenario())
+        # `splitserve planner --discover-routers` runs the forecast law on it
+        table = tmp_path / "capacity.json"
+        table.write_text(json.dumps({"rows": [{"rate_rps": 10, "prefill": 1, "decode": 1}]}))
+        cmd = [sys.executable, "-m", "splitserve", "planner", "--redis-url", redis.url, "--law", "forecast"]
+        cmd += ["--capacity-table", str(table), "--discover-routers", "--rounds", "2", "--interval-s", "0.2"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        assert len(lines) == 2
+        both = cmd + ["--router-url", a.url]
+        out = subprocess.run(both, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "not both" in out.stderr
+    finally:
+        c.stop()
+        redis.stop()

@@ -275,15 +275,14 @@ def test_bad_settings_are_clear_errors(tmp_path: Path) -> None:
         law, capacity_table = "forecast", None
         forecast_lead_s, forecast_period_s = 75.0, 86400.0
 
-    router = "http://127.0.0.1:1"
     with pytest.raises(ValueError, match="needs --capacity-table"):
-        forecast_from_args(Args(), PlannerConfig(), router)  # type: ignore[arg-type]
+        forecast_from_args(Args(), PlannerConfig(), True)  # type: ignore[arg-type]
     path = tmp_path / "t.json"
     path.write_text(json.dumps(TABLE.as_json()))
     Args.capacity_table = str(path)  # type: ignore[assignment]
-    assert forecast_from_args(Args(), PlannerConfig(), router) is not None  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="needs --router-url"):
-        forecast_from_args(Args(), PlannerConfig(), None)  # type: ignore[arg-type]
+    assert forecast_from_args(Args(), PlannerConfig(), True) is not None  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs --router-url or --discover-routers"):
+        forecast_from_args(Args(), PlannerConfig(), False)  # type: ignore[arg-type]
     Args.law = "guess"
     with pytest.raises(ValueError, match="reactive or forecast"):
-        forecast_from_args(Args(), PlannerConfig(), router)  # type: ignore[arg-type]
+        forecast_from_args(Args(), PlannerConfig(), True)  # type: ignore[arg-type]

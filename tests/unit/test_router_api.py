@@ -239,3 +239,22 @@ async def test_prompts_and_completions_reach_spans_only_when_opted_in(
         assert "secret" in attrs["gen_ai.input.messages"] and "fine thanks" in attrs["gen_ai.output.messages"]
     else:
         assert not any("secret" in str(v) or "fine" in str(v) for v in attrs.values())
+
+
+def test_the_url_a_router_registers_for_the_planner(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """RouterConfig.metrics_url: the bind address, the advertised one, a wildcard's own hostname's
+    address, https with a certificate; none where the port is chosen at bind time."""
+    import socket
+
+    assert RouterConfig(port=8000).metrics_url() == "http://127.0.0.1:8000"
+    assert RouterConfig(port=8000, host="0.0.0.0", advertise_host="10.1.2.3").metrics_url() == (
+        "http://10.1.2.3:8000"
+    )
+    assert RouterConfig(
+        port=8443, advertise_host="fd00::7", ssl_certfile="c", ssl_keyfile="k"
+    ).metrics_url() == ("https://[fd00::7]:8443")
+    assert RouterConfig(port=0).metrics_url() is None
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")
+    assert RouterConfig(port=8000, host="0.0.0.0").metrics_url() == "http://127.0.0.1:8000"
+    monkeypatch.setattr(socket, "gethostname", lambda: "no-such-host.invalid")
+    assert RouterConfig(port=8000, host="0.0.0.0").metrics_url() is None
