@@ -300,6 +300,12 @@ def add_bench_parser(sub: Any) -> None:
         "replayed; planner/forecast.py, planner/policy.py)",
     )
     pl.add_argument(
+        "--planner-profile",
+        default="llama3-8b-h100",
+        help="planner: the simulated fleet's profile, a shipped name or a JSON file (`splitserve "
+        "sim-calibrate` fits one to a GPU run: the capacity table written is then that hardware's)",
+    )
+    pl.add_argument(
         "--planner-capacity-out",
         metavar="FILE",
         help="planner: also write the capacity table measured on the simulated fleet (splitserve planner "

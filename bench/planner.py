@@ -1,7 +1,7 @@
 """`splitserve bench planner`: the planner's two laws (planner/policy.py, the reactive `Planner`;
 planner/forecast.py, the `ForecastPlanner`) against the best fixed split, on one bursty trace replayed in
-virtual time over a simulated fleet (bench/fleet_model.py: per-worker continuous batching timed by the
-llama3-8b-h100 profile's roofline).
+virtual time over a simulated fleet (bench/fleet_model.py: per-worker continuous batching timed by a sim
+profile's roofline: `--planner-profile`, llama3-8b-h100 by default).
 
 The trace (`--planner-minutes`, 60 by default, after 15 minutes of warm-up at the opening rate that no
 figure counts): a low plateau (a quarter of `--planner-peak-rps`) with a 2-minute burst at 2.5x, a cosine
@@ -645,7 +645,8 @@ def figures(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before, wall0 = load_avg(), time.perf_counter()
-    profile = SimProfile.load(PROFILE)
+    profile_name = getattr(args, "planner_profile", None) or PROFILE
+    profile = SimProfile.load(profile_name)
     cfg = FleetConfig(profile, startup_s=args.planner_startup_s)
     targets = Targets(args.planner_ttft_s, args.planner_tpot_s)
     pcfg = PlannerConfig(
@@ -726,7 +727,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "best_fixed": None if best is None else {k: v for k, v in best.items() if not k.startswith("_")},
         "sweep": [{k: v for k, v in r.items() if not k.startswith("_")} for r in sweep],
         "requests": len(trace.arrivals),
-        "profile": PROFILE,
+        "profile": profile_name,
         "targets": {"ttft_s": targets.ttft_s, "tpot_s": targets.tpot_s},
         "virtual_minutes": trace.minutes,
         "peak_rps": trace.peak_rps,
