@@ -54,7 +54,7 @@ RUN if ! dpkg -s python3 python3-venv ca-certificates >/dev/null 2>&1; then \
     && groupadd --gid 10001 splitserve \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin splitserve \
     && install -d -o 10001 -g 10001 -m 0750 /run/secrets/internal /run/secrets/redis \
-        /run/secrets/redis-router /run/secrets/redis-worker /run/secrets/metrics \
+        /run/secrets/redis-router /run/secrets/redis-worker /run/secrets/redis-planner /run/secrets/metrics \
     && mkdir -p /opt/splitserve/bin \
     && printf '%s\n' \
         '#!/bin/sh' \

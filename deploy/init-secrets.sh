@@ -21,7 +21,7 @@
 # An existing, non-empty file is left as it is. New values are 48 random letters and digits (URL-safe:
 # the password goes into redis:// URLs). Rotate: `docker compose down`, remove the volume(s)
 # (`docker volume rm splitserve_internal-secret splitserve_redis-secret splitserve_redis-router-secret
-# splitserve_redis-worker-secret splitserve_metrics-key`),
+# splitserve_redis-worker-secret splitserve_redis-planner-secret splitserve_metrics-key`),
 # `docker compose up -d` (docs/security.md).
 set -eu
 
@@ -29,6 +29,7 @@ INTERNAL_DIR=${INTERNAL_DIR:-/run/secrets/internal}
 REDIS_DIR=${REDIS_DIR:-/run/secrets/redis}
 REDIS_ROUTER_DIR=${REDIS_ROUTER_DIR:-/run/secrets/redis-router}
 REDIS_WORKER_DIR=${REDIS_WORKER_DIR:-/run/secrets/redis-worker}
+REDIS_PLANNER_DIR=${REDIS_PLANNER_DIR:-/run/secrets/redis-planner}
 METRICS_DIR=${METRICS_DIR:-/run/secrets/metrics}
 
 # random: 48 random letters and digits
@@ -58,7 +59,7 @@ kept() {
 if [ -s "$INTERNAL_DIR/secret" ]; then kept "$INTERNAL_DIR/secret"; else
     put "$INTERNAL_DIR/secret" 10001:10001 0400 "$(random)"
 fi
-for dir in "$REDIS_DIR" "$REDIS_ROUTER_DIR" "$REDIS_WORKER_DIR"; do
+for dir in "$REDIS_DIR" "$REDIS_ROUTER_DIR" "$REDIS_WORKER_DIR" "$REDIS_PLANNER_DIR"; do
     if [ -s "$dir/password" ]; then kept "$dir/password"; else
         put "$dir/password" 10001:10001 0440 "$(random)"
     fi

@@ -380,6 +380,7 @@ def test_secrets_are_generated_once_and_mounted_read_only(files: list[str]) -> N
         "/run/secrets/redis": "redis-secret",
         "/run/secrets/redis-router": "redis-router-secret",
         "/run/secrets/redis-worker": "redis-worker-secret",
+        "/run/secrets/redis-planner": "redis-planner-secret",
         "/run/secrets/metrics": "metrics-key",
     }
     for target, volume in volumes.items():
@@ -403,7 +404,8 @@ def test_secrets_are_generated_once_and_mounted_read_only(files: list[str]) -> N
         user = "router" if role == "router" else "worker"
         assert env["REDIS_USERNAME"] == user, role
         assert mounted(role, env["REDIS_PASSWORD_FILE"]) == f"redis-{user}-secret", role
-        others = {"redis-secret", "redis-router-secret", "redis-worker-secret"} - {f"redis-{user}-secret"}
+        others = {"redis-secret", "redis-router-secret", "redis-worker-secret", "redis-planner-secret"}
+        others -= {f"redis-{user}-secret"}
         assert not others & {v["source"] for v in s[role]["volumes"]}, role
         assert s[role]["depends_on"]["init-secrets"]["condition"] == "service_completed_successfully"
         assert not {
@@ -426,16 +428,17 @@ def test_secrets_are_generated_once_and_mounted_read_only(files: list[str]) -> N
     assert s["prometheus"]["depends_on"]["init-secrets"]["condition"] == "service_completed_successfully"
     for role in WORKERS:
         assert not any(v["source"] == "metrics-key" for v in s[role]["volumes"])
-    # Redis: its start script, the three passwords (read-only) and its data, nothing else
+    # Redis: its start script, the four passwords (read-only) and its data, nothing else
     redis = s["redis"]
     assert [v["source"] for v in redis["volumes"]] == [
         str(ROOT / "deploy/redis-start.sh"),
         "redis-secret",
         "redis-router-secret",
         "redis-worker-secret",
+        "redis-planner-secret",
         "redis-data",
     ]
-    assert all(v["read_only"] for v in redis["volumes"][:4])
+    assert all(v["read_only"] for v in redis["volumes"][:5])
     assert redis["entrypoint"] == ["sh", "/usr/local/bin/redis-start.sh"]
     # the script ends in `exec redis-server --aclfile ... "$@"`: redis-server is PID 1, it gets SIGTERM
     assert 'exec redis-server --aclfile "$acl" "$@"' in (ROOT / "deploy/redis-start.sh").read_text()
@@ -459,7 +462,8 @@ def test_no_secret_value_is_committed(files: list[str]) -> None:
 def test_init_secrets_script_makes_and_keeps_the_secrets(tmp_path: Path) -> None:
     internal, redis, metrics = tmp_path / "internal", tmp_path / "redis", tmp_path / "metrics"
     redis_router, redis_worker = tmp_path / "redis-router", tmp_path / "redis-worker"
-    for d in (internal, redis, metrics, redis_router, redis_worker):
+    redis_planner = tmp_path / "redis-planner"
+    for d in (internal, redis, metrics, redis_router, redis_worker, redis_planner):
         d.mkdir()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -467,6 +471,7 @@ def test_init_secrets_script_makes_and_keeps_the_secrets(tmp_path: Path) -> None
         "REDIS_DIR": str(redis),
         "REDIS_ROUTER_DIR": str(redis_router),
         "REDIS_WORKER_DIR": str(redis_worker),
+        "REDIS_PLANNER_DIR": str(redis_planner),
         "METRICS_DIR": str(metrics),
     }
 
@@ -482,6 +487,7 @@ def test_init_secrets_script_makes_and_keeps_the_secrets(tmp_path: Path) -> None
         redis / "password": (0o440, (10001, 10001)),  # Redis' admin: redis through the group
         redis_router / "password": (0o440, (10001, 10001)),  # the router's Redis user
         redis_worker / "password": (0o440, (10001, 10001)),  # prefill's and decode's
+        redis_planner / "password": (0o440, (10001, 10001)),  # the planner's
         metrics / "key": (0o440, (10001, 10001)),  # prometheus through the group
         metrics / "api-keys": (0o400, (10001, 10001)),  # the router's static keys file
     }
@@ -491,6 +497,7 @@ def test_init_secrets_script_makes_and_keeps_the_secrets(tmp_path: Path) -> None
         redis / "password",
         redis_router / "password",
         redis_worker / "password",
+        redis_planner / "password",
         metrics / "key",
     ):
         assert len(first[f]) == 48 and first[f].isalnum(), f  # URL-safe: the password goes into redis://
@@ -596,11 +603,17 @@ def test_redis_persists_keys_in_a_volume(files: list[str]) -> None:
 
 def test_redis_start_script_writes_one_acl_user_per_component(tmp_path: Path) -> None:
     """deploy/redis-start.sh, run with a stand-in redis-server that prints what it got: the ACL file
-    (mode 0600, default (the admin password)/router/worker with their own passwords and key patterns) and the
-    arguments passed on. What Redis 7 makes of it is tested live (test_compose_live.py: a worker
-    cannot touch API keys, a router cannot write worker entries, and nothing the stack did was refused)."""
+    (mode 0600, default (the admin password)/router/worker/planner with their own passwords and key
+    patterns) and the arguments passed on. What Redis 7 makes of it is tested live (test_compose_live.py:
+    a worker cannot touch API keys, a router cannot write worker entries, the planner reads the routers'
+    URLs and writes only its log, and nothing the stack did was refused)."""
     secrets = tmp_path / "secrets"
-    passwords = {"redis": "A" * 48, "redis-router": "B" * 48, "redis-worker": "C" * 48}
+    passwords = {
+        "redis": "A" * 48,
+        "redis-router": "B" * 48,
+        "redis-worker": "C" * 48,
+        "redis-planner": "D" * 48,
+    }
     for d, pw in passwords.items():
         (secrets / d).mkdir(parents=True)
         (secrets / d / "password").write_text(pw)
@@ -630,15 +643,23 @@ def test_redis_start_script_writes_one_acl_user_per_component(tmp_path: Path) ->
     # default keeps every right, behind the admin password: Redis 7.0 replays the AOF's transactions as
     # default, and drops them all on a restart when default is off (seen live: every API key gone)
     assert users["default"] == ["user", "default", "on", f">{passwords['redis']}", "~*", "&*", "+@all"]
-    assert set(users) == {"default", "router", "worker"}
-    router, worker = users["router"], users["worker"]
+    assert set(users) == {"default", "router", "worker", "planner"}
+    router, worker, planner = users["router"], users["worker"], users["planner"]
     assert f">{passwords['redis-router']}" in router and f">{passwords['redis-worker']}" in worker
-    for u in (router, worker):
+    assert f">{passwords['redis-planner']}" in planner
+    for u in (router, worker, planner):
         assert "-@dangerous" in u and "resetchannels" in u and "~*" not in u
     # workers: no API key, no rate limit; routers: worker entries, KV events, leases read-only
     assert not [x for x in worker if "apikey" in x or "ratelimit" in x or "router:" in x]
     assert "~splitserve:apikey*" in router and "%R~splitserve:worker:*" in router
     assert "~splitserve:worker:*" not in router and "~splitserve:worker:*" in worker
+    # the planner: its log; the routers' URLs and worker entries read-only; the worker sets (dead ids)
+    assert not [x for x in worker if "planner" in x]
+    granted = {x for x in planner if "~" in x}
+    assert granted == {
+        "~splitserve:planner:*", "~splitserve:workers:*", "%R~splitserve:worker:*",
+        "%R~splitserve:router:*", "%R~splitserve:routers",
+    }  # fmt: skip
     # another key prefix (the services' and router's redis_prefix) follows
     assert run(SPLITSERVE_REDIS_PREFIX="llm:").returncode == 0
     assert "~llm:apikey*" in acl.read_text() and "splitserve:" not in acl.read_text()

@@ -553,6 +553,23 @@ ACL_EXPECTED = {
         "reconfigure Redis": (["CONFIG", "SET", "requirepass", "x"], "refused"),
     },
 }
+# The planner's user (compose runs no planner; its Redis defines the user as the chart's does), tried
+# with redis-cli inside the Redis container, with the planner's password.
+PLANNER_PROBES = {
+    "write its arrivals log": (["HSET", "splitserve:planner:arrivals:probe", "0", "1 1"], "ok"),
+    "read the routers' URLs": (["GET", "splitserve:router:probe:url"], "ok"),
+    "list the routers": (["SMEMBERS", "splitserve:routers"], "ok"),
+    "read a worker entry": (["HGETALL", "splitserve:worker:x"], "ok"),
+    "drop a dead worker id": (["SREM", "splitserve:workers:decode", "gone"], "ok"),
+    "forge a worker entry": (
+        ["HSET", "splitserve:worker:forged-by-planner", "url", "http://evil"],
+        "refused",
+    ),
+    "forge a router URL": (["SET", "splitserve:router:forged-by-planner:url", "http://evil"], "refused"),
+    "read an API key": (["HGETALL", "splitserve:apikey:x"], "refused"),
+    "end a request": (["HSET", "splitserve:req:forged-by-planner", "state", "FAILED"], "refused"),
+    "list every key": (["KEYS", "*"], "refused"),
+}
 
 
 def test_each_component_has_its_own_redis_user_and_nothing_the_stack_did_was_refused(stack: Stack) -> None:
@@ -568,6 +585,21 @@ def test_each_component_has_its_own_redis_user_and_nothing_the_stack_did_was_ref
         want = {name: expected for name, (_, expected) in probes.items()} | {"no user": "refused"}
         assert got == want, service
     (redis_c,) = stack.containers("redis")
+    got = {}
+    for name, (args, _) in PLANNER_PROBES.items():
+        r = stack.docker.run(
+            "exec", str(redis_c["Id"]), "sh", "-c",
+            'REDISCLI_AUTH="$(cat /run/secrets/redis-planner/password)" redis-cli --user planner --raw "$@"',
+            "probe", *args, check=False,
+        )  # fmt: skip
+        said = r.stdout + r.stderr
+        if "NOPERM" in said:
+            got[name] = "refused"
+        elif r.returncode == 0 and not any(m in said for m in ("ERR", "WRONGPASS", "NOAUTH", "Could not")):
+            got[name] = "ok"
+        else:
+            got[name] = f"error {r.returncode}: {said.strip()}"
+    assert got == {name: expected for name, (_, expected) in PLANNER_PROBES.items()}
     raw = stack.docker.run(
         "exec", str(redis_c["Id"]), "sh", "-c",
         'REDISCLI_AUTH="$(cat /run/secrets/redis/password)" redis-cli --raw acl log 128',
@@ -575,6 +607,7 @@ def test_each_component_has_its_own_redis_user_and_nothing_the_stack_did_was_ref
     entries = acl_log(raw)
     assert entries, raw  # the probes' own refusals are there
     probed = {a.lower() for probes in ACL_EXPECTED.values() for args, _ in probes.values() for a in args}
+    probed |= {a.lower() for args, _ in PLANNER_PROBES.values() for a in args}
     unexpected = [e for e in entries if e.get("object", "").lower().split("|")[0] not in probed]
     assert not unexpected, unexpected
 

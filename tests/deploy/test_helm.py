@@ -303,10 +303,12 @@ def test_in_chart_redis_password_comes_from_a_secret(rendered: dict[str, dict[st
     secret = m[("Secret", f"{FULL}-redis")]
     password = base64.b64decode(secret["data"]["redis-password"]).decode()
     assert len(password) == 32
-    # one Redis user per component (deploy/redis-start.sh): the router's and the workers' passwords in
-    # the same Secret, each pod given only its own; redis-password is the admin's (the probes')
-    users = {k: base64.b64decode(secret["data"][f"{k}-password"]).decode() for k in ("router", "worker")}
-    assert all(len(p) == 32 for p in users.values()) and len({password, *users.values()}) == 3
+    # one Redis user per component (deploy/redis-start.sh): the router's, the workers' and the planner's
+    # passwords in the same Secret, each pod given only its own; redis-password is the admin's (the probes')
+    users = {
+        k: base64.b64decode(secret["data"][f"{k}-password"]).decode() for k in ("router", "worker", "planner")
+    }
+    assert all(len(p) == 32 for p in users.values()) and len({password, *users.values()}) == 4
     pod = m[("StatefulSet", f"{FULL}-redis")]["spec"]["template"]["spec"]
     redis = pod["containers"][0]
     assert redis["command"] == ["sh", "/scripts/redis-start.sh"] and "--requirepass" not in redis["args"]
@@ -318,6 +320,7 @@ def test_in_chart_redis_password_comes_from_a_secret(rendered: dict[str, dict[st
         "redis/password": "redis-password",
         "redis-router/password": "router-password",
         "redis-worker/password": "worker-password",
+        "redis-planner/password": "planner-password",
     }
     for role in ("router", "prefill", "decode"):
         user = "router" if role == "router" else "worker"
@@ -1162,8 +1165,11 @@ def test_the_planner_runs_with_exactly_the_rbac_it_needs(rendered: dict[str, dic
         "secretKeyRef": {"name": "splitserve-planner-key", "key": "api-key"}
     }
     assert e["SSL_CERT_FILE"] == "/etc/splitserve/tls/ca.crt"  # the router serves HTTPS here
-    assert e["SPLITSERVE_REDIS_URL"].startswith("rediss://worker:$(REDIS_PASSWORD)@")  # not the router's user
-    assert f"--router-url=https://{FULL}-router:8000" in c["args"]
+    assert e["SPLITSERVE_REDIS_URL"].startswith("rediss://planner:$(REDIS_PASSWORD)@")  # its own user
+    assert e["REDIS_PASSWORD"] == {"secretKeyRef": {"name": f"{FULL}-redis", "key": "planner-password"}}
+    # every router pod, at the pod IP it registers; HTTPS checked against the release's CA, not the name
+    assert "--discover-routers" in c["args"] and "--no-router-tls-check-hostname" in c["args"]
+    assert not any(a.startswith("--router-url") for a in c["args"])
     # the registry's entries are signed: the planner checks them with the internal secret, as a file
     assert e["SPLITSERVE_INTERNAL_SECRET_FILE"] == "/etc/splitserve/secrets/internal/secret"
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -1207,14 +1213,17 @@ def test_the_planner_reads_the_router_only_with_a_metrics_key_when_keys_are_requ
         return c
 
     c = planner({})  # keys required, no key: load signals only
-    assert not any(a.startswith("--router-url") for a in c["args"])
+    assert "--discover-routers" not in c["args"]
     assert "SPLITSERVE_PLANNER_API_KEY" not in env(c)
     c = planner({"serviceMonitor": {"apiKeySecret": "prom-key"}})  # Prometheus' key serves it too
-    assert f"--router-url=http://{FULL}-router:8000" in c["args"]
+    assert "--discover-routers" in c["args"] and "--no-router-tls-check-hostname" not in c["args"]
     assert env(c)["SPLITSERVE_PLANNER_API_KEY"] == {"secretKeyRef": {"name": "prom-key", "key": "api-key"}}
     c = planner({"auth": {"requireApiKey": False, "allowUnauthenticated": True}})
-    assert f"--router-url=http://{FULL}-router:8000" in c["args"]
-    assert env(c)["SPLITSERVE_REDIS_URL"].startswith("redis://worker:")
+    assert "--discover-routers" in c["args"]
+    assert env(c)["SPLITSERVE_REDIS_URL"].startswith("redis://planner:")
+    # each router registers its pod IP, where the planner reads its /metrics
+    router = container(objects(render({"planner": {"enabled": True}})), "router")
+    assert env(router)["SPLITSERVE_ROUTER_ADVERTISE_HOST"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
 def test_planner_settings_are_checked() -> None:
@@ -1262,5 +1271,7 @@ def test_the_forecast_law_gets_its_capacity_table_and_arguments_splitserve_plann
         render({"planner": {"enabled": True, "law": "forecast", "capacityTable": rows}})  # keys, no key
     with pytest.raises(Exception, match="planner"):
         render({"planner": {"enabled": True, "law": "guess"}})
-    with pytest.raises(Exception, match="router.replicas > 1"):  # one router's counter, not the sum
-        render({**vals, "router": {"replicas": 2}})
+    # several router replicas: every pod's counters are read and summed (--discover-routers)
+    two = objects(render({**vals, "router": {"replicas": 2}}))
+    (c,) = two[("Deployment", f"{FULL}-planner")]["spec"]["template"]["spec"]["containers"]
+    assert "--discover-routers" in c["args"]

@@ -144,3 +144,45 @@ def test_a_rediss_url_with_a_password(cert, tmp_path) -> None:  # type: ignore[n
                 redis.Redis.from_url(wrong).ping()
     finally:
         server.stop()
+
+
+def test_the_planner_reads_an_https_router_registered_at_an_address_its_certificate_does_not_name(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A router pod registers its IP, which no certificate names: the planner's read fails the host
+    name check by default (it holds), and with --no-router-tls-check-hostname checks the chain to
+    SSL_CERT_FILE's CA alone and reads it."""
+    from planner.signals import SignalReader
+
+    d = tmp_path / "tls"
+    d.mkdir()
+    crt, key = str(d / "tls.crt"), str(d / "tls.key")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=router",
+         "-addext", "subjectAltName=DNS:router.example.internal", "-keyout", key, "-out", crt],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    redis_ = RedisServer(port=free_port()).start()
+    c = Cluster(redis_.url, str(tmp_path))
+    try:
+        router = c.start("router", "--ssl-certfile", crt, "--ssl-keyfile", key, timeout_s=60)
+        assert router.url.startswith("https://127.0.0.1:")
+        monkeypatch.setenv("SSL_CERT_FILE", crt)  # the release's CA, as the chart mounts it
+
+        async def read(check_hostname: bool) -> bool:
+            reader = SignalReader(redis_.url, None, discover=True, check_hostname=check_hostname)
+            try:
+                deadline = time.monotonic() + 10
+                while True:  # until the router's heartbeat has registered it
+                    s = await reader.read()
+                    if reader._previous or s is None or time.monotonic() > deadline:
+                        return s is not None
+                    await asyncio.sleep(0.2)
+            finally:
+                await reader.close()
+
+        assert asyncio.run(read(check_hostname=False))
+        assert not asyncio.run(read(check_hostname=True))
+    finally:
+        c.stop()
+        redis_.stop()
