@@ -147,9 +147,10 @@ def test_every_live_router_is_read_and_summed(tmp_path) -> None:  # type: ignore
         wait_until(lambda: asyncio.run(listed()) == {a.url, b.url}, 10, "both routers registered")
 
         async def complete(client: httpx.AsyncClient, url: str) -> None:
-            body = {"model": "default", "prompt": "Hello there", "max_tokens": 2}
+            # two tokens each, always: a request's TPOT (the finished count) needs more than one
+            body = {"model": "default", "prompt": "Hello there", "max_tokens": 2, "ignore_eos": True}
             r = await client.post(url + "/v1/completions", json=body)
-            assert r.status_code == 200, r.text
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
         async def around(reader: SignalReader, sends: list[str]):  # type: ignore[no-untyped-def]
             await reader.read()  # each router's baseline
