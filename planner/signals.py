@@ -158,6 +158,7 @@ class SignalReader:
             self.verify = ssl.create_default_context(cafile=os.environ.get("SSL_CERT_FILE") or None)
             self.verify.check_hostname = False
         self._previous: dict[str, RouterRead] = {}  # router (id, or URL) -> its previous read
+        self._none_said = False  # discovery found no router, and said so
 
     @property
     def reads_routers(self) -> bool:
@@ -191,9 +192,16 @@ class SignalReader:
         return role_load(role, await self.state.registry.alive(role))
 
     async def _routers(self) -> dict[str, str]:
-        if self.discover:
-            return await live_router_urls(self.state.redis, self.state.prefix)
-        return {self.router_url: self.router_url} if self.router_url else {}
+        if not self.discover:
+            return {self.router_url: self.router_url} if self.router_url else {}
+        found = await live_router_urls(self.state.redis, self.state.prefix)
+        if not found and not self._none_said:  # said once, until a router is found again
+            log.warning(
+                "--discover-routers: no router has registered its URL in Redis (none running, or one of an "
+                "older version): deciding without the routers' latency and arrivals"
+            )
+        self._none_said = not found
+        return found
 
     async def _metrics(self, client: httpx.AsyncClient, name: str, url: str) -> str:
         try:

@@ -123,7 +123,7 @@ def test_signals_and_decisions_from_a_real_stack(tmp_path) -> None:  # type: ign
     assert all("holding" in d["reason"] for d in held) and "signals unavailable" in out.stderr
 
 
-def test_every_live_router_is_read_and_summed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_every_live_router_is_read_and_summed(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
     """--discover-routers: each router registers its URL in Redis; the planner reads every live one and
     sums their figures (arrivals, finished requests, the TTFT histogram); a router that stops cleanly
     leaves the list at once; one that is killed fails the read (the planner holds) until its
@@ -134,6 +134,20 @@ def test_every_live_router_is_read_and_summed(tmp_path) -> None:  # type: ignore
     c = Cluster(redis.url, str(tmp_path))
     try:
         c.start("decode", "--threads", "1", "--kv-cache-mb", "32")
+
+        async def alone():  # type: ignore[no-untyped-def]
+            reader = SignalReader(redis.url, None, discover=True)
+            try:
+                return [await reader.read() for _ in range(2)]
+            finally:
+                await reader.close()
+
+        # no router registered yet: the load signals alone, and a warning (once) that says why
+        with caplog.at_level("WARNING", logger="splitserve.planner"):
+            first, second = asyncio.run(alone())
+        assert first is not None and second is not None and second.arrivals_rps is None
+        said = [r for r in caplog.records if "no router has registered" in r.getMessage()]
+        assert len(said) == 1
         a, b = c.start("router"), c.start("router")
         c.wait_routed()
 
