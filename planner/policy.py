@@ -81,6 +81,7 @@ class Signals:
     # counter between two reads); None: unknown. The forecast law (planner/forecast.py) logs and reads it
     arrivals_rps: float | None = None
     span_s: float | None = None
+    routers: int | None = None  # routers whose /metrics were read (None: no router read)
 
 
 @dataclass(frozen=True)

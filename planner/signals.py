@@ -159,6 +159,7 @@ class SignalReader:
             self.verify.check_hostname = False
         self._previous: dict[str, RouterRead] = {}  # router (id, or URL) -> its previous read
         self._none_said = False  # discovery found no router, and said so
+        self._read_routers: int | None = None  # how many routers the last read read
 
     @property
     def reads_routers(self) -> bool:
@@ -185,7 +186,7 @@ class SignalReader:
                 demand=float(d.running) if d.per_worker else None, per_worker=d.per_worker,
                 finished_per_s=finished_per_s,
             ),
-            arrivals, span if arrivals is not None else None,
+            arrivals, span if arrivals is not None else None, self._read_routers,
         )  # fmt: skip
 
     async def _role(self, role: str) -> RoleLoad:
@@ -215,6 +216,7 @@ class SignalReader:
         """p90 TTFT and TPOT since the previous read, the prompt tokens, finished requests and arrivals
         per second, over every router read; empty without a router or before two reads of one."""
         routers = await self._routers()
+        self._read_routers = len(routers) if routers else None
         if not routers:
             self._previous = {}
             return {}
@@ -277,4 +279,9 @@ class SignalReader:
 
 
 def describe(signals: Signals | None) -> dict[str, Any]:
-    return {} if signals is None else {"prefill": vars(signals.prefill), "decode": vars(signals.decode)}
+    if signals is None:
+        return {}
+    out: dict[str, Any] = {"prefill": vars(signals.prefill), "decode": vars(signals.decode)}
+    if signals.routers is not None:
+        out["routers"] = signals.routers  # how many routers' /metrics this decision read
+    return out

@@ -16,7 +16,7 @@ import pytest
 
 from common.cluster.redis_server import RedisServer
 from common.cluster.state import ClusterState
-from planner.signals import SignalReader
+from planner.signals import SignalReader, describe
 from tests.support.cluster import Cluster, free_port, wait_until
 
 pytestmark = pytest.mark.services
@@ -146,6 +146,7 @@ def test_every_live_router_is_read_and_summed(tmp_path, caplog) -> None:  # type
         with caplog.at_level("WARNING", logger="splitserve.planner"):
             first, second = asyncio.run(alone())
         assert first is not None and second is not None and second.arrivals_rps is None
+        assert second.routers is None and "routers" not in describe(second)
         said = [r for r in caplog.records if "no router has registered" in r.getMessage()]
         assert len(said) == 1
         a, b = c.start("router"), c.start("router")
@@ -179,6 +180,7 @@ def test_every_live_router_is_read_and_summed(tmp_path, caplog) -> None:  # type
                 s = await around(reader, [a.url, a.url, b.url, b.url, b.url])
                 assert s is not None and s.arrivals_rps is not None and s.span_s is not None
                 assert s.arrivals_rps * s.span_s == pytest.approx(5.0)  # 2 through a, 3 through b
+                assert s.routers == 2 and describe(s)["routers"] == 2  # in each decision's log line
                 assert s.decode.finished_per_s is not None
                 assert s.decode.finished_per_s * s.span_s == pytest.approx(5.0)
                 assert s.prefill.latency_s is not None and s.prefill.latency_s > 0
@@ -186,7 +188,7 @@ def test_every_live_router_is_read_and_summed(tmp_path, caplog) -> None:  # type
                 assert await listed() == {a.url}
                 s = await around(reader, [a.url])
                 assert s is not None and s.arrivals_rps is not None and s.span_s is not None
-                assert s.arrivals_rps * s.span_s == pytest.approx(1.0)
+                assert s.arrivals_rps * s.span_s == pytest.approx(1.0) and s.routers == 1
                 d = c.start("router")
                 await asyncio.to_thread(wait_until, lambda: asyncio.run(listed()) == {a.url, d.url}, 10, "d")
                 d.popen.kill()  # registered, not answering: an outage until its key expires
