@@ -9,6 +9,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
+from common.runtime.tasks import cancel_and_wait
+
 T = TypeVar("T")
 
 
@@ -32,10 +34,11 @@ async def until_disconnected(request: Request, coro: Coroutine[Any, Any, T]) -> 
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        watcher.cancel()
+        # cancelled until ended: a cancel lost inside a call (Python 3.11's timeouts can swallow one)
+        # would otherwise leave the request running for a client that is gone
+        await cancel_and_wait(watcher)
         if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
     if task.cancelled():
         raise ClientGone()
     return task.result()

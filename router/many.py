@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from common.runtime.tasks import cancel_and_wait
 from router.auth.keys import ApiKey
 from router.disconnect import ClientGone, until_disconnected
 from router.errors import APIError, invalid
@@ -203,7 +204,5 @@ async def _stream_all(
             yield head.usage_chunk(usage(jobs))
         yield SSE_DONE
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(cancel_and_wait(t) for t in tasks))  # until each has ended
         await _finish_all(server, jobs, ClientGone())  # no-op for those that ended

@@ -86,3 +86,32 @@ def test_cancel_and_wait_gives_up_after_its_timeout_and_collects_what_a_task_rai
         assert isinstance(task.exception(), ValueError)
 
     asyncio.run(main())
+
+
+def test_a_request_whose_client_left_is_stopped_even_if_it_swallows_a_cancel() -> None:
+    """router.disconnect.until_disconnected: the client goes away; the request's task loses the first
+    cancellation (as one lost inside a Redis call) and would go on for a client that is gone. It is
+    cancelled again until it has ended, and the caller gets ClientGone."""
+    from router.disconnect import ClientGone, until_disconnected
+
+    class Gone:  # a request whose client has disconnected
+        async def receive(self) -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+    cancels = []
+
+    async def stubborn() -> str:
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                cancels.append(1)
+                if len(cancels) > 1:
+                    raise  # the second one ends it
+
+    async def main() -> None:
+        with pytest.raises(ClientGone):
+            await asyncio.wait_for(until_disconnected(Gone(), stubborn()), 10)  # type: ignore[arg-type]
+
+    asyncio.run(main())
+    assert len(cancels) == 2
