@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,16 +29,20 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cert(tmp_path_factory) -> tuple[str, str]:  # type: ignore[no-untyped-def]
-    d = tmp_path_factory.mktemp("tls")
+def make_cert(d: Path, cn: str, names: str) -> tuple[str, str]:
+    """A self-signed certificate (its own CA) for `names` (subjectAltName), and its key, in `d`."""
     crt, key = str(d / "tls.crt"), str(d / "tls.key")
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", key, "-out", crt],
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={cn}",
+         "-addext", f"subjectAltName={names}", "-keyout", key, "-out", crt],
         check=True, capture_output=True,
     )  # fmt: skip
     return crt, key
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory) -> tuple[str, str]:  # type: ignore[no-untyped-def]
+    return make_cert(tmp_path_factory.mktemp("tls"), "localhost", "IP:127.0.0.1,DNS:localhost")
 
 
 def test_https_from_the_client_to_the_router_to_the_services(cert, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -154,14 +159,8 @@ def test_the_planner_reads_an_https_router_registered_at_an_address_its_certific
     SSL_CERT_FILE's CA alone and reads it."""
     from planner.signals import SignalReader
 
-    d = tmp_path / "tls"
-    d.mkdir()
-    crt, key = str(d / "tls.crt"), str(d / "tls.key")
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=router",
-         "-addext", "subjectAltName=DNS:router.example.internal", "-keyout", key, "-out", crt],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    (tmp_path / "tls").mkdir()
+    crt, key = make_cert(tmp_path / "tls", "router", "DNS:router.example.internal")
     redis_ = RedisServer(port=free_port()).start()
     c = Cluster(redis_.url, str(tmp_path))
     try:
