@@ -349,11 +349,15 @@ def test_the_forecast_law_records_yesterday_and_asks_for_todays_burst_before_it_
 def test_the_bench_reports_the_chosen_laws_figures_and_every_laws(tmp_path: Path) -> None:
     """`splitserve bench planner` end to end on a short, light trace: the top-level figures are
     --planner-law's, `laws` has the forecast law's (today, and the first day) and the reactive law's, the
-    capacity table is written where asked and is what the JSON says."""
+    capacity table is written where asked and is what the JSON says. --planner-profile: a profile file
+    (as `splitserve sim-calibrate` writes one) is the fleet's, so the table is that hardware's: a 70B
+    model on two H200s needs at least the workers an 8B on one H100 needs at every rate, more at the top."""
     import argparse
     import json
+    import shutil
 
     from bench.planner import run
+    from common.engine.sim_profile import PROFILE_DIR
 
     args = argparse.Namespace(
         out=str(tmp_path), seed=4, planner_minutes=12.0, planner_peak_rps=8.0, planner_interval_s=15.0,
@@ -362,6 +366,7 @@ def test_the_bench_reports_the_chosen_laws_figures_and_every_laws(tmp_path: Path
         planner_capacity_out=str(tmp_path / "t" / "capacity.json"),
     )  # fmt: skip
     out = run(args)
+    assert out["profile"] == "llama3-8b-h100"  # the default
     assert set(out["laws"]) == {"forecast", "forecast_first_day", "reactive"}
     for key in (
         "slo_windows_met",
@@ -378,33 +383,13 @@ def test_the_bench_reports_the_chosen_laws_figures_and_every_laws(tmp_path: Path
     assert written["rows"] == out["capacity_table"] and out["capacity_table"][0]["rate_rps"] == 2.0
     assert (tmp_path / "planner.png").stat().st_size > 10_000
     assert out["laws"]["forecast"]["below_min_during_outage"] is False
-
-
-def test_the_capacity_table_is_the_given_profiles(tmp_path: Path) -> None:
-    """--planner-profile: a profile file (as `splitserve sim-calibrate` writes one) is the fleet's, so
-    the capacity table written is that hardware's: a 70B model on two H200s needs at least the workers
-    an 8B on one H100 needs at every rate, and more at the highest."""
-    import argparse
-    import shutil
-
-    from bench.planner import run
-    from common.engine.sim_profile import PROFILE_DIR
-
     given = tmp_path / "mine.json"
     shutil.copy(PROFILE_DIR / "llama3-70b-h200-tp2.json", given)
-    tables = {}
-    for profile in ("llama3-8b-h100", str(given)):
-        args = argparse.Namespace(
-            out=str(tmp_path), seed=4, planner_minutes=12.0, planner_peak_rps=8.0, planner_interval_s=15.0,
-            planner_startup_s=60.0, planner_outage_min=1.0, planner_budget=8, planner_max_role=4,
-            planner_ttft_s=1.0, planner_tpot_s=0.05, planner_frontier=False, planner_law="forecast",
-            planner_profile=profile, planner_capacity_out=None,
-        )  # fmt: skip
-        out = run(args)
-        assert out["profile"] == profile
-        tables[profile] = {r["rate_rps"]: r["prefill"] + r["decode"] for r in out["capacity_table"]}
-    small, large = tables["llama3-8b-h100"], tables[str(given)]
+    args.planner_profile, args.planner_capacity_out, args.planner_law = str(given), None, "forecast"
+    large_out = run(args)
+    assert large_out["profile"] == str(given)
+    small = {r["rate_rps"]: r["prefill"] + r["decode"] for r in out["capacity_table"]}
+    large = {r["rate_rps"]: r["prefill"] + r["decode"] for r in large_out["capacity_table"]}
     assert set(small) == set(large)
     assert all(large[rate] >= small[rate] for rate in small)
-    top = max(small)
-    assert large[top] > small[top], (small, large)
+    assert large[max(small)] > small[max(small)], (small, large)
