@@ -161,10 +161,6 @@ class SignalReader:
         self._none_said = False  # discovery found no router, and said so
         self._read_routers: int | None = None  # how many routers the last read read
 
-    @property
-    def reads_routers(self) -> bool:
-        return self.discover or self.router_url is not None
-
     async def read(self) -> Signals | None:
         try:
             roles = {role: await self._role(role) for role in ("prefill", "decode")}
