@@ -81,9 +81,13 @@ def create_app(
         if warm_pool:  # the request-preparation workers (router/prep.py) before the first large body
             await server.prep.warm()
         if isinstance(state, ClusterState):
-            orch.owners = RouterOwnership(
-                state.redis, state.prefix, router_id, state.records, url=config.metrics_url()
-            )
+            url = config.metrics_url()
+            if url is None:
+                log.warning(
+                    "this router registers no URL for the planner's --discover-routers (its port is chosen "
+                    "at bind time, or its wildcard host's hostname does not resolve): give --advertise-host"
+                )
+            orch.owners = RouterOwnership(state.redis, state.prefix, router_id, state.records, url=url)
             orch.owners.start()
         if index is not None:
             await index.start()
