@@ -572,6 +572,51 @@ PLANNER_PROBES = {
 }
 
 
+def test_the_planner_runs_as_its_own_redis_user_and_reads_the_router_it_finds(
+    stack: Stack, images: Images
+) -> None:
+    """`splitserve planner --discover-routers --law forecast` in a container of the router's image, on the
+    stack's network, as the `planner` Redis user (its password alone mounted): it finds the router by the
+    URL the router registered (its container's address: the router binds 0.0.0.0), reads its /metrics
+    with Prometheus' metrics key, and writes its arrivals log. Before the ACL test: whatever the planner
+    did that its user may not do would be in Redis' ACL log there."""
+    (router,) = stack.containers("router")
+    (network,) = router["NetworkSettings"]["Networks"]  # type: ignore[index]
+    mounts = [
+        ("internal-secret", "/run/secrets/internal"),
+        ("redis-planner-secret", "/run/secrets/redis-planner"),
+        ("metrics-key", "/run/secrets/metrics"),
+    ]
+    volumes = [x for name, target in mounts for x in ("-v", f"{stack.project}_{name}:{target}:ro")]
+    script = (
+        'printf \'%s\' \'{"rows": [{"rate_rps": 100, "prefill": 1, "decode": 2}]}\' > /tmp/capacity.json'
+        ' && SPLITSERVE_PLANNER_API_KEY="$(cat /run/secrets/metrics/key)" exec splitserve planner'
+        " --discover-routers --law forecast --capacity-table /tmp/capacity.json --rounds 3 --interval-s 1"
+        " --min-decode 2"
+    )
+    r = stack.docker.run(
+        "run", "--rm", "--network", network, *volumes, "--user", "10001:10001", "--read-only",
+        "--tmpfs", "/tmp", "--cap-drop", "ALL", "--security-opt", "no-new-privileges:true",
+        "-e", "SPLITSERVE_INTERNAL_SECRET_FILE=/run/secrets/internal/secret",
+        "-e", "REDIS_USERNAME=planner", "-e", "REDIS_PASSWORD_FILE=/run/secrets/redis-planner/password",
+        "-e", "SPLITSERVE_REDIS_URL=redis://redis:6379/0",
+        "--entrypoint", "sh", images.router, "-c", script, timeout=180,
+    )  # fmt: skip
+    decisions = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(decisions) == 3, r.stdout + r.stderr
+    assert "signals unavailable" not in r.stderr and "no router has registered" not in r.stderr, r.stderr
+    for d in decisions:
+        assert d["signals"]["routers"] == 1, d  # the router, found by the URL it registered
+        assert (d["prefill"], d["decode"]) == (1, 2), d  # the floors: no traffic meanwhile
+    (redis_c,) = stack.containers("redis")
+    logged = stack.docker.run(
+        "exec", str(redis_c["Id"]), "sh", "-c",
+        'REDISCLI_AUTH="$(cat /run/secrets/redis/password)" '
+        'redis-cli --raw --scan --pattern "splitserve:planner:arrivals:*"',
+    ).stdout.split()  # fmt: skip
+    assert logged, "the forecast law wrote no arrivals log"
+
+
 def test_each_component_has_its_own_redis_user_and_nothing_the_stack_did_was_refused(stack: Stack) -> None:
     """deploy/redis-start.sh's ACL users, on the real Redis 7: the router cannot forge a worker entry, a
     worker cannot read or write API keys, neither runs dangerous commands, a connection without a user
