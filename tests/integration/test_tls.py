@@ -21,7 +21,7 @@ import redis
 
 from common.cluster.redis_server import RedisServer
 from common.cluster.state import ClusterState
-from tests.support.cluster import Cluster, free_port
+from tests.support.cluster import Cluster, free_port, wait_until
 
 pytestmark = [
     pytest.mark.services,
@@ -157,6 +157,7 @@ def test_the_planner_reads_an_https_router_registered_at_an_address_its_certific
     """A router pod registers its IP, which no certificate names: the planner's read fails the host
     name check by default (it holds), and with --no-router-tls-check-hostname checks the chain to
     SSL_CERT_FILE's CA alone and reads it."""
+    from common.cluster.owners import live_router_urls
     from planner.signals import SignalReader
 
     (tmp_path / "tls").mkdir()
@@ -168,15 +169,21 @@ def test_the_planner_reads_an_https_router_registered_at_an_address_its_certific
         assert router.url.startswith("https://127.0.0.1:")
         monkeypatch.setenv("SSL_CERT_FILE", crt)  # the release's CA, as the chart mounts it
 
+        async def listed() -> dict[str, str]:
+            state = ClusterState.from_url(redis_.url)
+            try:
+                return await live_router_urls(state.redis, state.prefix)
+            finally:
+                await state.close()
+
+        # the router's heartbeat registers it at its start: wait for that, then read once each way
+        wait_until(lambda: asyncio.run(listed()) != {}, 10, "the router registered")
+
         async def read(check_hostname: bool) -> bool:
             reader = SignalReader(redis_.url, None, discover=True, check_hostname=check_hostname)
             try:
-                deadline = time.monotonic() + 10
-                while True:  # until the router's heartbeat has registered it
-                    s = await reader.read()
-                    if reader._previous or s is None or time.monotonic() > deadline:
-                        return s is not None
-                    await asyncio.sleep(0.2)
+                s = await reader.read()
+                return s is not None and s.routers == 1
             finally:
                 await reader.close()
 
