@@ -149,6 +149,12 @@ class EngineConfig(BaseSettings):
         return self
 
 
+def http_url(host: str, port: int, tls: bool) -> str:
+    """`http(s)://host:port`, an IPv6 address in brackets."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}"
+
+
 def resolve_advertise_host(v: str | None) -> str | None:
     """An advertise_host setting: 'auto' becomes the address this machine's hostname resolves to (a
     container's own IP); ValueError when it does not resolve."""
@@ -216,9 +222,7 @@ class ServiceConfig(BaseSettings):
 
     @property
     def url(self) -> str:
-        h = self.public_host
-        scheme = "https" if self.ssl_certfile else "http"
-        return f"{scheme}://[{h}]:{self.port}" if ":" in h else f"{scheme}://{h}:{self.port}"
+        return http_url(self.public_host, self.port, bool(self.ssl_certfile))
 
     @property
     def worker_name(self) -> str:

@@ -188,25 +188,18 @@ def main(args: argparse.Namespace) -> int:
     if not args.redis_url:
         print("error: --redis-url / SPLITSERVE_REDIS_URL: where the worker registry is", file=sys.stderr)
         return 2
+    discover = bool(getattr(args, "discover_routers", False))
     try:
         config = config_from_args(args)
         actuator = actuator_from_args(args, config)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    discover = bool(getattr(args, "discover_routers", False))
-    if discover and args.router_url:
-        print("error: --router-url or --discover-routers, not both", file=sys.stderr)
-        return 2
-    try:
         forecast = forecast_from_args(args, config, bool(args.router_url) or discover)
+        reader = SignalReader(  # refuses --router-url with --discover-routers
+            args.redis_url, args.router_url, args.api_key, discover=discover,
+            check_hostname=getattr(args, "router_tls_check_hostname", True),
+        )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    reader = SignalReader(
-        args.redis_url, args.router_url, args.api_key, discover=discover,
-        check_hostname=getattr(args, "router_tls_check_hostname", True),
-    )  # fmt: skip
     law = None if forecast is None else Forecast(forecast, reader.state.redis, reader.state.prefix)
     try:
         asyncio.run(run(config, reader, args.interval_s, args.rounds, actuator, law))

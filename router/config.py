@@ -205,18 +205,17 @@ class RouterConfig(BaseSettings):
     def metrics_url(self) -> str | None:
         """Where other processes reach this router (its /metrics, for the planner): None when the port is
         chosen at bind time (0), or when the host is a wildcard and the hostname does not resolve."""
+        from common.config import http_url, resolve_advertise_host
+
         if self.port == 0:
             return None
         host = self.advertise_host or self.host
         if host in ("0.0.0.0", "::", ""):
             try:
-                from common.config import resolve_advertise_host
-
                 host = resolve_advertise_host("auto") or host
             except ValueError:
                 return None
-        scheme = "https" if self.ssl_certfile else "http"
-        return f"{scheme}://[{host}]:{self.port}" if ":" in host else f"{scheme}://{host}:{self.port}"
+        return http_url(host, self.port, bool(self.ssl_certfile))
 
     @field_validator("decode_urls", "prefill_urls")
     @classmethod

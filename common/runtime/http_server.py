@@ -34,6 +34,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from common.config import http_url
 from common.runtime.gc_pauses import freeze_startup_heap
 from common.runtime.logs import is_configured
 
@@ -134,7 +135,7 @@ def server_config(
     answers_limit = bool(getattr(state, "answers_over_limit", False))
     on_serving = getattr(state, "on_serving", None)
     if callable(on_serving) and "callback_notify" not in kwargs:
-        kwargs["callback_notify"] = _notify_once(on_serving, _url(host, port, bool(ssl_certfile)))
+        kwargs["callback_notify"] = _notify_once(on_serving, http_url(host, port, bool(ssl_certfile)))
         logging.getLogger("uvicorn.error").addFilter(_drop_running_line)
     return uvicorn.Config(
         app,
@@ -147,11 +148,6 @@ def server_config(
         ssl_keyfile=ssl_keyfile,
         **kwargs,
     )
-
-
-def _url(host: str, port: int, tls: bool) -> str:
-    shown = f"[{host}]" if ":" in host else host
-    return f"{'https' if tls else 'http'}://{shown}:{port}"
 
 
 def _notify_once(on_serving: Callable[[str], None], url: str) -> Callable[[], Awaitable[None]]:
